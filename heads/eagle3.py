@@ -1,0 +1,245 @@
+"""The EAGLE-3 draft head: fc fusion of three target layers, one decoder layer, a reduced-vocab lm_head.
+
+The layout (names, the 2H attention input, where the norms sit) follows what the serving engines
+load (vLLM `llama_eagle3`, SGLang, TRT-LLM), so that export is a renaming and nothing else.
+One `step` serves training (the TTT unroll passes earlier steps' K/V as `past`) and decoding
+(the decoder passes its KV cache as `past`): the caller owns the mask, so both see one code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from heads.folder import TargetSpec, load_head, save_head
+from trainer.errors import UserError
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Eagle3Config:
+    """Hydra group `head/eagle3`: what a user may choose about a new EAGLE-3 head."""
+
+    name: str = "eagle3"
+    # HF `hidden_states` indices (k = residual stream after k decoder layers). None: the
+    # engines' default (2, N//2, N-3).
+    aux_layer_ids: list[int] | None = None
+    draft_vocab_size: int = 32000
+    ttt_length: int = 7
+    step_weight: float = 0.8
+    # None: copy the target's values.
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+
+
+def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
+    n = num_hidden_layers
+    return [2, n // 2, n - 3]
+
+
+def draft_layer_config(target_config, cfg: Eagle3Config, draft_vocab_size: int) -> LlamaConfig:
+    """The draft decoder layer's LlamaConfig, derived from the target's (any family)."""
+    t = target_config.get_text_config()
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    num_heads = cfg.num_attention_heads or t.num_attention_heads
+    aux = sorted(set(cfg.aux_layer_ids or default_aux_layer_ids(t.num_hidden_layers)))
+    if len(aux) != 3 or aux[0] < 0 or aux[-1] > t.num_hidden_layers:
+        raise UserError(
+            f"head.aux_layer_ids={cfg.aux_layer_ids}: expected 3 distinct ids in "
+            f"0..{t.num_hidden_layers} (HF hidden_states indices)"
+        )
+    return LlamaConfig(
+        hidden_size=t.hidden_size,
+        intermediate_size=cfg.intermediate_size or t.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=num_heads,
+        num_key_value_heads=cfg.num_key_value_heads
+        or getattr(t, "num_key_value_heads", num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=t.rms_norm_eps,
+        max_position_embeddings=t.max_position_embeddings,
+        vocab_size=t.vocab_size,
+        hidden_act="silu",
+        rope_parameters=dict(t.rope_parameters),
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        draft_vocab_size=min(draft_vocab_size, t.vocab_size),
+        target_hidden_size=t.hidden_size,
+        aux_layer_ids=aux,
+    )
+
+
+class Eagle3Attention(nn.Module):
+    """Self-attention whose q/k/v read the 2H concatenation [norm(embed) | norm(feature)]."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            d,
+        )
+        self.q_proj = nn.Linear(2 * h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        past: KV | None,
+    ) -> tuple[torch.Tensor, KV]:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys, values = (k, v) if past is None else (
+            torch.cat([past[0], k], dim=2),
+            torch.cat([past[1], v], dim=2),
+        )
+        rep = self.num_heads // self.num_kv_heads
+        out = F.scaled_dot_product_attention(
+            q,
+            keys.repeat_interleave(rep, dim=1),
+            values.repeat_interleave(rep, dim=1),
+            attn_mask=mask,
+            is_causal=mask is None and past is None and t > 1,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The single draft layer ("midlayer" in the engines' checkpoints)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, embeds, hidden, cos, sin, mask, past):
+        residual = hidden  # the engines' default: residual is the un-normalised feature
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        attn, kv = self.self_attn(x, cos, sin, mask, past)
+        hidden = residual + attn
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden, kv
+
+
+class Eagle3Head(nn.Module):
+    """The draft model. `embed_tokens` is the target's, frozen and never saved."""
+
+    kind = "eagle3"
+
+    def __init__(self, config: LlamaConfig, target: TargetSpec):
+        super().__init__()
+        self.config, self.target = config, target
+        h, v, vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
+        self.aux_layer_ids: list[int] = list(config.aux_layer_ids)
+        self.embed_tokens = nn.Embedding(v, h).requires_grad_(False)
+        self.fc = nn.Linear(len(self.aux_layer_ids) * config.target_hidden_size, h, bias=False)
+        self.midlayer = Eagle3DecoderLayer(config)
+        self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, vd, bias=False)
+        self.rotary = LlamaRotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(vd, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(v, dtype=torch.bool))
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_target(
+        cls, target_model, target_name: str, cfg: Eagle3Config, d2t: torch.Tensor, t2d: torch.Tensor
+    ) -> Eagle3Head:
+        """A fresh head: embeddings copied (frozen), lm_head initialised from the target's rows."""
+        config = draft_layer_config(target_model.config, cfg, len(d2t))
+        head = cls(config, TargetSpec.from_model(target_model, target_name))
+        head.set_vocab(d2t, t2d)
+        head.embed_tokens.weight.data.copy_(target_model.get_input_embeddings().weight.float())
+        target_lm = target_model.get_output_embeddings().weight.float()
+        head.lm_head.weight.data.copy_(target_lm[head.draft_token_ids()])
+        return head
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.numel() != self.config.draft_vocab_size or t2d.numel() != self.config.vocab_size:
+            raise UserError(
+                f"draft vocabulary has {d2t.numel()} ids over {t2d.numel()} target ids; the head "
+                f"expects {self.config.draft_vocab_size} over {self.config.vocab_size}"
+            )
+        self.d2t.copy_(d2t.long())
+        self.t2d.copy_(t2d.bool())
+
+    def draft_token_ids(self) -> torch.Tensor:
+        """Target id of each draft id (ascending): `target = draft + d2t[draft]`."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # ---- compute ------------------------------------------------------------------------
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[..., 3*Ht] target features (ascending layer ids) -> [..., H] draft feature."""
+        return self.fc(aux_hidden)
+
+    def step(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        past: KV | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, KV]:
+        """One draft forward over T new positions.
+
+        hidden [B,T,H]: fused target feature (first step) or the head's own pre-norm output.
+        input_ids [B,T]: the token that follows each position. mask: bool [B|1,1,T,P+T] with
+        True = may attend, P the past length; None means plain causal without a past.
+        Returns (pre-norm hidden to feed back, draft-vocab logits, this call's rotated K/V).
+        """
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary(hidden, position_ids)
+        out, kv = self.midlayer(embeds, hidden, cos, sin, mask, past)
+        return out, self.lm_head(self.norm(out)), kv
+
+    # ---- folder format ------------------------------------------------------------------
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        skip = ("embed_tokens.", "rotary.")
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(skip)}
+
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        return save_head(
+            out_dir, self.kind, self.config.to_dict(), self.target, self.trainable_state_dict()
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target_model, target_name: str) -> Eagle3Head:
+        """Load a saved head against `target_model`; refuse one trained for another target."""
+        config_dict, spec, tensors = load_head(path, cls.kind)
+        spec.check(TargetSpec.from_model(target_model, target_name), f"head={str(path)!r}")
+        head = cls(LlamaConfig(**config_dict), spec)
+        missing, unexpected = head.load_state_dict(tensors, strict=False)
+        missing = [k for k in missing if not k.startswith(("embed_tokens.", "rotary."))]
+        if missing or unexpected:
+            raise UserError(f"head={str(path)!r}: missing {missing}, unexpected {unexpected}")
+        head.embed_tokens.weight.data.copy_(target_model.get_input_embeddings().weight.float())
+        return head

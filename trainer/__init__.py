@@ -1,0 +1,1 @@
+"""The training side of draftsmith: target loading, the Hydra trainer, the evaluator."""

@@ -1,0 +1,28 @@
+"""One exception type for mistakes the user can fix, so every entry point reports them alike."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class UserError(Exception):
+    """Bad input (a config value, a file, a field): printed as one line, exit code 2."""
+
+
+def exit_on_user_error(fn: Callable[..., T]) -> Callable[..., T]:
+    """Turn a `UserError` into one line on stderr and exit code 2 instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+
+    return wrapper
