@@ -222,14 +222,11 @@ class Eagle3Head(nn.Module):
         return out, self.lm_head(self.norm(out)), kv
 
     # ---- folder format ------------------------------------------------------------------
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+    def save_pretrained(self, out_dir: str | Path, state: dict | None = None) -> Path:
+        """`state` replaces the live weights (ZeRO-3 gathers them elsewhere)."""
         skip = ("embed_tokens.", "rotary.")
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(skip)}
-
-    def save_pretrained(self, out_dir: str | Path) -> Path:
-        return save_head(
-            out_dir, self.kind, self.config.to_dict(), self.target, self.trainable_state_dict()
-        )
+        tensors = {k: v for k, v in (state or self.state_dict()).items() if not k.startswith(skip)}
+        return save_head(out_dir, self.kind, self.config.to_dict(), self.target, tensors)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target_model, target_name: str) -> Eagle3Head:

@@ -29,7 +29,7 @@ def smol_tokenizer():
     return load_tokenizer("smollm2-135m-instruct")
 
 
-def build_tiny_target(out: Path, family: str, tokenizer, seed: int = 0) -> Path:
+def build_tiny_target(out: Path, family: str, tokenizer, seed: int = 0, **overrides) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
@@ -39,7 +39,7 @@ def build_tiny_target(out: Path, family: str, tokenizer, seed: int = 0) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
-        **TINY,
+        **{**TINY, **overrides},
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -59,6 +59,8 @@ class ExportConfig:
     formats: list[str] = field(default_factory=lambda: ["eagle3", "speculators"])
     out_dir: str | None = None
     push_to_hub: str | None = None
+    dtype: str = "bfloat16"  # storage dtype of the exported weights (engines cast on load)
+    license: str = "apache-2.0"  # the model card's license: the target's, the head derives from it
 
 
 @dataclass

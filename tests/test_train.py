@@ -1,0 +1,155 @@
+"""The trainer as users run it: the Hydra command line, 2 real CPU processes (DDP and DeepSpeed
+ZeRO-2 over gloo), exact resume after SIGKILL, and one-line errors for bad overrides."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import build_tiny_target
+
+WORDS = "the cat sat on a mat and then it ran to the red house where a dog slept all day".split()
+
+
+@pytest.fixture(scope="module")
+def sharp_target(tmp_path_factory, smol_tokenizer) -> Path:
+    """A tiny target whose next-token distributions are peaked (a scaled final norm), so a head
+    has something to learn and the loss visibly falls."""
+    from transformers import AutoModelForCausalLM
+
+    out = build_tiny_target(tmp_path_factory.mktemp("sharp"), "llama", smol_tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    model.model.norm.weight.data.fill_(30.0)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory) -> Path:
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    with open(path, "w") as fh:
+        for _ in range(64):
+            q = " ".join(rng.choice(WORDS) for _ in range(8))
+            a = " ".join(rng.choice(WORDS) for _ in range(24))
+            msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+            fh.write(json.dumps({"messages": msgs}) + "\n")
+    return path
+
+
+def train_args(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "+head=eagle3",
+        f"target.name_or_path={target}",
+        "target.num_threads=1",
+        f"data.source={data}",
+        "data.regenerate.enabled=false",
+        "data.max_samples=0",
+        "data.val_fraction=0.1",
+        f"data.cache_dir={run_dir.parent / 'data-cache'}",
+        "head.draft_vocab_size=400",
+        "head.ttt_length=3",
+        f"run_dir={run_dir}",
+        "pipeline.evaluate=false",
+        "pipeline.export=false",
+        "optim.batch_tokens=512",
+        "optim.max_batch_size=4",
+        "optim.lr=1e-3",
+        "logging.log_every=2",
+        "logging.progress=false",
+        *extra,
+    ]
+
+
+def run_cli(args: list[str], launcher: list[str] | None = None, timeout: int = 600):
+    cmd = (launcher or [sys.executable]) + ["-m", "trainer.train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_single_process_trains_and_loss_falls(sharp_target, conversations, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(train_args(sharp_target, conversations, run_dir, "optim.max_steps=16"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = summary(run_dir)
+    assert s["steps"] == 16 and (run_dir / "head" / "model.safetensors").exists()
+    losses = [h["loss"] for h in json.loads((run_dir / "history.json").read_text())]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dist", ["ddp", "zero2"])
+def test_two_cpu_processes_agree(sharp_target, conversations, tmp_path, dist):
+    run_dir = tmp_path / f"run-{dist}"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(29500 + random.randint(0, 400))]
+    proc = run_cli(
+        train_args(sharp_target, conversations, run_dir, f"dist={dist}", "optim.max_steps=8"),
+        launcher=launcher,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = summary(run_dir)
+    assert s["world_size"] == 2
+    a, b = s["replica_checksums"]
+    assert a == b and a != 0.0
+    losses = [h["loss"] for h in json.loads((run_dir / "history.json").read_text())]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_matches_uninterrupted(sharp_target, conversations, tmp_path):
+    extra = ("optim.max_steps=12", "optim.save_every=3", "optim.val_every=100")
+    straight = tmp_path / "straight"
+    assert run_cli(train_args(sharp_target, conversations, straight, *extra)).returncode == 0
+
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "trainer.train", *train_args(sharp_target, conversations, killed, *extra)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "step-0000006").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "summary.json").exists(), "the run finished before it could be killed"
+    resumed = run_cli(train_args(sharp_target, conversations, killed, *extra, "resume=true"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    final = "checkpoints/step-0000012/model.safetensors"
+    a, b = load_file(straight / final), load_file(killed / final)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("+head=eagel3", "head/eagel3"),
+        ("optim.lr=abc", "optim.lr"),
+        ("optim.no_such_key=1", "no_such_key"),
+        ("data.source=/nonexistent/chats.jsonl", "/nonexistent/chats.jsonl"),
+    ],
+)
+def test_bad_overrides_fail_before_loading(override, expected, tmp_path):
+    args = ["+head=eagle3", f"run_dir={tmp_path}", override]
+    if override.startswith("+head="):
+        args = args[1:]
+    proc = run_cli(args, timeout=120)
+    assert proc.returncode != 0
+    assert expected in proc.stderr
+    assert "Loading weights" not in proc.stderr

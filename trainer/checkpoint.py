@@ -1,0 +1,56 @@
+"""Training checkpoints for exact resume: accelerate's state (model, optimizer, scheduler, RNG)
+plus where the data order stood. A checkpoint appears under its final name only when complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+STATE_FILE = "trainer_state.json"
+KEEP = 2
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0  # batches of this rank already consumed in `epoch`
+    best_score: float = float("-inf")
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    done = [p for p in checkpoint_root(run_dir).glob("step-*") if (p / STATE_FILE).exists()]
+    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def save_checkpoint(accelerator, run_dir: Path, state: TrainState) -> Path:
+    """Collective: every rank calls it (DeepSpeed saves shards from each rank)."""
+    root = checkpoint_root(run_dir)
+    final = root / f"step-{state.step:07d}"
+    tmp = root / f".tmp-step-{state.step:07d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / STATE_FILE).write_text(json.dumps(asdict(state)))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        done = sorted(root.glob("step-*"))
+        for old in done[:-KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path: Path) -> TrainState:
+    accelerator.load_state(str(path))
+    return TrainState(**json.loads((path / STATE_FILE).read_text()))

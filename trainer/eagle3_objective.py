@@ -1,0 +1,140 @@
+"""How an EAGLE-3 head learns: the training-time-test (TTT) unroll against the target's distribution.
+
+`Eagle3Trainee` is the module the trainer wraps (DDP / DeepSpeed call its forward): the trainable
+head plus the frozen target lm_head that turns stored final hidden states into teacher logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heads.eagle3 import Eagle3Head
+
+
+def ttt_attention_mask(seq_len: int, step: int, device=None) -> torch.Tensor:
+    """Bool [1,1,T,(step+1)*T]: what a query of unroll step `step` may attend to.
+
+    Keys are the concatenation of every step's K/V so far. Step 0's block is causal (the verified
+    context); the block of each later step j is the diagonal: the draft token at position t in
+    step j exists only on t's own branch, exactly what a chain decoder's cache holds at inference.
+    """
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(seq_len, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * step, dim=1)[None, None]
+
+
+def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """x[:, t] <- x[:, t+n]; the last n positions get `fill`."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def simulated_acceptance_length(acc: list[float]) -> float:
+    """1 + sum_k prod_{j<=k} acc_j: the chain acceptance length these per-step accuracies imply."""
+    total, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        total += run
+    return total
+
+
+class Eagle3Trainee(nn.Module):
+    def __init__(
+        self, head: Eagle3Head, target_lm_head: torch.Tensor, ttt_length: int, step_weight: float
+    ):
+        super().__init__()
+        self.head = head
+        self.ttt_length, self.step_weight = ttt_length, step_weight
+        self.register_buffer("lm_head_weight", target_lm_head.detach().float(), persistent=False)
+        # target id -> draft id (or -1): the draft vocabulary is sorted, so a cumulative count.
+        t2d = head.t2d
+        self.register_buffer(
+            "target_to_draft", torch.where(t2d, t2d.long().cumsum(0) - 1, -1), persistent=False
+        )
+
+    @torch.no_grad()
+    def teacher(self, final_hidden: torch.Tensor, chunk: int = 1024):
+        """Target probabilities over the draft vocab (renormalised) and the target's argmax as a draft
+        id (-1 when outside the draft vocab), chunked so full-vocab logits never all sit in memory."""
+        flat = final_hidden.reshape(-1, final_hidden.shape[-1]).float()
+        draft_ids = self.head.draft_token_ids()
+        logps, tops = [], []
+        for part in flat.split(chunk):
+            logits = part @ self.lm_head_weight.T
+            tops.append(self.target_to_draft[logits.argmax(-1)])
+            logps.append(F.softmax(logits[:, draft_ids], dim=-1))
+        shape = final_hidden.shape[:-1]
+        return torch.cat(logps).view(*shape, -1), torch.cat(tops).view(shape)
+
+    def unroll(self, aux_hidden: torch.Tensor, ids: torch.Tensor):
+        """Yield (k, draft logits) for each TTT step. Position t reads token t+1+k and predicts
+        token t+2+k; step k>0 feeds back the head's own hidden state from step k-1."""
+        b, t = ids.shape
+        hidden = self.head.fuse(aux_hidden.to(self.head.fc.weight.dtype))
+        positions = torch.arange(t, device=ids.device).expand(b, t)
+        past = None
+        for k in range(self.ttt_length):
+            attn = ttt_attention_mask(t, k, ids.device)
+            tokens = shift_left(ids, 1 + k, 0)
+            hidden, logits, kv = self.head.step(hidden, tokens, positions + k, attn, past)
+            past = kv if past is None else tuple(torch.cat([p, n], 2) for p, n in zip(past, kv))
+            yield k, logits
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Loss and metric sums for one batch. Metric sums are per unroll step:
+        `correct[k]`/`total[k]` = draft top-1 == target top-1 at label positions."""
+        ids, mask = batch["input_ids"], batch["loss_mask"]
+        teacher_p, teacher_top = self.teacher(batch["final_hidden"])
+        loss = teacher_p.new_zeros(())
+        correct = teacher_p.new_zeros(self.ttt_length)
+        total = teacher_p.new_zeros(self.ttt_length)
+        for k, logits in self.unroll(batch["aux_hidden"], ids):
+            # The token predicted at position t is t+2+k; its target distribution is the one
+            # the target computed at position t+1+k.
+            target_p = shift_left(teacher_p, 1 + k, 0.0)
+            target_top = shift_left(teacher_top, 1 + k, -1)
+            labelled = shift_left(mask, 2 + k, False)
+            trainable = labelled & (target_top >= 0)
+            ce = -(target_p * F.log_softmax(logits.float(), dim=-1)).sum(-1)
+            n = trainable.sum()
+            loss = loss + self.step_weight**k * (ce * trainable).sum() / n.clamp(min=1)
+            with torch.no_grad():
+                correct[k] = ((logits.argmax(-1) == target_top) & trainable).sum()
+                total[k] = labelled.sum()
+        return {"loss": loss, "correct": correct, "total": total}
+
+    @staticmethod
+    def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        acc = (sums["correct"] / sums["total"].clamp(min=1)).tolist()
+        out = {f"acc_{k}": a for k, a in enumerate(acc)}
+        out["sim_acceptance_length"] = simulated_acceptance_length(acc)
+        out["score"] = out["sim_acceptance_length"]
+        return out
+
+    def param_groups(self, lr: float, weight_decay: float) -> list[dict]:
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        return [{"params": params, "lr": lr, "weight_decay": weight_decay}]
+
+    def save_pretrained(self, out_dir: str | Path, state: dict | None = None) -> Path:
+        head_state = None if state is None else strip_prefix(state, "head.")
+        return self.head.save_pretrained(out_dir, state=head_state)
+
+
+def strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def build_eagle3_trainee(cfg, target, data_dir: Path) -> Eagle3Trainee:
+    """A fresh head for `target` over the draft vocabulary built with the data."""
+    from data_prep.vocab import load_draft_vocab
+
+    d2t, t2d = load_draft_vocab(data_dir)
+    head = Eagle3Head.from_target(target, cfg.target.name_or_path, cfg.head, d2t, t2d)
+    lm_head = target.get_output_embeddings().weight
+    return Eagle3Trainee(head, lm_head, cfg.head.ttt_length, cfg.head.step_weight)

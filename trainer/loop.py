@@ -1,0 +1,173 @@
+"""The one training loop every head kind shares.
+
+A trainee is an nn.Module whose forward(batch) returns {"loss", metric sums...}, with
+`summarize(sums) -> {..., "score"}` (higher is better), `param_groups(lr, wd)` and
+`save_pretrained(dir, state=None)`. The loop knows nothing else about heads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from trainer.batching import collate, length_grouped_batches, shard_batches
+from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.config import OptimConfig, RootConfig
+from trainer.errors import UserError
+from trainer.logger import RunLogger
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float):
+    """Linear warmup, then cosine decay to zero."""
+    warmup = max(1, int(total_steps * warmup_ratio))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _batches(ds, optim: OptimConfig, seed: int, epoch: int, rank: int, world: int):
+    all_batches = length_grouped_batches(
+        ds.lengths, optim.batch_tokens, optim.max_batch_size, seed, epoch
+    )
+    return shard_batches(all_batches, rank, world)
+
+
+def _to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def validate(accelerator, trainee, val_ds, cfg: RootConfig) -> dict[str, float]:
+    model = accelerator.unwrap_model(trainee)
+    trainee.eval()
+    sums: dict[str, torch.Tensor] = {}
+    batches = _batches(
+        val_ds, cfg.optim, cfg.seed, 0, accelerator.process_index, accelerator.num_processes
+    )
+    for idx in batches:
+        out = trainee(_to_device(collate([val_ds[i] for i in idx]), accelerator.device))
+        for k, v in out.items():
+            v = v.detach().float().reshape(-1)
+            sums[k] = sums[k] + v if k in sums else v
+    trainee.train()
+    if not sums:
+        return {}
+    reduced = {k: accelerator.reduce(v, reduction="sum") for k, v in sums.items()}
+    metrics = model.summarize(reduced)
+    metrics["loss"] = (reduced["loss"] / max(1, len(batches) * accelerator.num_processes)).item()
+    return metrics
+
+
+def replica_checksums(accelerator, trainee) -> list[float]:
+    """One number per rank from its trainable weights: data-parallel replicas that silently stopped
+    talking to each other show up as different numbers. (ZeRO-3 ranks hold different shards.)"""
+    params = [p for p in accelerator.unwrap_model(trainee).parameters() if p.requires_grad]
+    local = sum((p.detach().double() * (1 + i % 7)).sum() for i, p in enumerate(params))
+    gathered = accelerator.gather(torch.as_tensor([local], device=accelerator.device))
+    return [round(v, 6) for v in gathered.tolist()]
+
+
+def save_best(accelerator, trainee, out_dir: Path) -> None:
+    """Collective (ZeRO-3 gathers the partitioned weights on every rank); rank 0 writes."""
+    state = accelerator.get_state_dict(trainee)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(trainee).save_pretrained(out_dir, state=state)
+    accelerator.wait_for_everyone()
+
+
+def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) -> dict:
+    """Train, validating every `val_every` steps; the best head (by `score`) goes to run_dir/head."""
+    optim = cfg.optim
+    rank, world = accelerator.process_index, accelerator.num_processes
+    steps_per_epoch = len(_batches(train_ds, optim, cfg.seed, 0, rank, world)) // optim.grad_accum
+    total_steps = optim.max_steps or optim.epochs * steps_per_epoch
+    groups = trainee.param_groups(optim.lr, optim.weight_decay)
+    opt = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, optim.warmup_ratio))
+    trainee, opt = accelerator.prepare(trainee, opt)
+    state = TrainState()
+    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
+    if ckpt is not None:
+        state = load_checkpoint(accelerator, ckpt)
+        for _ in range(state.step):  # the schedule is a function of the step: no pickle needed
+            sched.step()
+    logger = RunLogger(cfg.logging, run_dir, accelerator.is_main_process, {})
+    head_dir = run_dir / "head"
+    bar = tqdm(
+        total=total_steps,
+        initial=state.step,
+        desc="train",
+        disable=not (cfg.logging.progress and accelerator.is_main_process),
+    )
+    history: list[dict] = []
+    trainee.train()
+    tokens, t0 = 0, time.perf_counter()
+    params = [p for g in groups for p in g["params"]]
+    if steps_per_epoch == 0:
+        raise UserError(
+            f"data: {len(train_ds)} training samples make no full step of "
+            f"{world} rank(s) x {optim.grad_accum} accumulation: add data or lower optim.*"
+        )
+    while state.step < total_steps:
+        batches = _batches(train_ds, optim, cfg.seed, state.epoch, rank, world)
+        while state.batch_in_epoch < len(batches) and state.step < total_steps:
+            idx = batches[state.batch_in_epoch]
+            batch = _to_device(collate([train_ds[i] for i in idx]), accelerator.device)
+            with accelerator.accumulate(trainee):
+                out = trainee(batch)
+                accelerator.backward(out["loss"])
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(params, optim.grad_clip)
+                opt.step()
+                opt.zero_grad()
+            state.batch_in_epoch += 1
+            tokens += int(batch["attention_mask"].sum()) * world
+            if not accelerator.sync_gradients:
+                continue
+            sched.step()
+            state.step += 1
+            bar.update(1)
+            if state.step % cfg.logging.log_every == 0 or state.step == total_steps:
+                loss = accelerator.reduce(out["loss"].detach(), reduction="mean").item()
+                rate = tokens / (time.perf_counter() - t0)
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
+                logger.log(state.step, {"loss": loss, "lr": sched.get_last_lr()[0]}, "train")
+                history.append({"step": state.step, "loss": loss})
+            last = state.step == total_steps
+            if state.step % optim.val_every == 0 or last:
+                metrics = validate(accelerator, trainee, val_ds, cfg)
+                logger.log(state.step, metrics, "val")
+                if accelerator.is_main_process:
+                    shown = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
+                    tqdm.write(f"step {state.step}: val {shown}")
+                if metrics.get("score", float("-inf")) > state.best_score or not head_dir.exists():
+                    state.best_score = metrics.get("score", float("-inf"))
+                    save_best(accelerator, trainee, head_dir)
+            if state.step % optim.save_every == 0 or last:
+                save_checkpoint(accelerator, run_dir, state)
+        if state.batch_in_epoch >= len(batches):
+            state.epoch += 1
+            state.batch_in_epoch = 0
+    bar.close()
+    logger.close()
+    elapsed = time.perf_counter() - t0
+    if accelerator.is_main_process:
+        (run_dir / "history.json").write_text(json.dumps(history))
+    return {
+        "world_size": world,
+        "replica_checksums": replica_checksums(accelerator, trainee),
+        "steps": state.step,
+        "best_score": state.best_score,
+        "train_tokens_per_s": tokens / max(elapsed, 1e-9),
+        "head_dir": str(head_dir),
+    }

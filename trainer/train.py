@@ -1,0 +1,92 @@
+"""The main job: `python -m trainer.train +head=eagle3` (or `+head=medusa`).
+
+prepare data (if its cache is missing) -> train -> evaluate -> export, then say where all went.
+Every rank runs this file; only rank 0 prepares data, evaluates, exports and prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from trainer.config import RootConfig, validate
+from trainer.errors import exit_on_user_error
+from trainer.target import load_target_from_config
+
+
+def build_trainee(cfg: RootConfig, target, data_dir: Path):
+    if cfg.head.name == "eagle3":
+        from trainer.eagle3_objective import build_eagle3_trainee
+
+        return build_eagle3_trainee(cfg, target, data_dir)
+    from trainer.medusa_objective import build_medusa_trainee
+
+    return build_medusa_trainee(cfg, target, data_dir)
+
+
+def run(cfg: RootConfig) -> dict:
+    from data_prep.prepare import prepare
+    from data_prep.store import CapturedDataset
+    from trainer.distributed import build_accelerator
+    from trainer.loop import fit
+
+    started = time.perf_counter()
+    run_dir = Path(cfg.run_dir)
+    torch.manual_seed(cfg.seed)
+    acc = build_accelerator(cfg.dist, cfg.optim, str(run_dir))
+    if cfg.target.device == "auto":
+        cfg.target.device = str(acc.device)
+    target, tokenizer = load_target_from_config(cfg.target)
+    with acc.main_process_first():
+        data_dir = prepare(cfg, target=(target, tokenizer))  # rank 0 first; the others reuse it
+    train_ds = CapturedDataset(data_dir, "train")
+    val_ds = CapturedDataset(data_dir, "validation")
+    trainee = build_trainee(cfg, target, data_dir)
+    result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir)
+    summary = {"run_dir": str(run_dir), "data_dir": str(data_dir), **result}
+    if acc.is_main_process:
+        if cfg.pipeline.evaluate:
+            from trainer.evaluate import evaluate
+
+            report = evaluate(cfg, result["head_dir"], run_dir / "eval", target=(target, tokenizer))
+            summary["eval_dir"] = str(run_dir / "eval")
+            summary["mean_acceptance_length"] = report["overall"]["mean_acceptance_length"]
+        if cfg.pipeline.export:
+            from heads.export import export_head
+
+            eval_json = run_dir / "eval" / "eval.json"
+            out_root = Path(cfg.export.out_dir or run_dir / "export")
+            summary["exports"] = [
+                str(
+                    export_head(
+                        result["head_dir"],
+                        fmt,
+                        out_root / fmt,
+                        target_model=target,
+                        eval_json=eval_json if eval_json.exists() else None,
+                    )
+                )
+                for fmt in cfg.export.formats
+            ]
+        summary["wall_time_s"] = round(time.perf_counter() - started, 1)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        print(json.dumps(summary, indent=2))
+    acc.end_training()
+    return summary
+
+
+@hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
+@exit_on_user_error
+def main(dict_cfg: DictConfig) -> None:
+    run(validate(dict_cfg))
+
+
+if __name__ == "__main__":
+    main()
