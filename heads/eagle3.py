@@ -201,6 +201,22 @@ class Eagle3Head(nn.Module):
         """[..., 3*Ht] target features (ascending layer ids) -> [..., H] draft feature."""
         return self.fc(aux_hidden)
 
+    def layer(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        past: KV | None = None,
+    ) -> tuple[torch.Tensor, KV]:
+        """The decoder layer alone: training computes logits only where a loss needs them."""
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary(hidden, position_ids)
+        return self.midlayer(embeds, hidden, cos, sin, mask, past)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
     def step(
         self,
         hidden: torch.Tensor,
@@ -216,10 +232,8 @@ class Eagle3Head(nn.Module):
         True = may attend, P the past length; None means plain causal without a past.
         Returns (pre-norm hidden to feed back, draft-vocab logits, this call's rotated K/V).
         """
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-        cos, sin = self.rotary(hidden, position_ids)
-        out, kv = self.midlayer(embeds, hidden, cos, sin, mask, past)
-        return out, self.lm_head(self.norm(out)), kv
+        out, kv = self.layer(hidden, input_ids, position_ids, mask, past)
+        return out, self.logits(out), kv
 
     # ---- folder format ------------------------------------------------------------------
     def save_pretrained(self, out_dir: str | Path, state: dict | None = None) -> Path:

@@ -1,8 +1,32 @@
-"""Medusa heads: ResBlocks + a per-position lm_head on the target's final hidden state."""
+"""Medusa heads: ResBlocks + a per-head lm_head on the target's final hidden state (post-norm).
+
+Parameter names are the ones vLLM's Medusa loader reads (`blocks.{h}.layers.{l}.weight/.bias`,
+`lm_heads.{h}.weight`), so export is a copy; that loader silently drops unknown names, which is
+why the names are fixed here and nowhere else. The ResBlock bias is on (`fc_bias`): it is the
+original Medusa and TGI layout, and vLLM reads it with `medusa_fc_bias: true`.
+
+A head trained jointly with its target (Medusa-2) is only right for the target it was trained
+with, so its folder also carries that target's update in `target/`: a peft LoRA adapter
+(`adapter_config.json` + `adapter_model.safetensors`, `target_update="lora"`) or a full
+Hugging Face model folder (`target_update="full"`). `load_joint_target` rebuilds that target.
+"""
 
 from __future__ import annotations
 
+import copy
+import json
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heads.folder import CONFIG_NAME, TargetSpec, load_head, save_head
+from trainer.errors import UserError
+
+TARGET_DIR = "target"
+TARGET_UPDATES = (None, "lora", "full")
 
 
 @dataclass
@@ -12,9 +36,136 @@ class MedusaConfig:
     name: str = "medusa"
     num_heads: int = 4
     num_layers: int = 1
+    fc_bias: bool = True  # bias on the ResBlock linears (vLLM `medusa_fc_bias`)
     head_weight: float = 0.8  # lambda_k = head_weight**k
     joint: bool = False  # Medusa-2: train the target too
     lora_rank: int = 0  # > 0: LoRA on the target instead of full fine-tuning (joint only)
     head_lr_scale: float = 4.0
     joint_head_loss_scale: float = 0.2
+    head_warmup_steps: int = 0  # joint only: steps in which the head loss leaves the target alone
     self_distill: bool = True
+
+
+def head_config(target_config, cfg: MedusaConfig) -> dict:
+    """The JSON-able description a head folder records: shapes plus how the target was changed."""
+    for field in ("num_heads", "num_layers"):
+        if getattr(cfg, field) < 1:
+            raise UserError(f"head.{field}={getattr(cfg, field)}: expected an integer >= 1")
+    if cfg.lora_rank < 0 or (cfg.lora_rank > 0 and not cfg.joint):
+        raise UserError(
+            f"head.lora_rank={cfg.lora_rank}: expected 0, or > 0 together with head.joint=true"
+        )
+    t = target_config.get_text_config()
+    return {
+        "num_heads": cfg.num_heads,
+        "num_layers": cfg.num_layers,
+        "hidden_size": t.hidden_size,
+        "vocab_size": t.vocab_size,
+        "fc_bias": cfg.fc_bias,
+        "target_update": ("lora" if cfg.lora_rank > 0 else "full") if cfg.joint else None,
+    }
+
+
+class MedusaBlock(nn.Module):
+    """`num_layers` residual steps x + SiLU(W x + b); W and b start at zero, so the identity."""
+
+    def __init__(self, hidden_size: int, num_layers: int, bias: bool):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Linear(hidden_size, hidden_size, bias=bias) for _ in range(num_layers)
+        )
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+            if layer.bias is not None:
+                nn.init.zeros_(layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
+
+
+class MedusaHead(nn.Module):
+    """`num_heads` blocks, each followed by its own full-vocabulary lm_head."""
+
+    kind = "medusa"
+
+    def __init__(self, config: dict, target: TargetSpec):
+        super().__init__()
+        if config.get("target_update") not in TARGET_UPDATES:
+            raise UserError(
+                f"medusa head config target_update={config.get('target_update')!r}: expected "
+                "null, 'lora' or 'full'"
+            )
+        self.config, self.target = dict(config), target
+        self.num_heads, self.num_layers = config["num_heads"], config["num_layers"]
+        h, v = config["hidden_size"], config["vocab_size"]
+        self.blocks = nn.ModuleList(
+            MedusaBlock(h, self.num_layers, config["fc_bias"]) for _ in range(self.num_heads)
+        )
+        self.lm_heads = nn.ModuleList(
+            nn.Linear(h, v, bias=False) for _ in range(self.num_heads)
+        )
+
+    @classmethod
+    def from_target(cls, target_model, target_name: str, cfg: MedusaConfig) -> MedusaHead:
+        """A fresh head: identity blocks, every lm_head a copy of the target's."""
+        spec = TargetSpec.from_model(target_model, target_name)
+        head = cls(head_config(target_model.config, cfg), spec)
+        target_lm = target_model.get_output_embeddings().weight.detach().float()
+        for lm in head.lm_heads:
+            lm.weight.data.copy_(target_lm)
+        return head
+
+    def forward(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """[B,T,H] post-norm target hidden -> [num_heads,B,T,V] logits; head k at position t
+        predicts the token at t+2+k (the target's own lm_head gives t+1)."""
+        x = final_hidden.to(self.lm_heads[0].weight.dtype)
+        return torch.stack([lm(block(x)) for block, lm in zip(self.blocks, self.lm_heads)])
+
+    def save_pretrained(self, out_dir: str | Path, state: dict | None = None) -> Path:
+        """`state` replaces the live weights (ZeRO-3 gathers them elsewhere)."""
+        return save_head(out_dir, self.kind, self.config, self.target, state or self.state_dict())
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target_model, target_name: str) -> MedusaHead:
+        """Load saved heads against `target_model`; refuse heads trained for another target."""
+        config, spec, tensors = load_head(path, cls.kind)
+        spec.check(TargetSpec.from_model(target_model, target_name), f"head={str(path)!r}")
+        head = cls(config, spec)
+        missing, unexpected = head.load_state_dict(tensors, strict=False)
+        if missing or unexpected:
+            raise UserError(f"head={str(path)!r}: missing {missing}, unexpected {unexpected}")
+        return head
+
+
+def load_joint_target(path: str | Path, target_model):
+    """The target a Medusa head folder was trained with, ready for decoding.
+
+    Medusa-1 heads: `target_model` itself. Medusa-2 heads: a new model (the given one is left
+    untouched, it stays the baseline): the LoRA adapter of `<path>/target` merged into a copy of
+    `target_model`, or the fully fine-tuned model saved there, on the same device and dtype.
+    """
+    meta_file = Path(path) / CONFIG_NAME
+    if not meta_file.exists():
+        raise UserError(f"head={str(path)!r}: no {CONFIG_NAME} (not a draftsmith head folder)")
+    update = json.loads(meta_file.read_text())["config"].get("target_update")
+    if update is None:
+        return target_model
+    folder = Path(path) / TARGET_DIR
+    marker = "adapter_config.json" if update == "lora" else "config.json"
+    if not (folder / marker).exists():
+        raise UserError(
+            f"head={str(path)!r}: trained jointly with its target ({update}) but "
+            f"{TARGET_DIR}/{marker} is missing"
+        )
+    if update == "lora":
+        from peft import PeftModel
+
+        adapted = PeftModel.from_pretrained(copy.deepcopy(target_model), str(folder))
+        model = adapted.merge_and_unload()
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=target_model.dtype)
+    return model.to(target_model.device).eval().requires_grad_(False)

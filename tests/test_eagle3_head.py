@@ -53,7 +53,7 @@ def test_ttt_unroll_equals_chain_decoding(tiny):
     aux, _ = aux_features(model, head, ids)
     trainee = Eagle3Trainee(head, model.get_output_embeddings().weight, ttt_length=4, step_weight=0.8)
     with torch.no_grad():
-        unrolled = [logits for _, logits in trainee.unroll(aux, ids)]
+        unrolled = [head.logits(hidden) for _, hidden in trainee.unroll(aux, ids)]
         for t in (3, 7):
             # Inference: step 0 over the verified prefix 0..t, then chain on position t alone.
             pos = torch.arange(t + 1)[None]

@@ -24,18 +24,18 @@ HEAD_CONFIGS: dict[str, type] = {"eagle3": Eagle3Config, "medusa": MedusaConfig}
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
+    lr: float = 1e-3
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_ratio: float = 0.05
     grad_clip: float = 0.5
     grad_accum: int = 1
-    batch_tokens: int = 4096
+    batch_tokens: int = 1024
     max_batch_size: int = 16
     epochs: int = 3
     max_steps: int = 0
-    val_every: int = 100
-    save_every: int = 100
+    val_every: int = 50
+    save_every: int = 50
 
 
 @dataclass

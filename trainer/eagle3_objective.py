@@ -60,21 +60,20 @@ class Eagle3Trainee(nn.Module):
 
     @torch.no_grad()
     def teacher(self, final_hidden: torch.Tensor, chunk: int = 1024):
-        """Target probabilities over the draft vocab (renormalised) and the target's argmax as a draft
-        id (-1 when outside the draft vocab), chunked so full-vocab logits never all sit in memory."""
-        flat = final_hidden.reshape(-1, final_hidden.shape[-1]).float()
+        """Target probabilities over the draft vocab (renormalised) and the target's argmax as a
+        draft id (-1 when outside the draft vocab) for rows [N,H], chunked so that full-vocab
+        logits never all sit in memory."""
         draft_ids = self.head.draft_token_ids()
-        logps, tops = [], []
-        for part in flat.split(chunk):
+        probs, tops = [], []
+        for part in final_hidden.float().split(chunk):
             logits = part @ self.lm_head_weight.T
             tops.append(self.target_to_draft[logits.argmax(-1)])
-            logps.append(F.softmax(logits[:, draft_ids], dim=-1))
-        shape = final_hidden.shape[:-1]
-        return torch.cat(logps).view(*shape, -1), torch.cat(tops).view(shape)
+            probs.append(F.softmax(logits[:, draft_ids], dim=-1))
+        return torch.cat(probs), torch.cat(tops)
 
     def unroll(self, aux_hidden: torch.Tensor, ids: torch.Tensor):
-        """Yield (k, draft logits) for each TTT step. Position t reads token t+1+k and predicts
-        token t+2+k; step k>0 feeds back the head's own hidden state from step k-1."""
+        """Yield (k, pre-norm hidden [B,T,H]) for each TTT step. Position t reads token t+1+k and
+        predicts token t+2+k; step k>0 feeds back the head's own hidden state from step k-1."""
         b, t = ids.shape
         hidden = self.head.fuse(aux_hidden.to(self.head.fc.weight.dtype))
         positions = torch.arange(t, device=ids.device).expand(b, t)
@@ -82,31 +81,37 @@ class Eagle3Trainee(nn.Module):
         for k in range(self.ttt_length):
             attn = ttt_attention_mask(t, k, ids.device)
             tokens = shift_left(ids, 1 + k, 0)
-            hidden, logits, kv = self.head.step(hidden, tokens, positions + k, attn, past)
+            hidden, kv = self.head.layer(hidden, tokens, positions + k, attn, past)
             past = kv if past is None else tuple(torch.cat([p, n], 2) for p, n in zip(past, kv))
-            yield k, logits
+            yield k, hidden
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Loss and metric sums for one batch. Metric sums are per unroll step:
-        `correct[k]`/`total[k]` = draft top-1 == target top-1 at label positions."""
+        `correct[k]`/`total[k]` = draft top-1 == target top-1 at label positions.
+
+        Logits (draft and teacher) are computed only at rows a loss reads: the label mask of
+        assistant tokens usually leaves out the prompt, and the vocab projections dominate."""
         ids, mask = batch["input_ids"], batch["loss_mask"]
-        teacher_p, teacher_top = self.teacher(batch["final_hidden"])
+        # The token predicted at (step k, position t) is t+2+k; its target distribution is the
+        # one the target computed at position p = t+1+k, which is needed iff mask[p+1].
+        needs_teacher = shift_left(mask, 1, False)
+        teacher_p, teacher_top = self.teacher(batch["final_hidden"][needs_teacher])
+        teacher_row = torch.full_like(ids, -1)
+        teacher_row[needs_teacher] = torch.arange(len(teacher_top), device=ids.device)
         loss = teacher_p.new_zeros(())
         correct = teacher_p.new_zeros(self.ttt_length)
         total = teacher_p.new_zeros(self.ttt_length)
-        for k, logits in self.unroll(batch["aux_hidden"], ids):
-            # The token predicted at position t is t+2+k; its target distribution is the one
-            # the target computed at position t+1+k.
-            target_p = shift_left(teacher_p, 1 + k, 0.0)
-            target_top = shift_left(teacher_top, 1 + k, -1)
+        for k, hidden in self.unroll(batch["aux_hidden"], ids):
             labelled = shift_left(mask, 2 + k, False)
-            trainable = labelled & (target_top >= 0)
-            ce = -(target_p * F.log_softmax(logits.float(), dim=-1)).sum(-1)
-            n = trainable.sum()
-            loss = loss + self.step_weight**k * (ce * trainable).sum() / n.clamp(min=1)
+            rows = shift_left(teacher_row, 1 + k, -1)[labelled]
+            top = teacher_top[rows]
+            keep = top >= 0  # the target's choice is inside the draft vocabulary
+            logits = self.head.logits(hidden[labelled][keep]).float()
+            ce = -(teacher_p[rows[keep]] * F.log_softmax(logits, dim=-1)).sum(-1)
+            loss = loss + self.step_weight**k * ce.sum() / max(1, len(ce))
             with torch.no_grad():
-                correct[k] = ((logits.argmax(-1) == target_top) & trainable).sum()
-                total[k] = labelled.sum()
+                correct[k] = (logits.argmax(-1) == top[keep]).sum()
+                total[k] = len(rows)
         return {"loss": loss, "correct": correct, "total": total}
 
     @staticmethod

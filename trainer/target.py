@@ -88,7 +88,7 @@ def _is_gguf(path: Path) -> bool:
         return fh.read(4) == b"GGUF"
 
 
-def _fingerprint_file(path: Path) -> str:
+def fingerprint_file(path: Path) -> str:
     """Cheap identity of a large file: size plus a hash of its first and last megabyte."""
     h = hashlib.sha256(str(path.stat().st_size).encode())
     with open(path, "rb") as fh:
@@ -136,7 +136,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 
 
 def gguf_cache_dir(gguf: Path) -> Path:
-    return cache_root() / "targets" / f"{gguf.stem}-{_fingerprint_file(gguf)}"
+    return cache_root() / "targets" / f"{gguf.stem}-{fingerprint_file(gguf)}"
 
 
 def resolve_target_path(name_or_path: str) -> str:

@@ -31,11 +31,12 @@ def build_trainee(cfg: RootConfig, target, data_dir: Path):
 
 
 def run(cfg: RootConfig) -> dict:
-    from data_prep.prepare import prepare
+    from data_prep.prepare import check_data_config, prepare
     from data_prep.store import CapturedDataset
     from trainer.distributed import build_accelerator
     from trainer.loop import fit
 
+    check_data_config(cfg)
     started = time.perf_counter()
     run_dir = Path(cfg.run_dir)
     torch.manual_seed(cfg.seed)

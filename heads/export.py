@@ -1,0 +1,279 @@
+"""Export a trained head for the serving engines: `python -m heads.export head=<path> format=<fmt>`.
+
+Formats: `eagle3` (native LlamaForCausalLMEagle3 folder: vLLM, SGLang, TensorRT-LLM),
+`speculators` (vLLM's one-command format), `medusa-vllm`, `medusa-tgi`. Each export is written to a
+temporary folder, reloaded by the format's own strict reader and compared with the trained head
+(tensors, config, outputs) before it is renamed into place; then a model card is added and,
+with `push_to_hub=<repo_id>`, the folder is uploaded.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from heads import export_eagle3 as e3
+from heads import export_medusa as em
+from heads.export_check import KINDS, verify_export
+from heads.export_common import cast_weights
+from heads.folder import TargetSpec, atomic_dir, commit_dir, head_kind, load_head
+from heads.model_card import CardFacts, hub_id, render
+from trainer.errors import UserError, exit_on_user_error
+
+Tensors = dict[str, torch.Tensor]
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ExportContext:
+    """Facts a format's config needs beyond the head itself."""
+
+    dtype: str
+    num_speculative_tokens: int
+    verifier: str  # the target as the engine should load it: a Hub id or a path
+    verifier_architectures: list[str]
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: str  # the head kind this format holds
+    weights_file: str
+    config: Callable[[dict, ExportContext], dict]
+    tensors: Callable[[Tensors, dict, torch.dtype], Tensors]
+    read: Callable[[Path], tuple[dict, Tensors]]  # our strict loader for the format
+
+
+LAYOUTS: dict[str, Layout] = {
+    "eagle3": Layout(
+        "eagle3",
+        e3.WEIGHTS_FILE,
+        lambda cfg, ctx: e3.native_config(cfg, ctx.dtype),
+        lambda tensors, cfg, dtype: cast_weights(tensors, dtype),
+        e3.read_native,
+    ),
+    "speculators": Layout(
+        "eagle3",
+        e3.WEIGHTS_FILE,
+        lambda cfg, ctx: e3.speculators_config(
+            cfg, ctx.dtype, ctx.num_speculative_tokens, ctx.verifier, ctx.verifier_architectures
+        ),
+        lambda tensors, cfg, dtype: e3.speculators_tensors(tensors, dtype),
+        e3.read_speculators,
+    ),
+    "medusa-vllm": Layout(
+        "medusa",
+        em.VLLM_WEIGHTS,
+        lambda cfg, ctx: em.vllm_config(cfg, ctx.dtype),
+        lambda tensors, cfg, dtype: cast_weights(tensors, dtype),
+        em.read_vllm,
+    ),
+    "medusa-tgi": Layout(
+        "medusa",
+        em.TGI_WEIGHTS,
+        lambda cfg, ctx: em.tgi_config(cfg, ctx.dtype, ctx.verifier),
+        em.tgi_tensors,
+        em.read_tgi,
+    ),
+}
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"{what}={str(path)!r}: cannot read a JSON file ({err})") from None
+
+
+def run_data_config(head_path: Path) -> dict | None:
+    """The `data` config the head was trained with, from the run folder around it (if any)."""
+    run_dir = head_path.resolve().parent
+    if (run_dir / "config.json").exists():
+        return _read_json(run_dir / "config.json", "run config").get("data")
+    hydra_cfg = run_dir / "hydra" / "config.yaml"
+    if hydra_cfg.exists():
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(OmegaConf.load(hydra_cfg)).get("data")
+    return None
+
+
+def _verifier(spec: TargetSpec, target_model) -> tuple[str, list[str]]:
+    name = hub_id(spec.name_or_path) or str(Path(spec.name_or_path).expanduser().resolve())
+    if target_model is not None:
+        return name, list(target_model.config.architectures or [])
+    local = Path(spec.name_or_path).expanduser() / "config.json"
+    return name, (_read_json(local, "target").get("architectures", []) if local.exists() else [])
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp makes 0700 folders and safetensors 0600 files; an engine in a container running as
+    another user, or a teammate, must be able to read the export."""
+    folder.chmod(0o755)
+    for f in folder.iterdir():
+        f.chmod(0o644)
+
+
+def _write(folder: Path, layout: Layout, config: dict, tensors: Tensors) -> None:
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(tensors, folder / layout.weights_file, metadata={"format": "pt"})
+
+
+def export_with_report(
+    head_path: str | Path,
+    fmt: str,
+    out_dir: str | Path,
+    target_model=None,
+    eval_json: str | Path | None = None,
+    push_to_hub: str | None = None,
+    dtype: str = "bfloat16",
+    num_speculative_tokens: int = 3,
+    license: str = "apache-2.0",
+) -> tuple[Path, dict]:
+    """`export_head`, also returning what the self-check compared."""
+    if fmt not in LAYOUTS:
+        raise UserError(f"format={fmt!r}: expected one of {', '.join(LAYOUTS)}")
+    if dtype not in DTYPES:
+        raise UserError(f"export.dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
+    layout, head_path, out = LAYOUTS[fmt], Path(head_path), Path(out_dir)
+    kind = head_kind(head_path)
+    if kind != layout.kind:
+        raise UserError(
+            f"format={fmt}: exports {layout.kind} heads, head={str(head_path)!r} is {kind}"
+        )
+    src_cfg, spec, src_tensors = load_head(head_path, kind)
+    if kind == "medusa":  # every head drafts one token; vLLM sets num_heads from this number
+        num_speculative_tokens = src_cfg["num_heads"]
+    if target_model is not None:
+        spec.check(
+            TargetSpec.from_model(target_model, spec.name_or_path), f"head={str(head_path)!r}"
+        )
+    verifier, arch = _verifier(spec, target_model)
+    ctx = ExportContext(dtype, num_speculative_tokens, verifier, arch)
+    config = layout.config(src_cfg, ctx)
+    report = _read_json(Path(eval_json), "eval") if eval_json else None
+
+    tmp = atomic_dir(out)
+    try:
+        _write(tmp, layout, config, layout.tensors(src_tensors, src_cfg, DTYPES[dtype]))
+        where = f"format={fmt} out={str(out)!r}"
+        check = verify_export(
+            kind, src_cfg, spec, src_tensors, layout.read(tmp), DTYPES[dtype], target_model, where
+        )
+        facts = CardFacts(
+            fmt=fmt,
+            kind=kind,
+            target_name=spec.name_or_path,
+            location=push_to_hub or str(out.resolve()),
+            num_speculative_tokens=num_speculative_tokens,
+            license=license,
+            layer_ids=e3.engine_layer_ids(src_cfg["aux_layer_ids"]) if fmt == "eagle3" else {},
+            eval_report=report,
+            data=run_data_config(head_path),
+        )
+        (tmp / "README.md").write_text(render(facts))
+        _make_readable(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit_dir(tmp, out)
+    result = {"format": fmt, "out": str(out), **check}
+    if push_to_hub:
+        from heads.hub import push_folder
+
+        result["pushed"] = push_folder(out, push_to_hub)
+    return out, result
+
+
+def detect_format(folder: str | Path) -> str:
+    """Which export format a folder holds, from its config.json."""
+    folder = Path(folder)
+    cfg = _read_json(folder / "config.json", "export")
+    if "speculators_model_type" in cfg:
+        return "speculators"
+    if "medusa_num_heads" in cfg:
+        return "medusa-tgi"
+    if cfg.get("model_type") == "medusa":
+        return "medusa-vllm"
+    if "draft_vocab_size" in cfg:
+        return "eagle3"
+    raise UserError(f"{folder}: config.json is none of the formats {', '.join(LAYOUTS)}")
+
+
+def load_export(folder: str | Path, target_model, target_name: str) -> torch.nn.Module:
+    """An exported folder back as a draftsmith head module (our own loader for its format), e.g.
+    to evaluate exactly what an engine will serve."""
+    layout = LAYOUTS[detect_format(folder)]
+    cfg, tensors = layout.read(Path(folder))
+    spec = TargetSpec.from_model(target_model, target_name)
+    return KINDS[layout.kind].build(cfg, spec, tensors, target_model)
+
+
+def export_head(
+    head_path: str | Path,
+    fmt: str,
+    out_dir: str | Path,
+    target_model=None,
+    eval_json: str | Path | None = None,
+    push_to_hub: str | None = None,
+    dtype: str = "bfloat16",
+    num_speculative_tokens: int = 3,
+    license: str = "apache-2.0",
+) -> Path:
+    """Write `head_path` (a draftsmith head folder) to `out_dir` in format `fmt`, self-checked."""
+    out, _ = export_with_report(
+        head_path,
+        fmt,
+        out_dir,
+        target_model=target_model,
+        eval_json=eval_json,
+        push_to_hub=push_to_hub,
+        dtype=dtype,
+        num_speculative_tokens=num_speculative_tokens,
+        license=license,
+    )
+    return out
+
+
+OWN_KEYS = ("head", "format", "out", "eval", "push_to_hub")
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    from trainer.cli import compose_for_head, split_args
+
+    own, overrides = split_args(sys.argv[1:] if argv is None else argv, OWN_KEYS)
+    head = own.get("head", "")
+    cfg = compose_for_head(head, overrides)
+    formats = own["format"].split(",") if own.get("format") else list(cfg.export.formats)
+    push = own.get("push_to_hub") or cfg.export.push_to_hub
+    if push and len(formats) > 1:
+        raise UserError(f"push_to_hub={push}: one repo holds one format; add format=<one of them>")
+    run_dir = Path(head).resolve().parent  # trainer.train writes <run_dir>/head, eval/, export/
+    root = Path(own.get("out") or cfg.export.out_dir or run_dir / "export")
+    default_eval = run_dir / "eval" / "eval.json"
+    eval_json = own.get("eval") or (default_eval if default_eval.exists() else None)
+    for fmt in formats:
+        out = root if own.get("out") and len(formats) == 1 else root / fmt
+        _, result = export_with_report(
+            head,
+            fmt,
+            out,
+            eval_json=eval_json,
+            push_to_hub=push,
+            dtype=cfg.export.dtype,
+            num_speculative_tokens=cfg.eval.num_speculative_tokens,
+            license=cfg.export.license,
+        )
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

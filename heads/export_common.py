@@ -1,0 +1,38 @@
+"""What every export layout shares: the storage cast, reading a folder, the strict name check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from trainer.errors import UserError
+
+Tensors = dict[str, torch.Tensor]
+
+
+def cast_weights(tensors: Tensors, dtype: torch.dtype) -> Tensors:
+    """Float weights to the storage dtype; integer and bool tensors (d2t, t2d) stay as they are."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+
+
+def read_folder(folder: Path, weights: str) -> tuple[dict, Tensors]:
+    if not (folder / "config.json").exists() or not (folder / weights).exists():
+        raise UserError(f"{folder}: expected config.json and {weights}")
+    return json.loads((folder / "config.json").read_text()), load_file(folder / weights)
+
+
+def check_layout(tensors: Tensors, expected: dict[str, tuple[int, ...]], where: str) -> None:
+    """Refuse tensors that are not exactly `expected` (names and shapes): engine loaders may
+    drop an unknown name or leave a missing one at its random initialisation without a word."""
+    unknown = sorted(set(tensors) - set(expected))
+    missing = sorted(set(expected) - set(tensors))
+    wrong = sorted(
+        f"{k} {tuple(tensors[k].shape)} != {shape}"
+        for k, shape in expected.items()
+        if k in tensors and tuple(tensors[k].shape) != shape
+    )
+    if unknown or missing or wrong:
+        raise UserError(f"{where}: unknown tensors {unknown}, missing {missing}, shapes {wrong}")

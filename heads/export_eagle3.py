@@ -1,0 +1,273 @@
+"""EAGLE-3 heads in the engines' two folder layouts: "native" (yuhuili/SpecForge) and "speculators".
+
+Every key below was read off the loaders (vLLM 0.32 `llama_eagle3.py` and
+`transformers_utils/configs/speculators/`, SGLang `llama_eagle3.py` + `model_runner.py`,
+TensorRT-LLM `modeling_speculative.py` + `speculative/eagle3.py`, vllm-project/speculators
+`models/eagle3/config.py`). The engines disagree on what an aux-layer id means; the project keeps
+one convention (HF `hidden_states` index) and translates only here, in `engine_layer_ids`.
+
+Both layouts carry the same tensors; only the decoder layer's prefix differs (`midlayer.` vs
+`layers.0.`). Reading a folder back is strict: an unknown or missing name is an error, because
+engine loaders may drop a misnamed tensor without a word.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig
+
+from heads.eagle3 import Eagle3Head
+from heads.export_common import cast_weights, check_layout, read_folder
+from heads.folder import TargetSpec
+from trainer.errors import UserError
+
+WEIGHTS_FILE = "model.safetensors"
+
+# Names in our head (`Eagle3Head.state_dict()` minus the target-owned embed/rotary).
+OUR_LAYER_PREFIX = "midlayer."
+SPECULATORS_LAYER_PREFIX = "layers.0."  # vLLM maps both to model.layers.0; TRT-LLM too
+
+
+def engine_layer_ids(aux_layer_ids: list[int]) -> dict[str, list[int]]:
+    """The same three target features, in each engine's own numbering.
+
+    ours / vLLM: k = residual stream after k decoder layers (HF `hidden_states[k]`).
+    SGLang: `set_eagle3_layers_to_capture` adds one to every configured id before capturing the
+    stream *entering* layer id+1, so it needs k-1. TensorRT-LLM captures the *output* of layer i
+    (0-based), which is HF index i+1, so it needs k-1 as well.
+    """
+    ids = sorted(aux_layer_ids)
+    if ids[0] < 1:
+        raise UserError(
+            f"head aux_layer_ids={ids}: id 0 (the embeddings) cannot be captured by SGLang or "
+            "TensorRT-LLM (they count layer outputs); export format=speculators for vLLM instead"
+        )
+    shifted = [k - 1 for k in ids]
+    return {"vllm": ids, "sglang": shifted, "trtllm": shifted}
+
+
+def legacy_rope(rope_parameters: dict) -> tuple[float, dict | None]:
+    """transformers-5 `rope_parameters` -> (`rope_theta`, `rope_scaling`).
+
+    The legacy pair is what SGLang and TensorRT-LLM read, and transformers 5 (vLLM) converts it
+    back, so one spelling serves every engine.
+    """
+    params = dict(rope_parameters)
+    theta = float(params.pop("rope_theta"))
+    if params.get("rope_type", "default") == "default" and set(params) <= {"rope_type"}:
+        return theta, None
+    return theta, params
+
+
+def layer_fields(cfg: dict) -> dict:
+    """The draft decoder layer's LlamaConfig fields, spelled for every engine."""
+    theta, scaling = legacy_rope(cfg["rope_parameters"])
+    return {
+        "model_type": "llama",
+        "hidden_size": cfg["hidden_size"],
+        "intermediate_size": cfg["intermediate_size"],
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg["num_attention_heads"],
+        "num_key_value_heads": cfg["num_key_value_heads"],
+        "head_dim": cfg["head_dim"],
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg["rms_norm_eps"],
+        "max_position_embeddings": cfg["max_position_embeddings"],
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "vocab_size": cfg["vocab_size"],
+        # SGLang ties lm_head to embed_tokens when this is true; the draft has its own lm_head.
+        "tie_word_embeddings": False,
+    }
+
+
+# Variants of the layer that our head does not have; vLLM's speculators path defaults
+# norm_before_residual to True when the key is missing, so all are always written.
+VARIANT_FLAGS = {
+    "norm_before_residual": False,
+    "norm_before_fc": False,
+    "fc_norm": False,
+    "norm_output": False,
+}
+
+
+def native_config(cfg: dict, dtype: str) -> dict:
+    """config.json of the native layout (vLLM, SGLang and TensorRT-LLM read it)."""
+    ids = engine_layer_ids(cfg["aux_layer_ids"])
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **layer_fields(cfg),
+        "draft_vocab_size": cfg["draft_vocab_size"],
+        "target_hidden_size": cfg["target_hidden_size"],
+        # vLLM reads the top-level list before eagle_config; SGLang reads only eagle_config.
+        "eagle_aux_hidden_state_layer_ids": ids["vllm"],
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": ids["sglang"],
+            "use_aux_hidden_state": True,
+        },
+        **VARIANT_FLAGS,
+        "torch_dtype": dtype,
+    }
+
+
+def speculators_config(
+    cfg: dict, dtype: str, num_speculative_tokens: int, verifier: str, verifier_arch: list[str]
+) -> dict:
+    """config.json of the speculators layout (`vllm serve <dir>` needs nothing else)."""
+    if len(cfg["aux_layer_ids"]) != 3:
+        raise UserError("format=speculators: vLLM sizes fc for exactly 3 aux layers")
+    return {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": layer_fields(cfg),
+        "draft_vocab_size": cfg["draft_vocab_size"],
+        "target_hidden_size": cfg["target_hidden_size"],
+        "eagle_aux_hidden_state_layer_ids": sorted(cfg["aux_layer_ids"]),
+        **VARIANT_FLAGS,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": num_speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": verifier_arch},
+        },
+        "torch_dtype": dtype,
+    }
+
+
+def rename_layer(tensors: dict[str, torch.Tensor], old: str, new: str) -> dict[str, torch.Tensor]:
+    return {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in tensors.items()}
+
+
+def expected_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor the layout holds, in our names, with the shape the engines allocate."""
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    q, kv, inter = (
+        cfg["num_attention_heads"] * hd,
+        cfg["num_key_value_heads"] * hd,
+        cfg["intermediate_size"],
+    )
+    p = OUR_LAYER_PREFIX
+    return {
+        "fc.weight": (h, len(cfg["aux_layer_ids"]) * cfg["target_hidden_size"]),
+        f"{p}self_attn.q_proj.weight": (q, 2 * h),
+        f"{p}self_attn.k_proj.weight": (kv, 2 * h),
+        f"{p}self_attn.v_proj.weight": (kv, 2 * h),
+        f"{p}self_attn.o_proj.weight": (h, q),
+        f"{p}mlp.gate_proj.weight": (inter, h),
+        f"{p}mlp.up_proj.weight": (inter, h),
+        f"{p}mlp.down_proj.weight": (h, inter),
+        f"{p}input_layernorm.weight": (h,),
+        f"{p}hidden_norm.weight": (h,),
+        f"{p}post_attention_layernorm.weight": (h,),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg["draft_vocab_size"], h),
+        "d2t": (cfg["draft_vocab_size"],),
+        "t2d": (cfg["vocab_size"],),
+    }
+
+
+def check_tensor_names(tensors: dict[str, torch.Tensor], cfg: dict, where: str) -> None:
+    """Refuse a folder whose tensors are not exactly the ones the engines load."""
+    check_layout(tensors, expected_tensor_shapes(cfg), where)
+    if tensors["d2t"].dtype != torch.int64 or tensors["t2d"].dtype != torch.bool:
+        raise UserError(f"{where}: d2t must be int64 offsets and t2d bool")
+
+
+def speculators_tensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
+    return rename_layer(cast_weights(tensors, dtype), OUR_LAYER_PREFIX, SPECULATORS_LAYER_PREFIX)
+
+
+def _head_config(layer: dict, top: dict, aux_layer_ids: list[int]) -> dict:
+    """Our draft LlamaConfig kwargs rebuilt from an exported config (legacy rope keys included)."""
+    keys = (
+        "hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim "
+        "rms_norm_eps max_position_embeddings vocab_size rope_theta rope_scaling"
+    ).split()
+    return {
+        **{k: layer[k] for k in keys},
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "draft_vocab_size": top["draft_vocab_size"],
+        "target_hidden_size": top["target_hidden_size"],
+        "aux_layer_ids": aux_layer_ids,
+    }
+
+
+def _check_flags(top: dict, where: str) -> None:
+    differ = {k: top.get(k) for k, v in VARIANT_FLAGS.items() if top.get(k) is not v}
+    if differ:
+        raise UserError(f"{where}: layer variants {differ} are not what this head computes")
+
+
+def read_native(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Our loader for the native layout: (draft config kwargs, tensors in our names)."""
+    top, tensors = read_folder(folder, WEIGHTS_FILE)
+    where = f"eagle3 export {folder}"
+    ids = top["eagle_aux_hidden_state_layer_ids"]
+    sglang = top.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    if sglang != engine_layer_ids(ids)["sglang"]:
+        raise UserError(f"{where}: eagle_config ids {sglang} are not the vLLM ids {ids} minus one")
+    _check_flags(top, where)
+    cfg = _head_config(top, top, ids)
+    check_tensor_names(tensors, cfg, where)
+    return cfg, tensors
+
+
+def read_speculators(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Our loader for the speculators layout: (draft config kwargs, tensors in our names)."""
+    top, tensors = read_folder(folder, WEIGHTS_FILE)
+    where = f"speculators export {folder}"
+    if top.get("speculators_model_type") != "eagle3":
+        raise UserError(f"{where}: speculators_model_type is not eagle3")
+    _check_flags(top, where)
+    foreign = [k for k in tensors if k.startswith(OUR_LAYER_PREFIX)]
+    if foreign:
+        raise UserError(f"{where}: {foreign[0]} uses the native prefix, expected layers.0.")
+    tensors = rename_layer(tensors, SPECULATORS_LAYER_PREFIX, OUR_LAYER_PREFIX)
+    cfg = _head_config(
+        top["transformer_layer_config"], top, top["eagle_aux_hidden_state_layer_ids"]
+    )
+    check_tensor_names(tensors, cfg, where)
+    return cfg, tensors
+
+
+def build_head(
+    cfg: dict, spec: TargetSpec, tensors: dict[str, torch.Tensor], embed: torch.Tensor
+) -> Eagle3Head:
+    """An `Eagle3Head` from config kwargs and tensors; `embed` is the target's (never exported)."""
+    head = Eagle3Head(LlamaConfig(**cfg), spec)
+    missing, unexpected = head.load_state_dict(
+        {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=False
+    )
+    missing = [k for k in missing if not k.startswith(("embed_tokens.", "rotary."))]
+    if missing or unexpected:
+        raise UserError(f"eagle3 head: missing {missing}, unexpected {unexpected}")
+    head.embed_tokens.weight.data.copy_(embed.float())
+    return head.eval()
+
+
+def head_outputs(head: Eagle3Head, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The head's fc and one draft step on fixed random inputs, for comparing two heads."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = head.config
+    t = 6
+    aux = torch.randn(1, t, len(head.aux_layer_ids) * cfg.target_hidden_size, generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (1, t), generator=g)
+    with torch.no_grad():
+        fused = head.fuse(aux)
+        hidden, logits, _ = head.step(fused, ids, torch.arange(t).unsqueeze(0))
+    return {"fused": fused, "prenorm_hidden": hidden, "draft_logits": logits}

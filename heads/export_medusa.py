@@ -1,0 +1,150 @@
+"""Medusa heads in vLLM's and TGI's folder layouts.
+
+Keys read off the loaders: vLLM 0.32 `model_executor/models/medusa.py` (`blocks.{h}.layers.{l}`,
+`lm_heads.{h}`, bias only with `medusa_fc_bias`; unknown names are dropped without a word) and
+`transformers_utils/configs/medusa.py` (any key holding "num"+"heads" becomes num_heads, so only
+one such key may exist); TGI `layers/medusa.py` (`{h}.{l}.linear.weight|bias`, the head's
+lm_head at `{h}.{num_layers}.weight`, bias always loaded), `layers/speculative.py` (a config with
+`architectures` is not taken for Medusa) and `models/__init__.py` (`medusa_num_heads`,
+`base_model_name_or_path`, weights in `medusa_lm_head.safetensors`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from heads.export_common import Tensors, cast_weights, check_layout, read_folder
+from trainer.errors import UserError
+
+VLLM_WEIGHTS = "model.safetensors"
+TGI_WEIGHTS = "medusa_lm_head.safetensors"
+
+
+def check_exportable(cfg: dict) -> None:
+    if cfg.get("target_update"):
+        raise UserError(
+            f"Medusa-2 head (target_update={cfg['target_update']}): its heads only fit the "
+            "jointly trained target in <head>/target, which the engines would not load; export "
+            "a Medusa-1 head (head.joint=false)"
+        )
+
+
+def expected_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Medusa head in our (= vLLM's) names."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg["num_heads"]):
+        for j in range(cfg["num_layers"]):
+            shapes[f"blocks.{i}.layers.{j}.weight"] = (h, h)
+            if cfg["fc_bias"]:
+                shapes[f"blocks.{i}.layers.{j}.bias"] = (h,)
+        shapes[f"lm_heads.{i}.weight"] = (v, h)
+    return shapes
+
+
+def check_tensor_names(tensors: Tensors, cfg: dict, where: str) -> None:
+    check_layout(tensors, expected_tensor_shapes(cfg), where)
+
+
+def vllm_config(cfg: dict, dtype: str) -> dict:
+    check_exportable(cfg)
+    return {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "hidden_size": cfg["hidden_size"],
+        "vocab_size": cfg["vocab_size"],
+        "truncated_vocab_size": cfg["vocab_size"],
+        # vLLM overwrites num_heads with num_speculative_tokens: serve with the same number.
+        "num_heads": cfg["num_heads"],
+        "num_hidden_layers": cfg["num_layers"],
+        "medusa_fc_bias": cfg["fc_bias"],
+        "torch_dtype": dtype,
+    }
+
+
+def tgi_config(cfg: dict, dtype: str, base_model: str) -> dict:
+    check_exportable(cfg)
+    return {
+        "medusa_num_heads": cfg["num_heads"],
+        "medusa_num_layers": cfg["num_layers"],
+        "base_model_name_or_path": base_model,
+        "hidden_size": cfg["hidden_size"],
+        "vocab_size": cfg["vocab_size"],
+        # TGI always loads a bias; this records whether ours was trained or is zero padding.
+        "medusa_fc_bias": cfg["fc_bias"],
+        "torch_dtype": dtype,
+    }
+
+
+def tgi_tensors(tensors: Tensors, cfg: dict, dtype: torch.dtype) -> Tensors:
+    """Our names -> TGI's; a head without biases gets zero biases (same function)."""
+    t = cast_weights(tensors, dtype)
+    h, n = cfg["hidden_size"], cfg["num_layers"]
+    out: Tensors = {}
+    for i in range(cfg["num_heads"]):
+        for j in range(n):
+            w = t[f"blocks.{i}.layers.{j}.weight"]
+            out[f"{i}.{j}.linear.weight"] = w
+            out[f"{i}.{j}.linear.bias"] = t.get(
+                f"blocks.{i}.layers.{j}.bias", torch.zeros(h, dtype=w.dtype)
+            )
+        out[f"{i}.{n}.weight"] = t[f"lm_heads.{i}.weight"]
+    return out
+
+
+def _head_config(top: dict, heads: str, layers: str) -> dict:
+    return {
+        "num_heads": top[heads],
+        "num_layers": top[layers],
+        "hidden_size": top["hidden_size"],
+        "vocab_size": top["vocab_size"],
+        "fc_bias": bool(top.get("medusa_fc_bias", False)),
+        "target_update": None,
+    }
+
+
+def read_vllm(folder: Path) -> tuple[dict, Tensors]:
+    """Our strict loader for the medusa-vllm layout."""
+    top, tensors = read_folder(folder, VLLM_WEIGHTS)
+    where = f"medusa-vllm export {folder}"
+    counted = [k for k in top if "num" in k and ("heads" in k or "layers" in k)]
+    if sorted(counted) != ["num_heads", "num_hidden_layers"]:
+        raise UserError(f"{where}: vLLM renames every num*heads/num*layers key; found {counted}")
+    cfg = _head_config(top, "num_heads", "num_hidden_layers")
+    check_tensor_names(tensors, cfg, where)
+    return cfg, tensors
+
+
+def read_tgi(folder: Path) -> tuple[dict, Tensors]:
+    """Our strict loader for the medusa-tgi layout (back to our names)."""
+    top, raw = read_folder(folder, TGI_WEIGHTS)
+    where = f"medusa-tgi export {folder}"
+    if "architectures" in top:
+        raise UserError(f"{where}: TGI takes a config with `architectures` for another speculator")
+    cfg = _head_config(top, "medusa_num_heads", "medusa_num_layers")
+    n = cfg["num_layers"]
+    tensors: Tensors = {}
+    for name, value in raw.items():
+        parts = name.split(".")
+        if len(parts) == 3 and parts[1] == str(n) and parts[2] == "weight":
+            tensors[f"lm_heads.{parts[0]}.weight"] = value
+        elif len(parts) == 4 and parts[2] == "linear":
+            if parts[3] == "bias" and not cfg["fc_bias"]:
+                if torch.count_nonzero(value):
+                    raise UserError(f"{where}: {name} is not zero but medusa_fc_bias is false")
+                continue
+            tensors[f"blocks.{parts[0]}.layers.{parts[1]}.{parts[3]}"] = value
+        else:
+            tensors[name] = value  # reported as unknown below
+    check_tensor_names(tensors, cfg, where)
+    return cfg, tensors
+
+
+def head_outputs(head, seed: int = 0) -> Tensors:
+    """All heads' logits on fixed random final hidden states, for comparing two heads."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 6, head.config["hidden_size"], generator=g)
+    with torch.no_grad():
+        return {"logits": head(x)}

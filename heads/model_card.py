@@ -1,0 +1,242 @@
+"""The README.md written next to every export: Hub metadata, measured acceptance, how to serve.
+
+Pure text assembly from plain dicts, so tests check it without a model; `export_head` gathers the
+facts (eval.json, the run's config, the aux-layer ids per engine) and passes them in.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Aliases of the project's embedded targets -> their Hub ids (for base_model and serve commands).
+HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+# Data sources of data_prep -> Hub dataset ids, for the `datasets` metadata.
+DATASET_IDS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
+
+LIBRARY = {
+    "eagle3": "vllm",
+    "speculators": "vllm",
+    "medusa-vllm": "vllm",
+    "medusa-tgi": "text-generation-inference",
+}
+
+
+def hub_id(target_name: str) -> str | None:
+    """The target's Hub id, or None for a local folder/file (base_model must be a Hub id)."""
+    if target_name in HUB_IDS:
+        return HUB_IDS[target_name]
+    looks_like_id = target_name.count("/") == 1 and not target_name.startswith((".", "/", "~"))
+    return target_name if looks_like_id and not Path(target_name).exists() else None
+
+
+@dataclass
+class CardFacts:
+    fmt: str  # export format name
+    kind: str  # eagle3 | medusa
+    target_name: str
+    location: str  # where users fetch the head from: a Hub repo id or the exported folder
+    num_speculative_tokens: int
+    license: str
+    layer_ids: dict[str, list[int]] = field(default_factory=dict)  # engine -> aux ids (eagle3)
+    eval_report: dict | None = None  # eval.json
+    data: dict | None = None  # the run's `data` config
+    notes: list[str] = field(default_factory=list)
+
+
+def front_matter(f: CardFacts) -> str:
+    base = hub_id(f.target_name)
+    lines = ["---"]
+    if base:
+        lines.append(f"base_model: {base}")
+    lines += [f"library_name: {LIBRARY[f.fmt]}", f"license: {f.license}", "tags:"]
+    tags = ["speculative-decoding", f.kind, "draft-model", "draftsmith", f.fmt]
+    lines += [f"- {t}" for t in dict.fromkeys(tags)]
+    source = (f.data or {}).get("source")
+    if source in DATASET_IDS:
+        lines += ["datasets:", f"- {DATASET_IDS[source]}"]
+    lines.append("---")
+    return "\n".join(lines)
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def acceptance_section(report: dict | None) -> str:
+    if not report:
+        return "## Measured acceptance\n\nNo eval.json was given at export time: not measured.\n"
+    s = report.get("settings", {})
+    how = (
+        f"{s.get('mode', 'chain')} drafting"
+        + (
+            f" with {s['num_speculative_tokens']} speculative tokens"
+            if s.get("mode") == "chain"
+            else ""
+        )
+        + f", temperature {s.get('temperature', 0.0)}, up to {s.get('max_new_tokens')} new tokens"
+    )
+    rows = list(report.get("tasks", {}).items()) + [("overall", report.get("overall", {}))]
+    table = [
+        "| task | prompts | mean acceptance length | acceptance per position | speedup vs greedy |",
+        "|---|---|---|---|---|",
+    ]
+    table += [
+        f"| {name} | {m.get('prompts', '-')} | {_num(m.get('mean_acceptance_length'))} | "
+        f"{', '.join(_num(r) for r in m.get('acceptance_per_position', []))} | "
+        f"{_num(m.get('speedup_vs_greedy'))} |"
+        for name, m in rows
+    ]
+    return "\n".join(
+        [
+            "## Measured acceptance",
+            "",
+            "Mean acceptance length = tokens per target forward, counting the bonus token (vLLM's "
+            f"`1 + accepted / drafts`), measured by draftsmith's evaluator ({how}). Speedup is "
+            "wall-clock on the machine that ran the evaluation.",
+            "",
+            *table,
+            "",
+            f"Greedy speculative output identical to plain greedy decoding: "
+            f"{report.get('lossless')}.",
+        ]
+    )
+
+
+def _serve_eagle3(f: CardFacts) -> list[str]:
+    base = hub_id(f.target_name) or f.target_name
+    k, loc = f.num_speculative_tokens, f.location
+    spec = json.dumps({"method": "eagle3", "model": loc, "num_speculative_tokens": k})
+    lines = []
+    if f.fmt == "speculators":
+        lines += [
+            "vLLM (the config names the target, so one argument is enough):",
+            "",
+            "```bash",
+            f"vllm serve {loc}",
+            "```",
+            "",
+            "or explicitly:",
+            "",
+        ]
+    else:
+        lines += ["vLLM:", ""]
+    lines += ["```bash", f"vllm serve {base} --speculative-config '{spec}'", "```", ""]
+    if f.fmt == "eagle3":
+        ids = f.layer_ids["trtllm"]
+        lines += [
+            "SGLang:",
+            "",
+            "```bash",
+            f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {loc} --speculative-num-steps {k} "
+            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
+            "```",
+            "",
+            "TensorRT-LLM (PyTorch backend; it takes the layer ids at serve time, in its own "
+            "numbering):",
+            "",
+            "```yaml",
+            "speculative_config:",
+            "  decoding_type: Eagle3",
+            f"  max_draft_len: {k}",
+            f"  speculative_model: {loc}",
+            f"  eagle3_layers_to_capture: {ids}",
+            "```",
+        ]
+    return lines
+
+
+def _serve_medusa(f: CardFacts) -> list[str]:
+    base = hub_id(f.target_name) or f.target_name
+    k, loc = f.num_speculative_tokens, f.location
+    if f.fmt == "medusa-tgi":
+        return [
+            "Text Generation Inference (the config names the base model):",
+            "",
+            "```bash",
+            f"text-generation-launcher --model-id {loc} --speculate {k}",
+            "```",
+        ]
+    spec = json.dumps({"method": "medusa", "model": loc, "num_speculative_tokens": k})
+    return [
+        "vLLM (num_speculative_tokens must equal the number of heads):",
+        "",
+        "```bash",
+        f"vllm serve {base} --speculative-config '{spec}'",
+        "```",
+    ]
+
+
+def serve_section(f: CardFacts) -> str:
+    lines = _serve_eagle3(f) if f.kind == "eagle3" else _serve_medusa(f)
+    return "\n".join(["## Serve", "", *lines, ""])
+
+
+def layer_ids_section(f: CardFacts) -> str:
+    if not f.layer_ids:
+        return ""
+    ids = f.layer_ids
+    rows = [
+        f"| draftsmith / vLLM (`hidden_states[k]` = residual stream after k layers) | "
+        f"{ids['vllm']} | `eagle_aux_hidden_state_layer_ids` |",
+    ]
+    if "sglang" in ids:
+        rows += [
+            f"| SGLang (adds one before capturing) | {ids['sglang']} | "
+            "`eagle_config.eagle_aux_hidden_state_layer_ids` |",
+            f"| TensorRT-LLM (output of layer i) | {ids['trtllm']} | "
+            "`eagle3_layers_to_capture` at serve time |",
+        ]
+    return "\n".join(
+        [
+            "## Target layers the head reads",
+            "",
+            "The engines number the same three target features differently; this export writes "
+            "each engine's numbering where that engine reads it:",
+            "",
+            "| convention | ids | where |",
+            "|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
+
+
+def data_section(data: dict | None) -> str:
+    if not data:
+        return "## Training data\n\nNot recorded next to the head.\n"
+    regen = data.get("regenerate") or {}
+    lines = [
+        f"- source: `{data.get('source')}` (split `{data.get('split', 'train')}`), "
+        f"at most {data.get('max_samples')} conversations, {data.get('max_length')} tokens each",
+    ]
+    if regen.get("enabled"):
+        lines.append(
+            "- assistant turns regenerated by the target itself (temperature "
+            f"{regen.get('temperature')}, up to {regen.get('max_new_tokens')} new tokens), so "
+            "the head learns the target's own distribution"
+        )
+    return "\n".join(["## Training data", "", *lines, ""])
+
+
+def render(f: CardFacts) -> str:
+    title = "EAGLE-3 draft head" if f.kind == "eagle3" else "Medusa heads"
+    intro = (
+        f"{title} for `{hub_id(f.target_name) or f.target_name}`, trained and exported "
+        f"(format `{f.fmt}`) with draftsmith. It only speeds up that target: the verifier "
+        "decides every token, so outputs are the target's own."
+    )
+    parts = [
+        front_matter(f),
+        f"# {title} for {hub_id(f.target_name) or f.target_name}",
+        intro,
+        acceptance_section(f.eval_report),
+        serve_section(f),
+        layer_ids_section(f),
+        data_section(f.data),
+        "\n".join(f"- {n}" for n in f.notes),
+    ]
+    return "\n\n".join(p.strip() for p in parts if p.strip()) + "\n"

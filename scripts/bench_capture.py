@@ -1,0 +1,113 @@
+"""Capture throughput vs the bare target forward on the same batches; prints ONE JSON line.
+
+    flock /tmp/draftsmith-heavy.lock python scripts/bench_capture.py [--storage fp8]
+
+Samples are ShareGPT conversations with their original answers (no regeneration), tokenized
+and sharded exactly as `prepare` does; EAGLE-3 capture (three aux layers + the final one).
+`forward_tokens_per_s` times the same model call without hidden states and without storage
+(the capture skips the full-vocabulary lm_head, so the baseline does too);
+`full_logits_forward_tokens_per_s` is a plain `model(ids)` for reference. Each side takes its
+best of `--reps` interleaved rounds, so a neighbour's load spike hurts both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_module
+
+from data_prep.capture import capture_shard, length_batches
+from data_prep.prepare import capture_spec, select_samples, tokenize_all
+from data_prep.store import open_partial, write_split
+from trainer.config import validate
+from trainer.target import load_target_from_config
+
+
+@torch.inference_mode()
+def bare_forward(model, shards, batch_tokens: int, full_logits: bool) -> None:
+    for shard in shards:
+        lengths = [len(t.input_ids) for t in shard]
+        for idx in length_batches(lengths, batch_tokens):
+            batch = [shard[i].input_ids for i in idx]
+            width = max(map(len, batch))
+            ids = torch.tensor([s + [0] * (width - len(s)) for s in batch])
+            attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in batch])
+            extra = {} if full_logits else {"logits_to_keep": 1}
+            model(input_ids=ids, attention_mask=attn, use_cache=False, **extra)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=24)
+    ap.add_argument("--storage", default="bfloat16", choices=["bfloat16", "fp8"])
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=2)
+    args = ap.parse_args()
+    overrides = [
+        "+head=eagle3",
+        f"data.max_samples={args.samples}",
+        "data.regenerate.enabled=false",
+        f"data.storage_dtype={args.storage}",
+        f"target.num_threads={args.threads}",
+    ]
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = validate(compose(config_name="config", overrides=overrides))
+    model, tok = load_target_from_config(cfg.target)
+    n_layers = model.config.get_text_config().num_hidden_layers
+    spec = capture_spec(cfg, n_layers)
+    d = cfg.data
+    tokenized = tokenize_all(select_samples(cfg, tok, Counter()), tok, d.max_length, Counter())
+    items = sorted(tokenized.values(), key=lambda t: len(t.input_ids))
+    shards = [items[i : i + d.shard_samples] for i in range(0, len(items), d.shard_samples)]
+    tokens = sum(len(t.input_ids) for t in items)
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def capture_to_disk() -> list[dict]:
+        with tempfile.TemporaryDirectory() as tmp:
+            partial = open_partial(Path(tmp) / "data", {})
+            return write_split(
+                partial,
+                "train",
+                shards,
+                lambda chunk: capture_shard(model, chunk, spec, d.capture_batch_tokens),
+            )
+
+    records: list[dict] = []
+    forward, capture = [], []
+    for _ in range(args.reps):
+        forward.append(timed(lambda: bare_forward(model, shards, d.capture_batch_tokens, False)))
+        capture.append(timed(lambda: records.extend(capture_to_disk())))
+    full = timed(lambda: bare_forward(model, shards, d.capture_batch_tokens, True))
+    nbytes = sum(r["bytes"] for r in records) / args.reps
+    hidden = model.config.get_text_config().hidden_size
+    print(
+        json.dumps(
+            {
+                "capture_tokens_per_s": round(tokens / min(capture), 1),
+                "forward_tokens_per_s": round(tokens / min(forward), 1),
+                "ratio": round(min(forward) / min(capture), 3),
+                "bytes_per_token": round(nbytes / tokens, 1),
+                "hidden_size": hidden,
+                "bytes_per_token_over_hidden": round(nbytes / tokens / hidden, 3),
+                "full_logits_forward_tokens_per_s": round(tokens / full, 1),
+                "storage_dtype": args.storage,
+                "samples": len(items),
+                "tokens": tokens,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

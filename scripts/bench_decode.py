@@ -1,0 +1,116 @@
+"""Speculative decoding speed at batch 1 on the embedded target; prints ONE JSON line.
+
+    flock /tmp/draftsmith-heavy.lock python scripts/bench_decode.py head=<path> [reps=2] \
+        [eval.max_prompts_per_task=1] [target.num_threads=...] [other overrides]
+
+For each prompt (MT-Bench, HumanEval, GSM8K, first `eval.max_prompts_per_task` of each) it runs
+plain greedy, transformers' prompt lookup, chain drafting (`eval.num_speculative_tokens`) and
+tree drafting (`eval.tree.*`) `reps` times, interleaved so that a neighbour's load spike hurts
+all alike, and keeps each method's fastest run. Speedups are ratios of tokens/s over all prompts.
+`lossless` says that chain and tree greedy outputs equalled plain greedy token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from trainer.cli import compose_for_head, split_args
+from trainer.decoding import greedy_generate, prompt_lookup_generate, speculative_generate
+from trainer.decoding.cpu_linear import packed_linears
+from trainer.errors import UserError, exit_on_user_error
+from trainer.eval_config import check_eval_config
+from trainer.eval_report import Record, task_metrics
+from trainer.eval_tasks import encode, load_prompts
+from trainer.evaluate import draft_shape, eos_token_ids, greedy_verdict, load_drafter
+from trainer.target import load_target_from_config
+
+
+def fastest(runs):
+    return min(runs, key=lambda g: g.stats.total_s)
+
+
+@exit_on_user_error
+def main(argv: list[str]) -> None:
+    own, overrides = split_args(argv, ("head", "reps"))
+    if not any(o.startswith("eval.max_prompts_per_task=") for o in overrides):
+        overrides.append("eval.max_prompts_per_task=1")
+    cfg = compose_for_head(own.get("head", ""), overrides)
+    reps = int(own.get("reps", 2))
+    if reps < 1:
+        raise UserError(f"reps={reps}: expected an integer >= 1")
+    ev = cfg.eval
+    check_eval_config(ev)
+    prompts = load_prompts(ev)
+    model, tokenizer = load_target_from_config(cfg.target)
+    shapes = {"chain": draft_shape(ev, "chain"), "tree": draft_shape(ev, "tree")}
+    drafter, verifier = load_drafter(own["head"], model, cfg.target.name_or_path,
+                                     list(shapes.values()))
+    eos = eos_token_ids(verifier, tokenizer)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    n = ev.max_new_tokens
+
+    methods = {
+        "greedy": lambda ids: greedy_generate(verifier, ids, n, eos),
+        "prompt_lookup": lambda ids: prompt_lookup_generate(
+            verifier, ids, n, eos, ev.prompt_lookup_num_tokens),
+        **{
+            mode: lambda ids, shape=shape: speculative_generate(
+                verifier, drafter, ids, n, shape, ev.temperature, ev.top_p, eos, generator)
+            for mode, shape in shapes.items()
+        },
+    }
+    encoded = [(task, encode(tokenizer, p)) for task, ps in prompts.items() for p in ps]
+    records: dict[str, list[Record]] = {"chain": [], "tree": []}
+    with packed_linears(verifier, drafter.head, enabled=ev.packed_linears):
+        for run in methods.values():  # warm-up, not measured
+            run(encoded[0][1][:32])
+        for task, ids in encoded:
+            runs = {name: [] for name in methods}
+            for _ in range(reps):
+                for name, run in methods.items():
+                    runs[name].append(run(ids))
+            best = {name: fastest(r) for name, r in runs.items()}
+            for mode in records:
+                verdict = greedy_verdict(verifier, ids, best["greedy"].tokens, best[mode].tokens)
+                records[mode].append(Record(task, best[mode].stats, best["greedy"].stats,
+                                            best["prompt_lookup"].stats, verdict != "mismatch",
+                                            verdict == "tie"))
+
+    chain, tree = task_metrics(records["chain"]), task_metrics(records["tree"])
+    line = {
+        "head": own["head"],
+        "target": cfg.target.name_or_path,
+        "prompts": len(encoded),
+        "max_new_tokens": n,
+        "reps": reps,
+        "threads": torch.get_num_threads(),
+        "packed_linears": ev.packed_linears,
+        "temperature": ev.temperature,
+        "num_speculative_tokens": ev.num_speculative_tokens,
+        "tree": {"total_tokens": ev.tree.total_tokens, "depth": ev.tree.depth,
+                 "topk": ev.tree.topk},
+        "greedy_tokens_per_s": chain["greedy_tokens_per_s"],
+        "prompt_lookup_tokens_per_s": chain["prompt_lookup_tokens_per_s"],
+        "prompt_lookup_tokens_per_forward": chain["prompt_lookup_tokens_per_forward"],
+    }
+    for prefix, m in (("", chain), ("tree_", tree)):
+        line |= {
+            f"{prefix}mean_acceptance_length": m["mean_acceptance_length"],
+            f"{prefix}acceptance_per_position": m["acceptance_per_position"],
+            f"{prefix}tokens_per_s": m["spec_tokens_per_s"],
+            f"{prefix}speedup_vs_greedy": m["speedup_vs_greedy"],
+            f"{prefix}speedup_vs_prompt_lookup": m["speedup_vs_prompt_lookup"],
+            f"{prefix}draft_time_s": m["draft_time_s"],
+            f"{prefix}verify_time_s": m["verify_time_s"],
+        }
+    greedy_mode = ev.temperature == 0
+    line["lossless"] = chain["lossless"] and tree["lossless"] if greedy_mode else None
+    line["numerical_ties"] = chain["numerical_ties"] + tree["numerical_ties"]
+    print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

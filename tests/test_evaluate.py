@@ -1,0 +1,183 @@
+"""The evaluator end to end on a tiny target: report files, metrics, task loading, and refusing
+heads or settings that do not fit before anything is decoded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY
+from decode_helpers import (
+    chaotic_target,
+    single_thread,  # noqa: F401 (fixture)
+)
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from heads.eagle3 import Eagle3Config, Eagle3Head
+from heads.folder import CONFIG_NAME
+from heads.medusa import MedusaConfig, MedusaHead
+from trainer.cli import compose_root
+from trainer.decoding import greedy_generate
+from trainer.errors import UserError
+from trainer.eval_tasks import load_prompts, user_prompts
+from trainer.evaluate import evaluate, greedy_verdict
+from trainer.target import load_target
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+QUICK = ["eval.max_prompts_per_task=1", "eval.max_new_tokens=10", "eval.tasks=[mtbench,gsm8k]"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    return load_target(str(tiny_llama_dir))
+
+
+def eagle_head(model, name: str, out: Path, aux: list[int] | None = None) -> Path:
+    v = model.config.vocab_size
+    d2t, t2d = torch.zeros(v, dtype=torch.long), torch.ones(v, dtype=torch.bool)
+    cfg = Eagle3Config(draft_vocab_size=v, aux_layer_ids=aux)
+    head = Eagle3Head.from_target(model, name, cfg, d2t, t2d)
+    return head.save_pretrained(out)
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(tiny, tiny_llama_dir, tmp_path_factory):
+    return eagle_head(tiny[0], str(tiny_llama_dir), tmp_path_factory.mktemp("h") / "eagle3")
+
+
+def config(kind: str, target_dir: Path, *overrides: str):
+    return compose_root([f"+head={kind}", f"target.name_or_path={target_dir}", *QUICK, *overrides])
+
+
+def test_evaluate_writes_the_report(tiny, tiny_llama_dir, eagle_dir, tmp_path):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text(
+        json.dumps({"task": "mine", "messages": [{"role": "user", "content": "Say hi."}]}) + "\n"
+    )
+    cfg = config("eagle3", tiny_llama_dir, f"eval.prompts={prompts}",
+                 "eval.baselines=[greedy,prompt_lookup]")
+    out = tmp_path / "eval"
+    result = evaluate(cfg, eagle_dir, out, target=tiny)
+    assert sorted(p.name for p in out.iterdir()) == ["acceptance.png", "eval.json", "eval.md"]
+    assert json.loads((out / "eval.json").read_text()) == result
+    assert result["lossless"] is True and set(result["tasks"]) == {"mtbench", "gsm8k", "mine"}
+    o = result["overall"]
+    assert o["prompts"] == 3 and o["new_tokens"] == 30
+    assert o["mean_acceptance_length"] == 1 + o["accepted_tokens"] / o["drafts"]
+    assert len(o["acceptance_per_position"]) == 3
+    assert o["speedup_vs_greedy"] == pytest.approx(
+        o["spec_tokens_per_s"] / o["greedy_tokens_per_s"], rel=1e-3)
+    assert {"prompt_lookup_tokens_per_s", "speedup_vs_prompt_lookup"} <= o.keys()
+    md = (out / "eval.md").read_text()
+    assert "| overall | 3 |" in md and "| mine | 1 |" in md
+    assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_medusa_head_in_tree_mode(tiny, tiny_llama_dir, tmp_path):
+    head = MedusaHead.from_target(tiny[0], str(tiny_llama_dir), MedusaConfig(num_heads=3))
+    folder = head.save_pretrained(tmp_path / "medusa")
+    choices = "eval.tree.medusa_choices=[[0],[1],[0,0],[0,0,0]]"
+    cfg = config("medusa", tiny_llama_dir, "eval.mode=tree", choices)
+    result = evaluate(cfg, folder, tmp_path / "eval", target=tiny)
+    assert result["lossless"] and len(result["overall"]["acceptance_per_position"]) == 3
+    too_deep = config("medusa", tiny_llama_dir, "eval.mode=tree",
+                      "eval.tree.medusa_choices=[[0],[0,0],[0,0,0],[0,0,0,0]]")
+    with pytest.raises(UserError, match="needs 4 Medusa heads; the head has 3"):
+        evaluate(too_deep, folder, tmp_path / "eval2", target=tiny)
+
+
+def test_head_for_another_target_is_refused_before_decoding(tiny, tiny_llama_dir, tmp_path):
+    other = AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY, "num_hidden_layers": 6},
+                                                         vocab_size=tiny[0].config.vocab_size))
+    foreign = eagle_head(other, "other-target", tmp_path / "foreign", aux=[1, 2, 3])
+    with pytest.raises(UserError, match="num_hidden_layers 6 != 8"):
+        evaluate(config("eagle3", tiny_llama_dir), foreign, tmp_path / "eval", target=tiny)
+    assert not (tmp_path / "eval").exists()
+
+
+def test_aux_layer_ids_outside_the_target_are_refused(tiny, tiny_llama_dir, eagle_dir, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in eagle_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    meta = json.loads((bad / CONFIG_NAME).read_text())
+    meta["config"]["aux_layer_ids"] = [2, 4, 12]
+    (bad / CONFIG_NAME).write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=r"aux_layer_ids \[2, 4, 12\] do not fit"):
+        evaluate(config("eagle3", tiny_llama_dir), bad, tmp_path / "eval", target=tiny)
+
+
+def test_greedy_verdict_tells_rounding_ties_from_mismatches():
+    model = chaotic_target("llama")
+    prompt = torch.tensor([1, 2, 3])
+    plain = greedy_generate(model, prompt, 6).tokens
+    assert greedy_verdict(model, prompt, plain, plain) == "same"
+    wrong = plain[:2] + [(plain[2] + 1) % 256] + plain[3:]
+    assert greedy_verdict(model, prompt, plain, wrong) == "mismatch"
+    assert greedy_verdict(model, prompt, plain, plain[:4]) == "mismatch"
+    # Tokens 3 and 7 get identical logits, far above the rest: an exact tie at every step.
+    model.lm_head.weight.data[7] = model.lm_head.weight.data[3]
+    bias = torch.zeros(256)
+    bias[[3, 7]] = 1e3
+    model.lm_head.bias = torch.nn.Parameter(bias, requires_grad=False)
+    tied = greedy_generate(model, prompt, 6).tokens
+    assert set(tied) <= {3, 7}
+    assert greedy_verdict(model, prompt, tied, [10 - tied[0]] + tied[1:]) == "tie"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("eval.mode=beam", "eval.mode='beam'"),
+        ("eval.num_speculative_tokens=0", "eval.num_speculative_tokens=0"),
+        ("eval.top_p=0", "eval.top_p=0"),
+        ("eval.baselines=[greedy,medusa]", "eval.baselines=\\['medusa'\\]"),
+        ("eval.tasks=[mmlu]", "eval.tasks=\\['mmlu'\\]: unknown task"),
+    ],
+)
+def test_bad_eval_settings_are_refused(tiny, tiny_llama_dir, eagle_dir, tmp_path, override,
+                                       message):
+    with pytest.raises(UserError, match=message):
+        evaluate(config("eagle3", tiny_llama_dir, override), eagle_dir, tmp_path, target=tiny)
+
+
+def test_builtin_tasks_come_from_the_installed_packages():
+    cfg = compose_root(["+head=eagle3", "eval.max_prompts_per_task=8"]).eval
+    tasks = load_prompts(cfg)
+    assert {t: len(p) for t, p in tasks.items()} == {"mtbench": 8, "humaneval": 8, "gsm8k": 8}
+    assert tasks["gsm8k"][0].messages[0]["content"].startswith("Janet")
+    assert "def " in tasks["humaneval"][0].messages[0]["content"]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "line 1: not valid JSON"),
+        ('{"prompt": "hi"}', 'line 1: expected an object with a string "task"'),
+        ('{"task": "t", "messages": [{"role": "user"}]}', 'expected "prompt"'),
+    ],
+)
+def test_bad_user_prompts_name_the_line(tmp_path, line, message):
+    f = tmp_path / "p.jsonl"
+    f.write_text(line + "\n")
+    with pytest.raises(UserError, match=message):
+        user_prompts(str(f))
+
+
+@pytest.mark.slow  # a fresh process loads torch, transformers and the target
+def test_command_line(tiny_llama_dir, eagle_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "trainer.evaluate", f"head={eagle_dir}", *QUICK,
+           "eval.tasks=[gsm8k]", f"eval.out_dir={tmp_path / 'out'}", "target.num_threads=1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "lossless True" in proc.stdout
+    assert json.loads((tmp_path / "out" / "eval.json").read_text())["tasks"].keys() == {"gsm8k"}
+    proc = subprocess.run([*cmd[:3], f"head={tmp_path}"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: head=")

@@ -1,0 +1,293 @@
+"""EAGLE-3 export: engine key sets, config keys, aux-layer numbering, round trips, self-check, card.
+
+Heads are real `Eagle3Head`s built on the tiny random targets of conftest.py and saved in the
+project's folder format; exports are real safetensors folders read back by our strict readers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+
+from heads.eagle3 import Eagle3Config, Eagle3Head
+from heads.export import export_head, export_with_report
+from heads.export_check import KINDS
+from heads.export_common import cast_weights
+from heads.export_eagle3 import engine_layer_ids, read_native, read_speculators
+from heads.folder import load_head
+from heads.model_card import CardFacts, render
+from trainer.errors import UserError
+from trainer.target import load_target
+
+# Checkpoint names the engines load for a one-layer EAGLE-3 head, written down from their source:
+# vLLM 0.32 `llama_eagle3.py` (Eagle3LlamaForCausalLM.load_weights + WeightsMapper "midlayer." ->
+# "layers.0.", q/k/v and gate/up stacked; `t2d` skipped, `d2t` -> draft_id_to_target_id),
+# SGLang `llama_eagle3.py` (LlamaForCausalLMEagle3.load_weights: `midlayer.*`, d2t -> hot_token_id),
+# TensorRT-LLM `modeling_speculative.py` (Eagle3DraftModel.midlayer, fc, norm, d2t; lm_head).
+LAYER = [
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "hidden_norm.weight",
+    "post_attention_layernorm.weight",
+]
+TOP = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+NATIVE_KEYS = TOP | {f"midlayer.{k}" for k in LAYER}
+# vllm-project/speculators Eagle3DraftModel keeps the decoder layers in `layers` (a ModuleList).
+SPECULATORS_KEYS = TOP | {f"layers.0.{k}" for k in LAYER}
+
+DRAFT_VOCAB = 512
+
+
+def make_head(target_dir: Path, out: Path, seed: int = 0) -> Path:
+    """A fresh EAGLE-3 head with a reduced, non-contiguous draft vocabulary (so d2t matters)."""
+    model, _ = load_target(str(target_dir))
+    v = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.sort(torch.randperm(v, generator=g)[:DRAFT_VOCAB]).values
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[keep] = True
+    torch.manual_seed(seed)
+    d2t = keep - torch.arange(DRAFT_VOCAB)
+    cfg = Eagle3Config(draft_vocab_size=DRAFT_VOCAB)
+    head = Eagle3Head.from_target(model, str(target_dir), cfg, d2t, t2d)
+    with torch.no_grad():  # move the norms off 1.0 so a dropped norm weight would show
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return head.save_pretrained(out)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_llama_dir):
+    model, _ = load_target(str(tiny_llama_dir))
+    return model
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    return make_head(tiny_llama_dir, tmp_path_factory.mktemp("heads") / "head")
+
+
+def trained_outputs(head_dir: Path, target_model) -> dict:
+    head = Eagle3Head.from_pretrained(head_dir, target_model, "tiny")
+    return KINDS["eagle3"].outputs(head.eval())
+
+
+def test_engine_layer_ids_follow_each_engines_capture_rule():
+    ids = engine_layer_ids([27, 2, 15])
+    assert ids == {"vllm": [2, 15, 27], "sglang": [1, 14, 26], "trtllm": [1, 14, 26]}
+    # SGLang: set_eagle3_layers_to_capture stores id+1 and captures hidden+residual *entering*
+    # that layer, i.e. HF hidden_states[id+1]. TRT-LLM captures the output of layer id, the same.
+    assert [i + 1 for i in ids["sglang"]] == ids["vllm"]
+    # Their defaults agree: vLLM/SGLang (2, N//2, N-3) == TRT-LLM (1, N//2-1, N-4) shifted.
+    n = 30
+    assert engine_layer_ids([2, n // 2, n - 3])["trtllm"] == [1, n // 2 - 1, n - 4]
+    with pytest.raises(UserError, match="id 0"):
+        engine_layer_ids([0, 4, 5])
+
+
+@pytest.mark.parametrize("fmt,keys", [("eagle3", NATIVE_KEYS), ("speculators", SPECULATORS_KEYS)])
+def test_export_holds_exactly_the_engine_names(head_dir, tmp_path, fmt, keys):
+    out = export_head(head_dir, fmt, tmp_path / fmt)
+    tensors = load_file(out / "model.safetensors")
+    assert set(tensors) == keys
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert tensors["fc.weight"].dtype == torch.bfloat16
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "config.json",
+        "model.safetensors",
+    ]
+    # Readable by an engine running as another user (mkdtemp/safetensors default to 0700/0600).
+    assert oct(out.stat().st_mode & 0o777) == "0o755"
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
+
+
+def test_native_config_keys(head_dir, tmp_path, tiny_target):
+    cfg = json.loads((export_head(head_dir, "eagle3", tmp_path / "e") / "config.json").read_text())
+    src_cfg, _, _ = load_head(head_dir, "eagle3")
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert cfg["draft_vocab_size"] == DRAFT_VOCAB and cfg["vocab_size"] == 49152
+    assert cfg["target_hidden_size"] == 64 and cfg["num_hidden_layers"] == 1
+    assert cfg["tie_word_embeddings"] is False  # SGLang would tie lm_head to the embeddings
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == src_cfg["aux_layer_ids"] == [2, 4, 5]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    # What vLLM does first: AutoConfig -> LlamaConfig, extra keys kept as attributes.
+    auto = AutoConfig.from_pretrained(tmp_path / "e")
+    assert auto.rope_parameters["rope_theta"] == tiny_target.config.rope_parameters["rope_theta"]
+    assert auto.draft_vocab_size == DRAFT_VOCAB and auto.eagle_config["use_aux_hidden_state"]
+
+
+def test_speculators_config_keys(head_dir, tmp_path):
+    out = export_head(head_dir, "speculators", tmp_path / "s", num_speculative_tokens=4)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and "model_type" not in cfg
+    assert cfg["transformer_layer_config"]["model_type"] == "llama"
+    # vLLM defaults norm_before_residual to True when it is missing: it must be written.
+    assert cfg["norm_before_residual"] is False
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    proposal = cfg["speculators_config"]["proposal_methods"][0]
+    assert proposal["speculative_tokens"] == 4
+    assert cfg["speculators_config"]["verifier"]["name_or_path"]
+
+
+@pytest.mark.parametrize("fmt,reader", [("eagle3", read_native), ("speculators", read_speculators)])
+def test_float32_round_trip_gives_identical_logits(head_dir, tmp_path, tiny_target, fmt, reader):
+    out, report = export_with_report(
+        head_dir, fmt, tmp_path / fmt, target_model=tiny_target, dtype="float32"
+    )
+    assert report["max_abs_diff_vs_trained_float32"] == 0.0
+    cfg, tensors = reader(out)
+    _, spec, _ = load_head(head_dir, "eagle3")
+    reloaded = KINDS["eagle3"].build(cfg, spec, tensors, tiny_target)
+    expected = trained_outputs(head_dir, tiny_target)
+    got = KINDS["eagle3"].outputs(reloaded)
+    for k in expected:
+        assert torch.equal(expected[k], got[k]), k
+
+
+def test_bfloat16_export_equals_the_rounded_head(head_dir, tmp_path, tiny_target):
+    out, report = export_with_report(
+        head_dir, "eagle3", tmp_path / "bf16", target_model=tiny_target
+    )
+    assert report["outputs_identical"]
+    assert 0 < report["max_abs_diff_vs_trained_float32"] < 0.05
+
+
+def test_qwen2_target_exports(tiny_qwen2_dir, tmp_path):
+    head = make_head(tiny_qwen2_dir, tmp_path / "head")
+    cfg = json.loads((export_head(head, "eagle3", tmp_path / "e") / "config.json").read_text())
+    qwen_theta = AutoConfig.from_pretrained(tiny_qwen2_dir).rope_parameters["rope_theta"]
+    assert cfg["model_type"] == "llama" and cfg["rope_theta"] == qwen_theta
+
+
+def test_reader_refuses_a_renamed_tensor(head_dir, tmp_path):
+    out = export_head(head_dir, "eagle3", tmp_path / "e")
+    tensors = load_file(out / "model.safetensors")
+    tensors["midlayer.hidden_norms.weight"] = tensors.pop("midlayer.hidden_norm.weight")
+    save_file(tensors, out / "model.safetensors")
+    with pytest.raises(UserError, match="unknown tensors.*hidden_norms.*missing.*hidden_norm"):
+        read_native(out)
+
+
+def test_reader_refuses_wrong_sglang_ids(head_dir, tmp_path):
+    out = export_head(head_dir, "eagle3", tmp_path / "e")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="minus one"):
+        read_native(out)
+
+
+def test_self_check_catches_a_changed_weight(head_dir, tmp_path, monkeypatch):
+    import heads.export_eagle3 as e3
+
+    def corrupt(tensors, cfg, dtype):
+        out = e3.rename_layer(cast_weights(tensors, dtype), "midlayer.", "layers.0.")
+        out["norm.weight"] = out["norm.weight"] + 1
+        return out
+
+    import heads.export as export
+
+    layout = export.LAYOUTS["speculators"]
+    monkeypatch.setitem(
+        export.LAYOUTS, "speculators", export.Layout(**{**layout.__dict__, "tensors": corrupt})
+    )
+    with pytest.raises(UserError, match="self-check failed: norm.weight: values differ"):
+        export_head(head_dir, "speculators", tmp_path / "bad")
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.tmp-*"))
+
+
+def test_wrong_format_and_wrong_kind_are_user_errors(head_dir, tmp_path):
+    with pytest.raises(UserError, match="format='onnx'"):
+        export_head(head_dir, "onnx", tmp_path / "x")
+    with pytest.raises(UserError, match="no draftsmith_head.json"):
+        export_head(tmp_path, "eagle3", tmp_path / "x")
+
+
+EVAL = {
+    "settings": {"mode": "chain", "num_speculative_tokens": 3, "temperature": 0.0},
+    "overall": {"mean_acceptance_length": 2.5, "acceptance_per_position": [0.7, 0.5, 0.3]},
+    "tasks": {
+        "mtbench": {"mean_acceptance_length": 2.25},
+        "gsm8k": {"mean_acceptance_length": 2.75},
+    },
+    "lossless": True,
+}
+
+
+def test_model_card_states_metadata_acceptance_serving_and_data():
+    facts = CardFacts(
+        fmt="eagle3",
+        kind="eagle3",
+        target_name="smollm2-135m-instruct",
+        location="me/smol-eagle3",
+        num_speculative_tokens=3,
+        license="apache-2.0",
+        layer_ids=engine_layer_ids([2, 15, 27]),
+        eval_report=EVAL,
+        data={
+            "source": "sharegpt",
+            "max_samples": 240,
+            "max_length": 512,
+            "regenerate": {"enabled": True},
+        },
+    )
+    card = render(facts)
+    head, _, body = card.partition("\n---\n")
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in head
+    assert "library_name: vllm" in head and "license: apache-2.0" in head and "- eagle3" in head
+    assert "| mtbench | - | 2.250 |" in body and "| gsm8k | - | 2.750 |" in body
+    assert "| overall | - | 2.500 | 0.700, 0.500, 0.300 | - |" in body
+    assert "chain drafting with 3 speculative tokens, temperature 0.0" in body
+    assert '"method": "eagle3", "model": "me/smol-eagle3"' in body
+    assert "--speculative-draft-model-path me/smol-eagle3" in body
+    assert "eagle3_layers_to_capture: [1, 14, 26]" in body and "| [2, 15, 27] |" in body
+    assert "sharegpt" in body and "regenerated by the target" in body
+
+
+def test_export_card_reads_eval_json_and_run_config(head_dir, tmp_path):
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "eval.json").write_text(json.dumps(EVAL))
+    (run / "config.json").write_text(json.dumps({"data": {"source": "sharegpt", "max_samples": 8}}))
+    head = run / "head"
+    head.mkdir()
+    for f in head_dir.iterdir():
+        (head / f.name).write_bytes(f.read_bytes())
+    out = export_head(head, "speculators", run / "export", eval_json=run / "eval" / "eval.json")
+    card = (out / "README.md").read_text()
+    assert "| mtbench | - | 2.250 |" in card and "at most 8 conversations" in card
+    assert f"vllm serve {out.resolve()}" in card
+
+
+def test_cli_exports_and_reports_one_json_line(head_dir, tmp_path):
+    cmd = [sys.executable, "-m", "heads.export", f"head={head_dir}", "format=speculators"]
+    cmd.append(f"out={tmp_path / 'o'}")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["format"] == "speculators" and report["outputs_identical"]
+    assert (tmp_path / "o" / "config.json").exists()
+
+
+def test_cli_bad_format_exits_2_with_one_line(head_dir, capsys):
+    from heads.export import main
+
+    with pytest.raises(SystemExit) as done:
+        main([f"head={head_dir}", "format=onnx"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err.startswith("error: format='onnx': expected one of eagle3")

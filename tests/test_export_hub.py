@@ -1,0 +1,115 @@
+"""push_to_hub through the real huggingface_hub client.
+
+Only the network is faked: huggingface_hub's HTTP client gets a mock transport (its documented
+`set_client_factory` hook) that answers like the Hub. Everything above it (repo creation, YAML
+validation, pre-upload negotiation, the commit payload) is the library's real code.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+
+import httpx2
+import huggingface_hub
+import pytest
+import torch
+
+from heads.eagle3 import Eagle3Config, Eagle3Head
+from heads.export import export_with_report
+from trainer.errors import UserError
+from trainer.target import load_target
+
+FAKE_TOKEN = "hf_draftsmithTestToken0123"
+
+
+class FakeHub:
+    """Answers the endpoints an upload uses; records what was sent."""
+
+    def __init__(self, authorised: bool = True):
+        self.authorised, self.requests, self.files, self.yaml = authorised, [], {}, None
+
+    def __call__(self, request: httpx2.Request) -> httpx2.Response:
+        self.requests.append(request)
+        path = request.url.path
+        if path.endswith("/api/repos/create"):
+            if request.headers.get("authorization") != f"Bearer {FAKE_TOKEN}":
+                return httpx2.Response(401, json={"error": "Invalid credentials"})
+            return httpx2.Response(200, json={"url": "https://huggingface.co/me/smol-eagle3"})
+        if path.endswith("/api/validate-yaml"):
+            self.yaml = json.loads(request.content)["content"]
+            return httpx2.Response(200, json={"errors": [], "warnings": []})
+        if "/preupload/" in path:
+            files = json.loads(request.content)["files"]
+            modes = [
+                {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files
+            ]
+            return httpx2.Response(200, json={"files": modes})
+        if "/commit/" in path:
+            body = request.content
+            if request.headers.get("content-encoding") == "gzip":
+                body = gzip.decompress(body)
+            for line in body.decode().splitlines():
+                item = json.loads(line)
+                if item["key"] == "file":
+                    value = item["value"]
+                    self.files[value["path"]] = base64.b64decode(value["content"])
+            url = "https://huggingface.co/me/smol-eagle3/commit/0123abc"
+            return httpx2.Response(200, json={"commitUrl": url, "commitOid": "0123abc"})
+        return httpx2.Response(404, json={"error": "not found"})
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path):
+    def install(hub: FakeHub, token: str | None):
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no stored login
+        if token:
+            monkeypatch.setenv("HF_TOKEN", token)
+        else:
+            monkeypatch.delenv("HF_TOKEN", raising=False)
+        huggingface_hub.set_client_factory(
+            lambda: httpx2.Client(transport=httpx2.MockTransport(hub))
+        )
+        huggingface_hub.close_session()
+        return hub
+
+    yield install
+    huggingface_hub.set_client_factory(httpx2.Client)
+    huggingface_hub.close_session()
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_llama_dir, tmp_path_factory):
+    model, _ = load_target(str(tiny_llama_dir))
+    v = model.config.vocab_size
+    d2t, t2d = torch.zeros(v, dtype=torch.long), torch.ones(v, dtype=torch.bool)
+    # Named after the alias so the card's base_model is a Hub id (vocab/hidden come from the
+    # tiny model; only the name is borrowed).
+    head = Eagle3Head.from_target(
+        model, "smollm2-135m-instruct", Eagle3Config(draft_vocab_size=v), d2t, t2d
+    )
+    return head.save_pretrained(tmp_path_factory.mktemp("hub") / "head")
+
+
+def test_push_uploads_every_file_and_never_prints_the_token(head_dir, tmp_path, fake_hub, capfd):
+    hub = fake_hub(FakeHub(), FAKE_TOKEN)
+    out, result = export_with_report(
+        head_dir, "speculators", tmp_path / "out", push_to_hub="me/smol-eagle3"
+    )
+    assert result["pushed"] == "https://huggingface.co/me/smol-eagle3/commit/0123abc"
+    assert set(hub.files) == {"README.md", "config.json", "model.safetensors"}
+    for name, content in hub.files.items():
+        assert content == (out / name).read_bytes(), name
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in hub.yaml
+    # The card points users at the repo, not at this machine's folder.
+    assert "vllm serve me/smol-eagle3" in hub.files["README.md"].decode()
+    printed = capfd.readouterr()
+    assert FAKE_TOKEN not in printed.out + printed.err
+
+
+def test_push_without_a_token_is_a_user_error(head_dir, tmp_path, fake_hub, capfd):
+    fake_hub(FakeHub(), None)
+    with pytest.raises(UserError, match="push_to_hub=me/smol-eagle3: .*HF_TOKEN"):
+        export_with_report(head_dir, "eagle3", tmp_path / "out", push_to_hub="me/smol-eagle3")
+    assert (tmp_path / "out" / "config.json").exists()  # the export itself stands

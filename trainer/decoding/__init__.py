@@ -1,0 +1,28 @@
+"""The built-in speculative decoder: pure acceptance/tree rules, drafters and one loop."""
+
+from trainer.decoding.baselines import greedy_generate, prompt_lookup_generate
+from trainer.decoding.cpu_linear import packed_linears
+from trainer.decoding.decoder import DecodeStats, Generation, speculative_generate
+from trainer.decoding.drafters import (
+    Chain,
+    Draft,
+    Eagle3Drafter,
+    MedusaDrafter,
+    OracleDrafter,
+    Tree,
+)
+
+__all__ = [
+    "Chain",
+    "DecodeStats",
+    "Draft",
+    "Eagle3Drafter",
+    "Generation",
+    "MedusaDrafter",
+    "OracleDrafter",
+    "Tree",
+    "greedy_generate",
+    "packed_linears",
+    "prompt_lookup_generate",
+    "speculative_generate",
+]

@@ -1,0 +1,149 @@
+"""The decoding loop: draft, verify with one target forward, keep what the rule accepts.
+
+Batch 1, any transformers causal LM. The same `TargetCache` serves speculative decoding and the
+plain greedy baseline (`baselines.py`), so their speed is compared on equal code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer.decoding.drafters import Chain, Draft, Shape
+from trainer.decoding.target_cache import TargetCache
+from trainer.decoding.tree import tree_depths
+from trainer.decoding.verify import (
+    Sampling,
+    greedy_accept_chain,
+    greedy_accept_tree,
+    rejection_sample_chain,
+    rejection_sample_tree,
+    warp,
+)
+
+
+@dataclass
+class DecodeStats:
+    """Per request. `drafts` counts verify steps that carried drafts (vLLM's num_drafts);
+    `accepted_per_position[j]` counts steps whose (j+1)-th draft (tree depth j+1) was kept."""
+
+    new_tokens: int = 0
+    target_forwards: int = 0  # prefill included
+    drafts: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verify forward counting the bonus token: 1 + accepted / drafts."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    stats: DecodeStats
+
+
+DEFAULT_SHAPE = Chain(3)
+
+
+def clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def extend(out: list[int], new: list[int], max_new_tokens: int, eos_ids: set[int]) -> bool:
+    """Append `new` up to the first EOS (kept) or the budget; True once generation is over."""
+    for t in new:
+        if len(out) >= max_new_tokens:
+            return True
+        out.append(t)
+        if t in eos_ids:
+            return True
+    return len(out) >= max_new_tokens
+
+
+def _accept(
+    draft: Draft, tokens: torch.Tensor, logits: torch.Tensor, sampling: Sampling
+) -> tuple[list[int], int]:
+    """-> (indices of the verified chunk that are kept, root first; the next token)."""
+    if draft.parents is not None:
+        if sampling.greedy:
+            return greedy_accept_tree(tokens, draft.parents, logits.argmax(-1).cpu())
+        p = warp(logits, sampling.temperature, sampling.top_p)
+        return rejection_sample_tree(tokens, draft.parents, p, sampling.generator)
+    if sampling.greedy:
+        n, nxt = greedy_accept_chain(draft.tokens, logits.argmax(-1).cpu())
+    else:
+        p = warp(logits, sampling.temperature, sampling.top_p)
+        n, nxt = rejection_sample_chain(draft.tokens, p, draft.q, sampling.generator)
+    return list(range(n + 1)), nxt
+
+
+@torch.no_grad()
+def speculative_generate(
+    target,
+    drafter,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    shape: Shape = DEFAULT_SHAPE,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_ids: tuple[int, ...] | set[int] = (),
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Generate up to `max_new_tokens` after `input_ids` [T] (or [1, T]) with `drafter`.
+
+    Greedy (temperature 0) output equals plain greedy decoding token for token; sampled output is
+    distributed exactly as sampling the target with the same temperature and top-p.
+    """
+    prompt = input_ids.reshape(-1).cpu()
+    sampling = Sampling(temperature, top_p, generator)
+    eos, stats = set(eos_ids), DecodeStats()
+    runner = TargetCache(target, drafter.hidden_layers)
+    start = clock(runner.device)
+    logits, hidden = runner.forward(prompt, last_only=True)
+    runner.keep(list(range(prompt.numel())))
+    first = sampling.pick(logits[-1])[0]
+    drafter.start(prompt, hidden, first)
+    stats.prefill_s = clock(runner.device) - start
+    stats.target_forwards = 1
+    out: list[int] = []
+    done = extend(out, [first], max_new_tokens, eos)
+    while not done:
+        t0 = clock(runner.device)
+        draft = drafter.propose(shape, sampling)
+        t1 = clock(runner.device)
+        chunk = torch.cat([torch.tensor(out[-1:]), draft.tokens])
+        logits, hidden = runner.forward(chunk, draft.parents)
+        path, nxt = _accept(draft, chunk, logits, sampling)
+        runner.keep(path)
+        done = extend(out, chunk[path[1:]].tolist() + [nxt], max_new_tokens, eos)
+        if not done:
+            drafter.commit(chunk[path], [h[path] for h in hidden], nxt)
+        stats.draft_s += t1 - t0
+        stats.verify_s += clock(runner.device) - t1
+        stats.target_forwards += 1
+        stats.drafts += 1
+        stats.drafted_tokens += draft.tokens.numel()
+        stats.accepted_tokens += len(path) - 1
+        _count_positions(stats.accepted_per_position, len(path) - 1, draft)
+    stats.total_s = clock(runner.device) - start
+    stats.new_tokens = len(out)
+    return Generation(out, stats)
+
+
+def _count_positions(counts: list[int], accepted: int, draft: Draft) -> None:
+    depth = draft.tokens.numel() if draft.parents is None else max(tree_depths(draft.parents))
+    counts.extend([0] * (depth - len(counts)))
+    for j in range(accepted):
+        counts[j] += 1

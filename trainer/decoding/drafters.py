@@ -1,0 +1,236 @@
+"""Drafters: who proposes the tokens the target verifies.
+
+Every drafter follows one protocol, so the decoding loop never knows which it drives:
+- `hidden_layers`: the target `hidden_states` indices it needs for verified positions;
+- `start(prompt, hidden, next_token)` and `commit(tokens, hidden, next_token)`: the target has
+  verified these tokens (hidden: their features) and chosen `next_token`, not yet run;
+- `propose(shape, sampling) -> Draft`: a chain or a tree hanging below `next_token`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer.decoding.tree import (
+    DEFAULT_MEDUSA_CHOICES,
+    chain_parents,
+    expand_frontier,
+    select_nodes,
+    static_tree,
+    with_prefix,
+)
+from trainer.decoding.verify import Sampling
+from trainer.errors import UserError
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A chain of `k` drafted tokens (vLLM's num_speculative_tokens)."""
+
+    k: int = 3
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A draft tree. EAGLE drafters grow it dynamically (EAGLE-2: expand the `topk` best nodes by
+    cumulative log-prob for `depth` levels, keep the `total_tokens` best); Medusa drafters use the
+    static `choices` paths."""
+
+    total_tokens: int = 16
+    depth: int = 4
+    topk: int = 4
+    choices: tuple[tuple[int, ...], ...] = DEFAULT_MEDUSA_CHOICES
+
+
+Shape = Chain | Tree
+
+
+@dataclass
+class Draft:
+    """tokens [n]: target ids of the drafted nodes (the root, `next_token`, excluded).
+    parents: None for a chain, else the tree's parent list with the root as node 0 (len n+1).
+    q [n, V]: target-vocab probabilities each token was sampled from; None = chosen
+    deterministically (a point mass for the rejection rule)."""
+
+    tokens: torch.Tensor
+    parents: list[int] | None = None
+    q: torch.Tensor | None = None
+
+
+def _stack(qs: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if qs[0] is None else torch.stack(qs)
+
+
+class Eagle3Drafter:
+    """EAGLE-3: step 0 reads the fused target features of the newly verified tokens, later steps
+    feed the head's own pre-norm hidden back. The head's KV cache holds only verified positions:
+    after each verify step the drafted entries are dropped and step 0 re-runs on the verified
+    tokens with their real target features (as vLLM does)."""
+
+    def __init__(self, head):
+        self.head = head
+        self.hidden_layers = list(head.aux_layer_ids)
+        self.vocab_size = head.config.vocab_size
+        self.draft_ids = head.draft_token_ids()
+        self.dtype = head.fc.weight.dtype
+        self.device = head.fc.weight.device
+
+    def start(self, prompt: torch.Tensor, hidden: list[torch.Tensor], next_token: int) -> None:
+        self.kv = None
+        self.commit(prompt, hidden, next_token)
+
+    def commit(self, tokens: torch.Tensor, hidden: list[torch.Tensor], next_token: int) -> None:
+        # Position t pairs the target feature of token t with token t+1.
+        following = torch.cat([tokens[1:].to(self.device), self._ids(next_token)])
+        feats = torch.cat(hidden, dim=-1).to(self.device, self.dtype)
+        self.pending = (self.head.fuse(feats)[None], following[None])
+
+    def _ids(self, token: int) -> torch.Tensor:
+        return torch.tensor([token], device=self.device)
+
+    def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Step 0 over the pending verified positions -> (last pre-norm hidden [1,1,H], its
+        draft logits [Vd], position of the first drafted token)."""
+        feats, ids = self.pending
+        past_len = 0 if self.kv is None else self.kv[0].shape[2]
+        t = ids.shape[1]
+        pos = torch.arange(past_len, past_len + t, device=self.device)[None]
+        mask = None
+        if self.kv is not None and t > 1:
+            causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+            mask = with_prefix(causal, past_len)
+        out, logits, kv = self.head.step(feats, ids, pos, mask, self.kv)
+        self.kv = kv if self.kv is None else _cat_kv(self.kv, kv)
+        return out[:, -1:], logits[0, -1], past_len + t
+
+    def _pick(self, logits: torch.Tensor, sampling: Sampling) -> tuple[int, torch.Tensor | None]:
+        draft, probs = sampling.pick(logits)
+        if probs is None:
+            return int(self.draft_ids[draft]), None
+        q = torch.zeros(self.vocab_size, device=probs.device)
+        q[self.draft_ids] = probs
+        return int(self.draft_ids[draft]), q
+
+    @torch.no_grad()
+    def propose(self, shape: Shape, sampling: Sampling) -> Draft:
+        hidden, logits, pos = self._catch_up()
+        if isinstance(shape, Tree):
+            return self._tree(shape, hidden, logits, pos)
+        past, tokens, qs = self.kv, [], []
+        for j in range(shape.k):
+            token, q = self._pick(logits, sampling)
+            tokens.append(token)
+            qs.append(q)
+            if j + 1 < shape.k:
+                position = torch.tensor([[pos + j]], device=self.device)
+                hidden, step_logits, kv = self.head.step(hidden, self._ids(token)[None], position,
+                                                         None, past)
+                past = _cat_kv(past, kv)
+                logits = step_logits[0, -1]
+        return Draft(torch.tensor(tokens), None, _stack(qs))
+
+    def _tree(self, shape: Tree, hidden: torch.Tensor, logits: torch.Tensor, pos: int) -> Draft:
+        k = shape.topk
+        top = torch.log_softmax(logits.float(), -1).topk(k)
+        cand_ids, cand_scores = [top.indices], [top.values]
+        cand_parents = [torch.full((k,), -1, device=self.device)]
+        frontier, scores, ids = torch.arange(k, device=self.device), top.values, top.indices
+        hidden = hidden.expand(1, k, -1)
+        ancestors = torch.eye(k, dtype=torch.bool, device=self.device)
+        prefix, past, n_cand = self.kv[0].shape[2], self.kv, k
+        for level in range(1, shape.depth):
+            position = torch.full((1, k), pos + level - 1, device=self.device)
+            out, step_logits, kv = self.head.step(
+                hidden, self.draft_ids[ids][None], position, with_prefix(ancestors, prefix), past
+            )
+            past = _cat_kv(past, kv)
+            child_logp = torch.log_softmax(step_logits[0].float(), -1)
+            new_ids, new_scores, best = expand_frontier(scores, child_logp, k)
+            cand_ids.append(new_ids)
+            cand_scores.append(new_scores)
+            cand_parents.append(frontier.repeat_interleave(k))
+            slot = best // k
+            frontier, scores, ids = n_cand + best, new_scores[best], new_ids[best]
+            hidden = out[:, slot]
+            eye = torch.eye(len(best), dtype=torch.bool, device=self.device)
+            ancestors = torch.cat([ancestors[slot], eye], dim=1)
+            n_cand += new_ids.numel()
+        keep, parents = select_nodes(
+            torch.cat(cand_scores), torch.cat(cand_parents).tolist(), shape.total_tokens
+        )
+        return Draft(self.draft_ids[torch.cat(cand_ids)[keep]].cpu(), parents, None)
+
+
+def _cat_kv(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]):
+    return torch.cat([a[0], b[0]], dim=2), torch.cat([a[1], b[1]], dim=2)
+
+
+class MedusaDrafter:
+    """Medusa: every head reads the last verified position's final (post-norm) hidden state at
+    once; head j proposes the token j+2 positions after it (j+1 after `next_token`)."""
+
+    def __init__(self, head, num_target_layers: int):
+        self.head = head
+        self.hidden_layers = [num_target_layers]  # HF hidden_states[N]: after the final norm
+
+    def start(self, prompt: torch.Tensor, hidden: list[torch.Tensor], next_token: int) -> None:
+        self.commit(prompt, hidden, next_token)
+
+    def commit(self, tokens: torch.Tensor, hidden: list[torch.Tensor], next_token: int) -> None:
+        self.last = hidden[0][-1:]
+
+    def check(self, shape: Shape) -> None:
+        """Refuse a shape that asks for more heads than the head has."""
+        need = shape.k if isinstance(shape, Chain) else max(len(c) for c in shape.choices)
+        if need > self.head.num_heads:
+            what = "eval.num_speculative_tokens" if isinstance(shape, Chain) else "eval.tree"
+            raise UserError(
+                f"{what} needs {need} Medusa heads; the head has {self.head.num_heads}"
+            )
+
+    @torch.no_grad()
+    def propose(self, shape: Shape, sampling: Sampling) -> Draft:
+        weight = next(self.head.parameters())
+        logits = self.head(self.last.to(weight.device, weight.dtype)[None])[:, 0, -1]
+        if isinstance(shape, Tree):
+            parents, heads, ranks = static_tree(shape.choices)
+            top = logits.topk(max(ranks) + 1, dim=-1).indices
+            return Draft(top[heads[1:], ranks[1:]].cpu(), parents, None)
+        picks = [sampling.pick(logits[j]) for j in range(shape.k)]
+        return Draft(torch.tensor([t for t, _ in picks]), None, _stack([q for _, q in picks]))
+
+
+class OracleDrafter:
+    """The target drafting for itself, for tests: `shift=0` proposes exactly what the target
+    would choose, `shift=1` the token after its argmax (always wrong in greedy mode). A tree
+    shape gets a chain of `depth` tokens, sent through tree verification."""
+
+    hidden_layers: list[int] = []
+
+    def __init__(self, model, shift: int = 0):
+        self.model, self.shift = model, shift
+
+    def start(self, prompt: torch.Tensor, hidden: list[torch.Tensor], next_token: int) -> None:
+        self.seq = torch.cat([prompt, torch.tensor([next_token])])
+
+    def commit(self, tokens: torch.Tensor, hidden: list[torch.Tensor], next_token: int) -> None:
+        self.seq = torch.cat([self.seq, tokens[1:], torch.tensor([next_token])])
+
+    @torch.no_grad()
+    def propose(self, shape: Shape, sampling: Sampling) -> Draft:
+        n = shape.k if isinstance(shape, Chain) else shape.depth
+        seq, qs = self.seq, []
+        for _ in range(n):
+            logits = self.model(seq[None]).logits[0, -1]
+            if self.shift:
+                token, q = (int(logits.argmax()) + self.shift) % logits.numel(), None
+            else:
+                token, q = sampling.pick(logits)
+            seq = torch.cat([seq, torch.tensor([token])])
+            qs.append(q)
+        tokens = seq[self.seq.numel() :]
+        if isinstance(shape, Tree):
+            return Draft(tokens, chain_parents(n + 1), None)
+        return Draft(tokens, None, _stack(qs))

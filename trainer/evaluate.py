@@ -1,0 +1,185 @@
+"""`python -m trainer.evaluate head=<path> [overrides]`: how much a head speeds up its target.
+
+For every prompt: plain greedy decoding (the baseline and the reference for the lossless check),
+speculative decoding with the head, and optionally transformers' prompt lookup. The head is
+checked against the target before anything is decoded.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from heads.folder import head_kind
+from trainer.cli import compose_for_head, split_args
+from trainer.config import RootConfig
+from trainer.decoding import (
+    Chain,
+    Eagle3Drafter,
+    MedusaDrafter,
+    Tree,
+    greedy_generate,
+    prompt_lookup_generate,
+    speculative_generate,
+)
+from trainer.decoding.cpu_linear import packed_linears
+from trainer.decoding.drafters import Shape
+from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
+from trainer.errors import UserError, exit_on_user_error
+from trainer.eval_config import EvalConfig, check_eval_config
+from trainer.eval_report import Record, summarise, write_report
+from trainer.eval_tasks import encode, load_prompts
+from trainer.target import load_target_from_config
+
+
+def draft_shape(cfg: EvalConfig, mode: str | None = None) -> Shape:
+    """The configured chain or tree (`mode` overrides `cfg.mode`)."""
+    if (mode or cfg.mode) == "chain":
+        return Chain(cfg.num_speculative_tokens)
+    choices = cfg.tree.medusa_choices
+    return Tree(
+        total_tokens=cfg.tree.total_tokens,
+        depth=cfg.tree.depth,
+        topk=cfg.tree.topk,
+        choices=tuple(map(tuple, choices)) if choices else DEFAULT_MEDUSA_CHOICES,
+    )
+
+
+def load_drafter(head_path: str | Path, model, target_name: str, shapes: list[Shape]):
+    """-> (drafter, the model that verifies). Refuses a head built for another target (vocab,
+    hidden size, layer count, aux layer ids) or unable to draft `shapes`, with the mismatch
+    named, before any decoding. A jointly trained Medusa-2 head verifies with its own target."""
+    kind = head_kind(head_path)
+    device = model.get_input_embeddings().weight.device
+    n_layers = model.config.get_text_config().num_hidden_layers
+    if kind == "eagle3":
+        from heads.eagle3 import Eagle3Head
+
+        head = Eagle3Head.from_pretrained(head_path, model, target_name)
+        bad = [i for i in head.aux_layer_ids if not 0 <= i <= n_layers]
+        if bad or len(set(head.aux_layer_ids)) != 3:
+            raise UserError(
+                f"head={str(head_path)!r}: aux_layer_ids {head.aux_layer_ids} do not fit the "
+                f"target (expected 3 distinct hidden_states indices in 0..{n_layers})"
+            )
+        return Eagle3Drafter(head.to(device).eval()), model
+    if kind == "medusa":
+        from heads.medusa import MedusaHead, load_joint_target
+
+        head = MedusaHead.from_pretrained(head_path, model, target_name)
+        drafter = MedusaDrafter(head.to(device).eval(), n_layers)
+        for shape in shapes:
+            drafter.check(shape)
+        return drafter, load_joint_target(head_path, model)
+    raise UserError(f"head={str(head_path)!r}: unknown head kind {kind!r}")
+
+
+def tie_tolerance(dtype: torch.dtype) -> float:
+    """Logit gap under which two tokens count as tied: a batched verify forward and a
+    one-token forward round differently (float32 ~1e-5, half precision ~1e-2)."""
+    return 1e-3 if dtype == torch.float32 else 5e-2
+
+
+@torch.no_grad()
+def greedy_verdict(model, prompt: torch.Tensor, plain: list[int], spec: list[int]) -> str:
+    """"same" when greedy speculative output equals plain greedy; "tie" when they part where the
+    target's two tokens score within rounding of each other (both are its argmax up to float
+    error, so the decoder did nothing wrong); else "mismatch"."""
+    if plain == spec:
+        return "same"
+    i = next((j for j, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
+    if i is None:  # one stopped earlier at the same tokens: a real difference
+        return "mismatch"
+    device = model.get_input_embeddings().weight.device
+    seq = torch.cat([prompt.reshape(-1), torch.tensor(plain[:i], dtype=torch.long)]).to(device)
+    logits = model(seq[None], logits_to_keep=1).logits[0, -1].float()
+    behind = logits.max() - logits[[plain[i], spec[i]]]
+    return "tie" if float(behind.max()) <= tie_tolerance(model.dtype) else "mismatch"
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None)
+    ids |= set(extra) if isinstance(extra, list) else {extra}
+    return {i for i in ids if i is not None}
+
+
+def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target=None) -> dict:
+    """Evaluate the head at `head_path`; write eval.json/eval.md/acceptance.png to `out_dir`.
+
+    target: the `(model, tokenizer)` pair from `trainer.target.load_target` when the caller has
+    it loaded already; None loads `cfg.target`. Returns the eval.json object.
+    """
+    ev = cfg.eval
+    check_eval_config(ev)
+    prompts = load_prompts(ev)
+    model, tokenizer = target if target is not None else load_target_from_config(cfg.target)
+    shape = draft_shape(ev)
+    drafter, verifier = load_drafter(head_path, model, cfg.target.name_or_path, [shape])
+    eos = eos_token_ids(verifier, tokenizer)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    encoded = [(task, encode(tokenizer, p)) for task, ps in prompts.items() for p in ps]
+
+    def spec(ids, temperature, max_new_tokens=ev.max_new_tokens):
+        return speculative_generate(
+            verifier, drafter, ids, max_new_tokens, shape, temperature, ev.top_p, eos, generator
+        )
+
+    records = []
+    with packed_linears(verifier, drafter.head, enabled=ev.packed_linears):
+        # Warm-up (not measured): first calls pay for allocations and kernel selection.
+        greedy_generate(verifier, encoded[0][1], 8, eos)
+        spec(encoded[0][1], ev.temperature, 8)
+        for task, ids in encoded:
+            greedy = greedy_generate(verifier, ids, ev.max_new_tokens, eos)
+            run = spec(ids, ev.temperature)
+            check = run if ev.temperature == 0 else spec(ids, 0.0)
+            lookup = None
+            if "prompt_lookup" in ev.baselines:
+                lookup = prompt_lookup_generate(
+                    verifier, ids, ev.max_new_tokens, eos, ev.prompt_lookup_num_tokens
+                ).stats
+            verdict = greedy_verdict(verifier, ids, greedy.tokens, check.tokens)
+            records.append(Record(task, run.stats, greedy.stats, lookup, verdict != "mismatch",
+                                  verdict == "tie"))
+
+    settings = {
+        "head": str(head_path),
+        "kind": head_kind(head_path),
+        "target": cfg.target.name_or_path,
+        "mode": ev.mode,
+        "num_speculative_tokens": ev.num_speculative_tokens,
+        "tree": asdict(ev.tree),
+        "temperature": ev.temperature,
+        "top_p": ev.top_p,
+        "max_new_tokens": ev.max_new_tokens,
+        "max_prompts_per_task": ev.max_prompts_per_task,
+        "seed": cfg.seed,
+        "packed_linears": ev.packed_linears,
+        "threads": torch.get_num_threads(),
+    }
+    result = summarise(records, settings)
+    write_report(result, out_dir)
+    return result
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    own, overrides = split_args(sys.argv[1:] if argv is None else argv, ("head",))
+    head = own.get("head", "")
+    cfg = compose_for_head(head, overrides)
+    out_dir = Path(cfg.eval.out_dir or Path(cfg.run_dir) / "eval")
+    result = evaluate(cfg, head, out_dir)
+    o = result["overall"]
+    print(
+        f"mean acceptance length {o['mean_acceptance_length']}, speedup vs greedy "
+        f"{o['speedup_vs_greedy']}, lossless {result['lossless']}: {out_dir / 'eval.md'}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""How Medusa heads learn: Medusa-1 on a frozen target's captured final hidden states, Medusa-2
+jointly with the target (full fine-tune or LoRA) from token ids.
+
+Both are trainees of the one loop in `trainer/loop.py`. A cross-entropy over the full target
+vocabulary keeps its logits for backward up to `KEEP_LOGITS_BYTES` per call; beyond that it runs
+in row chunks under activation checkpointing (only the hidden rows are kept and each chunk's
+logits are recomputed in backward, ~40% more time), so a 4k-token batch never holds
+num_heads x tokens x vocab logits (3 GiB for SmolLM2) at once.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from heads.folder import atomic_dir, commit_dir
+from heads.medusa import TARGET_DIR, MedusaConfig, MedusaHead
+from trainer.eagle3_objective import shift_left, simulated_acceptance_length, strip_prefix
+from trainer.errors import UserError
+
+LOSS_CHUNK = 1024  # rows per logits chunk: 1024 x 49152 float32 = 192 MiB
+KEEP_LOGITS_BYTES = 512 * 2**20  # per call; 2730 rows of SmolLM2's vocabulary
+
+
+def offset_labels(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels for predicting `offset` tokens ahead: position t gets input_ids[t+offset] and is
+    trained only where loss_mask[t+offset] (an assistant token). Offset 1 is the target's own
+    next-token prediction; Medusa head k uses offset k+2."""
+    return shift_left(input_ids, offset, 0), shift_left(loss_mask, offset, False)
+
+
+def _chunk_terms(
+    project: nn.Module,
+    teacher_project: nn.Module | None,
+    count_hits: bool,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    teacher_hidden: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss sum, top-1 hits, top-5 hits) of one chunk of rows.
+
+    The loss is CE to `labels`, or with a teacher KL(teacher || student), the self-distillation
+    term whose minimum keeps the student's distribution where the teacher's was; hits are then
+    counted against the teacher's argmax (agreement) instead of the labels."""
+    logp = F.log_softmax(project(hidden).float(), dim=-1)
+    if teacher_hidden is None:
+        loss = -logp.gather(-1, labels[:, None]).sum()
+        reference = labels
+    else:
+        with torch.no_grad():
+            teacher_logp = F.log_softmax(teacher_project(teacher_hidden).float(), dim=-1)
+        loss = (teacher_logp.exp() * (teacher_logp - logp)).sum()
+        reference = teacher_logp.argmax(-1)
+    if not count_hits:
+        return loss, labels.new_zeros(()), labels.new_zeros(())
+    with torch.no_grad():
+        hit = logp.topk(min(5, logp.shape[-1]), dim=-1).indices == reference[:, None]
+        return loss, hit[:, 0].sum(), hit.any(-1).sum()
+
+
+def token_loss(
+    project: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    teacher_project: nn.Module | None = None,
+    teacher_hidden: torch.Tensor | None = None,
+    chunk: int = LOSS_CHUNK,
+    keep_bytes: int = KEEP_LOGITS_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed loss and hit counts of `project(hidden)` (a Linear) over [N, H] rows.
+
+    With gradients on (training), the logits stay for backward when N x vocab float32 fits in
+    `keep_bytes`; otherwise each chunk of rows runs under checkpointing (logits recomputed in
+    backward). Hits are not counted while training (zeros): the top-k over the vocabulary would
+    cost a fifth of a chunk, and only validation reads them. Without gradients, chunks bound the
+    memory. An empty N still calls `project` once so that every parameter joins the graph, as
+    DDP needs."""
+    training = torch.is_grad_enabled()
+    terms = partial(_chunk_terms, project, teacher_project, not training)
+    run = terms
+    if training and hidden.shape[0] * project.weight.shape[0] * 4 <= keep_bytes:
+        chunk = max(1, hidden.shape[0])
+    elif training:
+        run = partial(checkpoint, terms, use_reentrant=False)
+    totals = [hidden.new_zeros(()), labels.new_zeros(()), labels.new_zeros(())]
+    for start in range(0, max(1, hidden.shape[0]), chunk):
+        part = slice(start, start + chunk)
+        teacher_part = None if teacher_hidden is None else teacher_hidden[part]
+        for i, value in enumerate(run(hidden[part], labels[part], teacher_part)):
+            totals[i] = totals[i] + value
+    return totals[0], totals[1], totals[2]
+
+
+def head_losses(
+    head: MedusaHead,
+    final_hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    head_weight: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """sum_k head_weight**k * mean CE of head k at its labelled positions, and per-head sums
+    (`head_ce`, `head_top1`, `head_top5`, `head_total`, each [num_heads]) for validation (the
+    hit counts are zeros when gradients are on, see `token_loss`)."""
+    stats = final_hidden.new_zeros(4, head.num_heads)
+    loss = final_hidden.new_zeros(())
+    for k in range(head.num_heads):
+        labels, valid = offset_labels(input_ids, loss_mask, 2 + k)
+        rows = head.blocks[k](final_hidden[valid].to(head.lm_heads[k].weight.dtype))
+        ce, top1, top5 = token_loss(head.lm_heads[k], rows, labels[valid])
+        n = valid.sum()
+        loss = loss + head_weight**k * ce / n.clamp(min=1)
+        stats[:, k] = torch.stack([ce.detach(), top1.to(ce), top5.to(ce), n.to(ce)])
+    names = ("head_ce", "head_top1", "head_top5", "head_total")
+    return loss, dict(zip(names, stats))
+
+
+def summarize_heads(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per-head CE / top-1 / top-5 accuracy; `score` = the simulated acceptance length
+    1 + sum_k prod_{j<=k} top1_j (heads assumed to hit independently, each given a correct
+    prefix), the number of tokens one Medusa chain step would yield on average."""
+    total = sums["head_total"].clamp(min=1)
+    out: dict[str, float] = {}
+    for name in ("ce", "top1", "top5"):
+        for k, value in enumerate((sums[f"head_{name}"] / total).tolist()):
+            out[f"{name}_{k}"] = value
+    top1 = (sums["head_top1"] / total).tolist()
+    out["sim_acceptance_length"] = simulated_acceptance_length(top1)
+    out["score"] = out["sim_acceptance_length"]
+    return out
+
+
+class MedusaTrainee(nn.Module):
+    """Medusa-1: trainable heads on the frozen target's captured final hidden states."""
+
+    def __init__(self, head: MedusaHead, head_weight: float):
+        super().__init__()
+        self.head, self.head_weight = head, head_weight
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if "final_hidden" not in batch:
+            raise UserError(
+                "data: batches carry no final_hidden (tokens-only data is for head.joint=true); "
+                "prepare the data with +head=medusa head.joint=false"
+            )
+        ids, mask = batch["input_ids"], batch["loss_mask"]
+        loss, sums = head_losses(self.head, batch["final_hidden"], ids, mask, self.head_weight)
+        return {"loss": loss, **sums}
+
+    summarize = staticmethod(summarize_heads)
+
+    def param_groups(self, lr: float, weight_decay: float) -> list[dict]:
+        return [{"params": list(self.head.parameters()), "lr": lr, "weight_decay": weight_decay}]
+
+    def save_pretrained(self, out_dir: str | Path, state: dict | None = None) -> Path:
+        head_state = None if state is None else strip_prefix(state, "head.")
+        return self.head.save_pretrained(out_dir, state=head_state)
+
+
+def trainable_target(target, lora_rank: int):
+    """A trainable copy of the frozen target (the original stays the teacher and the baseline):
+    all weights, or LoRA adapters (alpha = 2 * rank) on every linear layer but the lm_head."""
+    student = copy.deepcopy(target)
+    if lora_rank == 0:
+        return student.requires_grad_(True)
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules="all-linear"
+    )
+    return get_peft_model(student, lora)
+
+
+class JointMedusaTrainee(nn.Module):
+    """Medusa-2: the target (`self.target`, full or LoRA) trained together with the heads.
+
+    loss = LM term + joint_head_loss_scale * sum_k head_weight**k CE_k, the heads reading the
+    trained target's own final hidden states. The LM term is KL to the original target's
+    next-token distribution with `self_distill` (so its outputs do not drift), otherwise CE to
+    the data's next token. For the first `head.head_warmup_steps` optimizer steps the head loss
+    does not reach the target (Medusa-2's heads warmup): fresh heads are far off, and their
+    large gradients would otherwise pull the target away before the heads have learnt anything.
+    The original target is kept out of the module tree on purpose: DDP/DeepSpeed, checkpoints
+    and saved states must not carry a frozen second copy.
+    """
+
+    def __init__(self, head: MedusaHead, target, cfg: MedusaConfig, grad_accum: int = 1):
+        super().__init__()
+        self.head = head
+        self.target = trainable_target(target, cfg.lora_rank)
+        self.__dict__["teacher"] = target if cfg.self_distill else None
+        self.cfg = cfg
+        self.warmup_batches = cfg.head_warmup_steps * grad_accum
+        # Training batches seen: a buffer, so checkpoints carry it and a resumed run agrees.
+        self.register_buffer("batches_seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids, mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+        hidden = self.target.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
+        labels, valid = offset_labels(ids, mask, 1)
+        teacher_project = teacher_rows = None
+        if self.teacher is not None:
+            with torch.no_grad():
+                decoder = self.teacher.get_decoder()
+                teacher_rows = decoder(input_ids=ids, attention_mask=attn).last_hidden_state[valid]
+            teacher_project = self.teacher.get_output_embeddings()
+        lm_sum, lm_top1, _ = token_loss(
+            self.target.get_output_embeddings(),
+            hidden[valid],
+            labels[valid],
+            teacher_project,
+            teacher_rows,
+        )
+        n = valid.sum()
+        if self.training:
+            self.batches_seen += 1
+        warming = self.batches_seen.item() <= self.warmup_batches
+        head_input = hidden.detach() if warming else hidden
+        head_loss, sums = head_losses(self.head, head_input, ids, mask, self.cfg.head_weight)
+        loss = lm_sum / n.clamp(min=1) + self.cfg.joint_head_loss_scale * head_loss
+        lm = torch.stack([lm_sum.detach(), lm_top1.to(lm_sum.dtype), n.to(lm_sum.dtype)])
+        return {"loss": loss, "lm": lm, **sums}
+
+    @staticmethod
+    def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Head metrics plus `lm_loss` (KL or CE per token) and `lm_top1` (agreement with the
+        original target's argmax when distilling, else accuracy on the data's next token)."""
+        lm_sum, lm_top1, n = sums["lm"].tolist()
+        lm = {"lm_loss": lm_sum / max(n, 1), "lm_top1": lm_top1 / max(n, 1)}
+        return {**summarize_heads(sums), **lm}
+
+    def param_groups(self, lr: float, weight_decay: float) -> list[dict]:
+        target = [p for p in self.target.parameters() if p.requires_grad]
+        return [
+            {"params": target, "lr": lr, "weight_decay": weight_decay},
+            {
+                "params": list(self.head.parameters()),
+                "lr": lr * self.cfg.head_lr_scale,
+                "weight_decay": weight_decay,
+            },
+        ]
+
+    def save_pretrained(self, out_dir: str | Path, state: dict | None = None) -> Path:
+        """The head folder with the trained target inside it, in `TARGET_DIR`: a peft adapter
+        folder (LoRA) or a Hugging Face model folder (full), both written before the folder
+        appears under its final name."""
+        state = state or self.state_dict()
+        out = Path(out_dir)
+        tmp = atomic_dir(out)
+        try:
+            self.head.save_pretrained(tmp, state=strip_prefix(state, "head."))
+            self.target.save_pretrained(tmp / TARGET_DIR, state_dict=strip_prefix(state, "target."))
+            commit_dir(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out
+
+
+@torch.no_grad()
+def greedy_token_drift(original, tuned, prompts: list[list[int]], max_new_tokens: int) -> float:
+    """Share of the original target's greedy tokens that a jointly trained target changes.
+
+    Each prompt's greedy continuation by `original` is run through both models and their argmax
+    compared at the continuation's positions: a per-token rate, where comparing two free-running
+    generations would count every token after the first difference as changed."""
+    changed = total = 0
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=original.device)
+        seq = original.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=original.config.eos_token_id,
+        )
+        span = slice(len(prompt) - 1, seq.shape[1] - 1)
+        before = original(seq).logits[0, span].argmax(-1)
+        after = tuned(seq.to(tuned.device)).logits[0, span].argmax(-1).to(before.device)
+        changed += int((before != after).sum())
+        total += before.numel()
+    return changed / max(total, 1)
+
+
+def build_medusa_trainee(cfg, target, data_dir: Path) -> nn.Module:
+    """Fresh heads for `target`; with `head.joint` also a trainable copy of the target. The data
+    folder is not read here: Medusa has no draft vocabulary."""
+    head = MedusaHead.from_target(target, cfg.target.name_or_path, cfg.head)
+    if cfg.head.joint:
+        return JointMedusaTrainee(head, target, cfg.head, cfg.optim.grad_accum)
+    return MedusaTrainee(head, cfg.head.head_weight)
