@@ -19,7 +19,6 @@ import torch
 
 from trainer.cli import compose_for_head, split_args
 from trainer.decoding import greedy_generate, prompt_lookup_generate, speculative_generate
-from trainer.decoding.cpu_linear import packed_linears
 from trainer.errors import UserError, exit_on_user_error
 from trainer.eval_config import check_eval_config
 from trainer.eval_report import Record, task_metrics
@@ -63,21 +62,20 @@ def main(argv: list[str]) -> None:
         },
     }
     encoded = [(task, encode(tokenizer, p)) for task, ps in prompts.items() for p in ps]
+    for run in methods.values():  # warm-up, not measured
+        run(encoded[0][1][:32])
     records: dict[str, list[Record]] = {"chain": [], "tree": []}
-    with packed_linears(verifier, drafter.head, enabled=ev.packed_linears):
-        for run in methods.values():  # warm-up, not measured
-            run(encoded[0][1][:32])
-        for task, ids in encoded:
-            runs = {name: [] for name in methods}
-            for _ in range(reps):
-                for name, run in methods.items():
-                    runs[name].append(run(ids))
-            best = {name: fastest(r) for name, r in runs.items()}
-            for mode in records:
-                verdict = greedy_verdict(verifier, ids, best["greedy"].tokens, best[mode].tokens)
-                records[mode].append(Record(task, best[mode].stats, best["greedy"].stats,
-                                            best["prompt_lookup"].stats, verdict != "mismatch",
-                                            verdict == "tie"))
+    for task, ids in encoded:
+        runs = {name: [] for name in methods}
+        for _ in range(reps):
+            for name, run in methods.items():
+                runs[name].append(run(ids))
+        best = {name: fastest(r) for name, r in runs.items()}
+        for mode in records:
+            verdict = greedy_verdict(verifier, ids, best["greedy"].tokens, best[mode].tokens)
+            records[mode].append(Record(task, best[mode].stats, best["greedy"].stats,
+                                        best["prompt_lookup"].stats, verdict != "mismatch",
+                                        verdict == "tie"))
 
     chain, tree = task_metrics(records["chain"]), task_metrics(records["tree"])
     line = {
@@ -87,7 +85,6 @@ def main(argv: list[str]) -> None:
         "max_new_tokens": n,
         "reps": reps,
         "threads": torch.get_num_threads(),
-        "packed_linears": ev.packed_linears,
         "temperature": ev.temperature,
         "num_speculative_tokens": ev.num_speculative_tokens,
         "tree": {"total_tokens": ev.tree.total_tokens, "depth": ev.tree.depth,

@@ -1,6 +1,7 @@
 """Medusa training throughput and peak memory on the embedded target; prints one JSON line.
 
-    flock /tmp/draftsmith-heavy.lock python scripts/bench_medusa_train.py [--labelled F] [key=value ...]
+    flock /tmp/draftsmith-heavy.lock \
+        python scripts/bench_medusa_train.py [--labelled F] [key=value ...]
     (any root-config override, e.g. head.num_heads=2 or head.joint=true head.lora_rank=16)
 
 Batches are real chat-templated ShareGPT conversations through the real target, as

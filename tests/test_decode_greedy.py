@@ -24,7 +24,6 @@ from trainer.decoding import (
     greedy_generate,
     speculative_generate,
 )
-from trainer.decoding.cpu_linear import packed_linears, packed_linears_available
 from trainer.decoding.target_cache import TargetCache
 from trainer.decoding.tree import path_to
 
@@ -124,18 +123,3 @@ def test_tree_verification_matches_plain_forwards(target, prompts):
     seq = torch.cat([prefix, tokens[[0, 2, 5]], torch.tensor([13])])
     torch.testing.assert_close(nxt[0], target(seq[None]).logits[0, -1], atol=1e-4, rtol=1e-4)
 
-
-@pytest.mark.skipif(not packed_linears_available(), reason="torch built without oneDNN")
-def test_packed_linears_keep_outputs_and_are_undone(target, prompts):
-    ids = prompts[1]
-    plain_logits = target(ids[None]).logits
-    plain = greedy_generate(target, ids, NEW).tokens
-    drafter = NoisyOracle(target)
-    with packed_linears(target, target) as switched:
-        assert switched == sum(isinstance(m, torch.nn.Linear) for m in target.modules())
-        torch.testing.assert_close(target(ids[None]).logits, plain_logits, atol=1e-4, rtol=1e-4)
-        assert greedy_generate(target, ids, NEW).tokens == plain
-        assert speculative_generate(target, drafter, ids, NEW, SHAPES[1]).tokens == plain
-    assert not any("forward" in vars(m) for m in target.modules())
-    with packed_linears(target, enabled=False) as switched:
-        assert switched == 0

@@ -34,9 +34,6 @@ class EvalConfig:
     top_p: float = 1.0
     baselines: list[str] = field(default_factory=lambda: ["greedy"])  # + prompt_lookup
     prompt_lookup_num_tokens: int = 10
-    # CPU float32 only: run every linear (target, head, baselines alike) on oneDNN with weights
-    # packed once; MKL's default path makes a few-token verify forward cost ~2x a 1-token one.
-    packed_linears: bool = True
     out_dir: str | None = None  # None: <run_dir>/eval
 
 

@@ -25,7 +25,6 @@ from trainer.decoding import (
     prompt_lookup_generate,
     speculative_generate,
 )
-from trainer.decoding.cpu_linear import packed_linears
 from trainer.decoding.drafters import Shape
 from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
 from trainer.errors import UserError, exit_on_user_error
@@ -129,23 +128,22 @@ def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target
             verifier, drafter, ids, max_new_tokens, shape, temperature, ev.top_p, eos, generator
         )
 
+    # Warm-up (not measured): first calls pay for allocations and kernel selection.
+    greedy_generate(verifier, encoded[0][1], 8, eos)
+    spec(encoded[0][1], ev.temperature, 8)
     records = []
-    with packed_linears(verifier, drafter.head, enabled=ev.packed_linears):
-        # Warm-up (not measured): first calls pay for allocations and kernel selection.
-        greedy_generate(verifier, encoded[0][1], 8, eos)
-        spec(encoded[0][1], ev.temperature, 8)
-        for task, ids in encoded:
-            greedy = greedy_generate(verifier, ids, ev.max_new_tokens, eos)
-            run = spec(ids, ev.temperature)
-            check = run if ev.temperature == 0 else spec(ids, 0.0)
-            lookup = None
-            if "prompt_lookup" in ev.baselines:
-                lookup = prompt_lookup_generate(
-                    verifier, ids, ev.max_new_tokens, eos, ev.prompt_lookup_num_tokens
-                ).stats
-            verdict = greedy_verdict(verifier, ids, greedy.tokens, check.tokens)
-            records.append(Record(task, run.stats, greedy.stats, lookup, verdict != "mismatch",
-                                  verdict == "tie"))
+    for task, ids in encoded:
+        greedy = greedy_generate(verifier, ids, ev.max_new_tokens, eos)
+        run = spec(ids, ev.temperature)
+        check = run if ev.temperature == 0 else spec(ids, 0.0)
+        lookup = None
+        if "prompt_lookup" in ev.baselines:
+            lookup = prompt_lookup_generate(
+                verifier, ids, ev.max_new_tokens, eos, ev.prompt_lookup_num_tokens
+            ).stats
+        verdict = greedy_verdict(verifier, ids, greedy.tokens, check.tokens)
+        records.append(Record(task, run.stats, greedy.stats, lookup, verdict != "mismatch",
+                              verdict == "tie"))
 
     settings = {
         "head": str(head_path),
@@ -159,7 +157,6 @@ def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target
         "max_new_tokens": ev.max_new_tokens,
         "max_prompts_per_task": ev.max_prompts_per_task,
         "seed": cfg.seed,
-        "packed_linears": ev.packed_linears,
         "threads": torch.get_num_threads(),
     }
     result = summarise(records, settings)

@@ -71,6 +71,9 @@ def run(cfg: RootConfig) -> dict:
                         out_root / fmt,
                         target_model=target,
                         eval_json=eval_json if eval_json.exists() else None,
+                        dtype=cfg.export.dtype,
+                        num_speculative_tokens=cfg.eval.num_speculative_tokens,
+                        license=cfg.export.license,
                     )
                 )
                 for fmt in cfg.export.formats

@@ -1,7 +1,6 @@
 """The built-in speculative decoder: pure acceptance/tree rules, drafters and one loop."""
 
 from trainer.decoding.baselines import greedy_generate, prompt_lookup_generate
-from trainer.decoding.cpu_linear import packed_linears
 from trainer.decoding.decoder import DecodeStats, Generation, speculative_generate
 from trainer.decoding.drafters import (
     Chain,
@@ -22,7 +21,6 @@ __all__ = [
     "OracleDrafter",
     "Tree",
     "greedy_generate",
-    "packed_linears",
     "prompt_lookup_generate",
     "speculative_generate",
 ]
