@@ -150,8 +150,11 @@ def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) 
                 if accelerator.is_main_process:
                     shown = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
                     tqdm.write(f"step {state.step}: val {shown}")
-                if metrics.get("score", float("-inf")) > state.best_score or not head_dir.exists():
-                    state.best_score = metrics.get("score", float("-inf"))
+                # Every rank must take the same branch (save_best is collective): decide on the
+                # reduced metrics only, never on the file system. No validation data: keep the latest.
+                score = metrics.get("score")
+                if score is None or score > state.best_score:
+                    state.best_score = float("-inf") if score is None else score
                     save_best(accelerator, trainee, head_dir)
             if state.step % optim.save_every == 0 or last:
                 save_checkpoint(accelerator, run_dir, state)
