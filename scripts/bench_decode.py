@@ -92,6 +92,7 @@ def main(argv: list[str]) -> None:
         "greedy_tokens_per_s": chain["greedy_tokens_per_s"],
         "prompt_lookup_tokens_per_s": chain["prompt_lookup_tokens_per_s"],
         "prompt_lookup_tokens_per_forward": chain["prompt_lookup_tokens_per_forward"],
+        "greedy_ms_per_token": chain["greedy_ms_per_token"],
     }
     for prefix, m in (("", chain), ("tree_", tree)):
         line |= {
@@ -100,8 +101,8 @@ def main(argv: list[str]) -> None:
             f"{prefix}tokens_per_s": m["spec_tokens_per_s"],
             f"{prefix}speedup_vs_greedy": m["speedup_vs_greedy"],
             f"{prefix}speedup_vs_prompt_lookup": m["speedup_vs_prompt_lookup"],
-            f"{prefix}draft_time_s": m["draft_time_s"],
-            f"{prefix}verify_time_s": m["verify_time_s"],
+            f"{prefix}draft_ms_per_step": m["draft_ms_per_step"],
+            f"{prefix}verify_ms_per_step": m["verify_ms_per_step"],
         }
     greedy_mode = ev.temperature == 0
     line["lossless"] = chain["lossless"] and tree["lossless"] if greedy_mode else None

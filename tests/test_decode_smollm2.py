@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_helpers import single_thread  # noqa: F401 (fixture)
 
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from trainer.cli import compose_root
@@ -15,7 +16,7 @@ from trainer.eval_tasks import encode, load_prompts
 from trainer.evaluate import evaluate, greedy_verdict
 from trainer.target import load_target
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 NAME = "smollm2-135m-instruct"
 
 

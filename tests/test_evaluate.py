@@ -85,6 +85,7 @@ def test_medusa_head_in_tree_mode(tiny, tiny_llama_dir, tmp_path):
     cfg = config("medusa", tiny_llama_dir, "eval.mode=tree", choices)
     result = evaluate(cfg, folder, tmp_path / "eval", target=tiny)
     assert result["lossless"] and len(result["overall"]["acceptance_per_position"]) == 3
+    assert "static tree drafting (4 nodes)" in (tmp_path / "eval" / "eval.md").read_text()
     too_deep = config("medusa", tiny_llama_dir, "eval.mode=tree",
                       "eval.tree.medusa_choices=[[0],[0,0],[0,0,0],[0,0,0,0]]")
     with pytest.raises(UserError, match="needs 4 Medusa heads; the head has 3"):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.decoding import DecodeStats
+from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
 
 
 @dataclass
@@ -40,8 +41,8 @@ def task_metrics(records: list[Record]) -> dict:
     depth = max((len(s.accepted_per_position) for s in spec), default=0)
     padded = [s.accepted_per_position + [0] * (depth - len(s.accepted_per_position)) for s in spec]
     per_pos = [sum(col) for col in zip(*padded)] if padded else []
-    spec_tps = _rate(sum(s.new_tokens for s in spec), sum(s.total_s for s in spec))
     greedy = [r.greedy for r in records]
+    spec_tps = _rate(sum(s.new_tokens for s in spec), sum(s.total_s for s in spec))
     greedy_tps = _rate(sum(g.new_tokens for g in greedy), sum(g.total_s for g in greedy))
     out = {
         "prompts": len(records),
@@ -55,6 +56,13 @@ def task_metrics(records: list[Record]) -> dict:
         "draft_time_s": round(sum(s.draft_s for s in spec), 4),
         "verify_time_s": round(sum(s.verify_s for s in spec), 4),
         "prefill_time_s": round(sum(s.prefill_s for s in spec), 4),
+        # Per speculative step (one draft + one verify forward) vs one plain greedy step: the
+        # cost side of the speedup, which acceptance alone does not show.
+        "draft_ms_per_step": _rate(1000 * sum(s.draft_s for s in spec), drafts),
+        "verify_ms_per_step": _rate(1000 * sum(s.verify_s for s in spec), drafts),
+        "greedy_ms_per_token": _rate(
+            1000 * sum(g.verify_s for g in greedy), sum(g.target_forwards - 1 for g in greedy)
+        ),
         "spec_tokens_per_s": spec_tps,
         "greedy_tokens_per_s": greedy_tps,
         "speedup_vs_greedy": _rate(spec_tps or 0, greedy_tps or 0),
@@ -96,6 +104,19 @@ def _fmt(value) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
+def _drafting(s: dict) -> str:
+    if s["mode"] == "chain":
+        return f"chain drafting (k={s['num_speculative_tokens']})"
+    t = s["tree"]
+    if s["kind"] == "medusa":
+        nodes = len(t["medusa_choices"] or DEFAULT_MEDUSA_CHOICES)
+        return f"static tree drafting ({nodes} nodes)"
+    return (
+        f"dynamic tree drafting (total_tokens={t['total_tokens']}, depth={t['depth']}, "
+        f"topk={t['topk']})"
+    )
+
+
 def markdown(result: dict) -> str:
     s = result["settings"]
     rows = {**result["tasks"], "overall": result["overall"]}
@@ -109,9 +130,8 @@ def markdown(result: dict) -> str:
     lines = [
         f"# Evaluation of `{s['head']}` ({s['kind']})",
         "",
-        f"Target `{s['target']}`, {s['mode']} drafting "
-        + (f"(k={s['num_speculative_tokens']})" if s["mode"] == "chain" else f"({s['tree']})")
-        + f", temperature {s['temperature']}, top_p {s['top_p']}, "
+        f"Target `{s['target']}`, {_drafting(s)}, temperature {s['temperature']}, "
+        f"top_p {s['top_p']}, "
         f"max {s['max_new_tokens']} new tokens. Lossless (greedy speculative output == plain "
         f"greedy): **{_fmt(result['lossless'])}**.",
         "",

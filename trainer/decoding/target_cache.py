@@ -7,6 +7,8 @@ a tree attention mask and tree position ids, after which the accepted path's K/V
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache
 
@@ -23,6 +25,9 @@ class TargetCache:
         self.length = 0
         self._pending = 0
         self.device = model.get_input_embeddings().weight.device
+        # transformers 5 renamed `past_key_values` to `cache` (the old name warns on each call).
+        params = inspect.signature(model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     @torch.no_grad()
     def forward(
@@ -35,7 +40,7 @@ class TargetCache:
         """
         if self._pending:
             raise RuntimeError("keep() must follow every forward()")
-        kwargs = {}
+        kwargs = {self.cache_kwarg: self.cache}
         if parents is not None:
             local = tree_attention_mask(parents).to(self.device)
             mask = with_prefix(local, self.length)
@@ -43,7 +48,6 @@ class TargetCache:
             kwargs["position_ids"] = tree_position_ids(parents, self.length).to(self.device)[None]
         out = self.model(
             tokens[None].to(self.device),
-            cache=self.cache,
             use_cache=True,
             output_hidden_states=bool(self.hidden_layers),
             logits_to_keep=1 if last_only else 0,
