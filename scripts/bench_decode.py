@@ -7,7 +7,9 @@ For each prompt (MT-Bench, HumanEval, GSM8K, first `eval.max_prompts_per_task` o
 plain greedy, transformers' prompt lookup, chain drafting (`eval.num_speculative_tokens`) and
 tree drafting (`eval.tree.*`) `reps` times, interleaved so that a neighbour's load spike hurts
 all alike, and keeps each method's fastest run. Speedups are ratios of tokens/s over all prompts.
-`lossless` says that chain and tree greedy outputs equalled plain greedy token for token.
+`lossless` says that chain and tree greedy outputs equalled plain greedy token for token;
+`*speedup_at_full_acceptance` is the ceiling the measured draft + verify step costs allow (every
+draft accepted), which tells a weak head from a machine where verifying k+1 tokens is dear.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def main(argv: list[str]) -> None:
             verifier, ids, n, eos, ev.prompt_lookup_num_tokens),
         **{
             mode: lambda ids, shape=shape: speculative_generate(
-                verifier, drafter, ids, n, shape, ev.temperature, ev.top_p, eos, generator)
+                verifier, drafter, ids, n, shape, ev.temperature, ev.top_p, eos, generator,
+                ev.draft_sampling)
             for mode, shape in shapes.items()
         },
     }
@@ -95,6 +98,8 @@ def main(argv: list[str]) -> None:
         "greedy_ms_per_token": chain["greedy_ms_per_token"],
     }
     for prefix, m in (("", chain), ("tree_", tree)):
+        step_ms = m["draft_ms_per_step"] + m["verify_ms_per_step"]
+        longest = len(m["acceptance_per_position"]) + 1  # tokens per step if all accepted
         line |= {
             f"{prefix}mean_acceptance_length": m["mean_acceptance_length"],
             f"{prefix}acceptance_per_position": m["acceptance_per_position"],
@@ -103,6 +108,10 @@ def main(argv: list[str]) -> None:
             f"{prefix}speedup_vs_prompt_lookup": m["speedup_vs_prompt_lookup"],
             f"{prefix}draft_ms_per_step": m["draft_ms_per_step"],
             f"{prefix}verify_ms_per_step": m["verify_ms_per_step"],
+            # What a head accepted at every position would reach with these measured step costs.
+            f"{prefix}speedup_at_full_acceptance": round(
+                longest * chain["greedy_ms_per_token"] / step_ms, 3
+            ),
         }
     greedy_mode = ev.temperature == 0
     line["lossless"] = chain["lossless"] and tree["lossless"] if greedy_mode else None

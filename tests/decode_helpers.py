@@ -16,6 +16,14 @@ from heads.eagle3 import Eagle3Config, Eagle3Head
 from trainer.decoding import Chain, Draft, OracleDrafter, Tree
 
 
+def path_to(parents: list[int], node: int) -> list[int]:
+    """Node indices from the root down to `node`."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
 def chaotic_target(family: str = "llama", vocab: int = 256, seed: int = 0, layers: int = 4):
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
     config = cls(

@@ -8,12 +8,13 @@ import pytest
 import torch
 from decode_helpers import (
     chaotic_target,
+    path_to,
     random_eagle3_head,
     single_thread,  # noqa: F401 (fixture)
 )
 
 from trainer.decoding import Chain, Eagle3Drafter, Tree
-from trainer.decoding.tree import path_to, tree_depths
+from trainer.decoding.tree import tree_depths
 from trainer.decoding.verify import Sampling
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -10,6 +10,7 @@ from decode_helpers import (
     SHAPES,
     NoisyOracle,
     chaotic_target,
+    path_to,
     random_eagle3_head,
     single_thread,  # noqa: F401 (fixture)
 )
@@ -25,7 +26,6 @@ from trainer.decoding import (
     speculative_generate,
 )
 from trainer.decoding.target_cache import TargetCache
-from trainer.decoding.tree import path_to
 
 NEW = 24
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -9,7 +9,6 @@ import torch
 from trainer.decoding.tree import (
     chain_parents,
     expand_frontier,
-    path_to,
     select_nodes,
     static_tree,
     tree_attention_mask,
@@ -58,7 +57,6 @@ def test_two_level_tree_mask_and_positions_by_hand():
     assert tree_position_ids(TWO_LEVEL, start=10).tolist() == [10, 11, 11, 12, 12, 12]
     full = with_prefix(expected, prefix_len=3)
     assert full.shape == (1, 1, 6, 9) and full[0, 0, :, :3].all()
-    assert path_to(TWO_LEVEL, 4) == [0, 1, 4] and path_to(TWO_LEVEL, 5) == [0, 2, 5]
 
 
 def test_chain_is_a_causal_tree():

@@ -32,6 +32,9 @@ class EvalConfig:
     tree: TreeConfig = field(default_factory=TreeConfig)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
+    # Sampling only: false = argmax drafts (vLLM's way, so acceptance compares with vLLM's);
+    # true = chain drafts sampled from the head's own distribution.
+    draft_sampling: bool = False
     baselines: list[str] = field(default_factory=lambda: ["greedy"])  # + prompt_lookup
     prompt_lookup_num_tokens: int = 10
     out_dir: str | None = None  # None: <run_dir>/eval

@@ -156,6 +156,8 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    depth = len(result["overall"]["acceptance_per_position"])
+    ax.set_xticks(range(1, depth + 1))
     for name, m in {**result["tasks"], "overall": result["overall"]}.items():
         rates = [r or 0.0 for r in m["acceptance_per_position"]]
         style = "k--" if name == "overall" else "-"

@@ -124,9 +124,8 @@ def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target
     encoded = [(task, encode(tokenizer, p)) for task, ps in prompts.items() for p in ps]
 
     def spec(ids, temperature, max_new_tokens=ev.max_new_tokens):
-        return speculative_generate(
-            verifier, drafter, ids, max_new_tokens, shape, temperature, ev.top_p, eos, generator
-        )
+        return speculative_generate(verifier, drafter, ids, max_new_tokens, shape, temperature,
+                                    ev.top_p, eos, generator, ev.draft_sampling)
 
     # Warm-up (not measured): first calls pay for allocations and kernel selection.
     greedy_generate(verifier, encoded[0][1], 8, eos)
@@ -154,6 +153,7 @@ def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target
         "tree": asdict(ev.tree),
         "temperature": ev.temperature,
         "top_p": ev.top_p,
+        "draft_sampling": ev.draft_sampling,
         "max_new_tokens": ev.max_new_tokens,
         "max_prompts_per_task": ev.max_prompts_per_task,
         "seed": cfg.seed,

@@ -53,6 +53,7 @@ class Generation:
 
 
 DEFAULT_SHAPE = Chain(3)
+GREEDY = Sampling()
 
 
 def clock(device: torch.device) -> float:
@@ -100,14 +101,19 @@ def speculative_generate(
     top_p: float = 1.0,
     eos_ids: tuple[int, ...] | set[int] = (),
     generator: torch.Generator | None = None,
+    draft_sampling: bool = False,
 ) -> Generation:
     """Generate up to `max_new_tokens` after `input_ids` [T] (or [1, T]) with `drafter`.
 
     Greedy (temperature 0) output equals plain greedy decoding token for token; sampled output is
-    distributed exactly as sampling the target with the same temperature and top-p.
+    distributed exactly as sampling the target with the same temperature and top-p. When
+    sampling, drafts are the drafter's argmax (as vLLM drafts, so acceptance figures compare)
+    unless `draft_sampling`, which samples chain drafts from the drafter's own warped
+    distribution q and accepts with min(1, p/q).
     """
     prompt = input_ids.reshape(-1).cpu()
     sampling = Sampling(temperature, top_p, generator)
+    drafting = sampling if draft_sampling else GREEDY
     eos, stats = set(eos_ids), DecodeStats()
     runner = TargetCache(target, drafter.hidden_layers)
     start = clock(runner.device)
@@ -121,7 +127,7 @@ def speculative_generate(
     done = extend(out, [first], max_new_tokens, eos)
     while not done:
         t0 = clock(runner.device)
-        draft = drafter.propose(shape, sampling)
+        draft = drafter.propose(shape, drafting)
         t1 = clock(runner.device)
         chunk = torch.cat([torch.tensor(out[-1:]), draft.tokens])
         logits, hidden = runner.forward(chunk, draft.parents)

@@ -61,14 +61,6 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     )
 
 
-def path_to(parents: list[int], node: int) -> list[int]:
-    """Node indices from the root down to `node`."""
-    path = [node]
-    while parents[path[-1]] >= 0:
-        path.append(parents[path[-1]])
-    return path[::-1]
-
-
 def children_of(parents: list[int]) -> list[list[int]]:
     kids: list[list[int]] = [[] for _ in parents]
     for i, p in enumerate(parents):
