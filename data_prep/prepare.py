@@ -99,7 +99,7 @@ def capture_spec(cfg: RootConfig, num_hidden_layers: int) -> CaptureSpec:
 
 
 def draft_vocab_size(cfg: RootConfig, vocab_size: int) -> int | None:
-    return min(cfg.head.draft_vocab_size, vocab_size) if cfg.head.name == "eagle3" else None
+    return min(cfg.data.draft_vocab_size, vocab_size) if cfg.head.name == "eagle3" else None
 
 
 def check_data_config(cfg: RootConfig) -> None:

@@ -1,7 +1,8 @@
 """The EAGLE-3 draft vocabulary: the most frequent trained-on target tokens.
 
 A smaller lm_head makes every draft step cheaper; the tokens it drops are ones the target rarely
-emits in the training answers. `d2t`/`t2d` follow the engines' convention
+emits in the training answers. The vocabulary is a product of the data (`data.draft_vocab_size`),
+and a head takes its size from the `d2t` it is built with. `d2t`/`t2d` follow the engines' convention
 (`target = draft + d2t[draft]`, `t2d[target]` marks kept ids) so export copies them as they are.
 """
 
@@ -30,12 +31,13 @@ def count_masked_tokens(samples: Iterable, vocab_size: int) -> torch.Tensor:
 def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t int64 [Vd], t2d bool [V]): top `draft_vocab_size` ids by count, ties to the lower id.
 
-    Ids the training answers never contain are left out (the head could never learn to draft
-    them), so on a small data set the vocabulary, and every draft step, is smaller than the cap.
-    Sorted ascending so that draft id order follows target id order.
+    On a small data set many ids are never seen; they fill the remaining slots in id order, which
+    for BPE vocabularies is roughly merge (so frequency) order: a better prior for what the target
+    will emit at evaluation than leaving the slots out. Sorted ascending so that draft id order
+    follows target id order.
     """
     v = counts.numel()
-    k = max(1, min(draft_vocab_size, v, int((counts > 0).sum())))
+    k = max(1, min(draft_vocab_size, v))
     # Stable sort on descending counts keeps ties in ascending id order.
     order = torch.sort(-counts, stable=True).indices[:k]
     kept = torch.sort(order).values

@@ -36,7 +36,6 @@ class Eagle3Config:
     # HF `hidden_states` indices (k = residual stream after k decoder layers). None: the
     # engines' default (2, N//2, N-3).
     aux_layer_ids: list[int] | None = None
-    draft_vocab_size: int = 32000
     ttt_length: int = 7
     step_weight: float = 0.8
     # None: copy the target's values.

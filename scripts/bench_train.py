@@ -1,9 +1,13 @@
-"""EAGLE-3 training throughput and peak memory on the embedded target; prints one JSON line.
+"""Training throughput and peak memory of a head on the embedded target; prints one JSON line.
 
-    python scripts/bench_train.py [key=value ...]   (any root-config override, e.g. head.ttt_length=3)
+    python scripts/bench_train.py [+head=eagle3|medusa] [--labelled F] [key=value ...]
+    (any root-config override, e.g. head.ttt_length=3, or head.joint=true head.lora_rank=16)
 
-Batches are real: chat-templated ShareGPT prompts through the real target, captured as training
-will see them (fp32 on CPU, bf16 autocast on a GPU), at `optim.batch_tokens` tokens per batch.
+Batches are real: chat-templated ShareGPT conversations through the real target, captured as
+training will see them (fp32 on CPU, bf16 autocast on a GPU), at `optim.batch_tokens` tokens per
+batch. The last fraction F (default 1.0, the worst case) of each row is labelled, as an answer
+after its prompt: the vocabulary projections, and EAGLE-3's later unroll steps, scale with the
+labelled tokens. EAGLE-3 is the default head.
 """
 
 from __future__ import annotations
@@ -12,22 +16,21 @@ import json
 import resource
 import sys
 import time
+from collections import Counter
 
 import torch
 
+from data_prep.config import DataConfig
 from data_prep.sources import iter_samples
 from heads.eagle3 import Eagle3Head
 from trainer.cli import compose_root
 from trainer.distributed import mixed_precision
 from trainer.eagle3_objective import Eagle3Trainee
+from trainer.medusa_objective import build_medusa_trainee
 from trainer.target import load_target_from_config
 
 
-def real_batch(model, tok, aux_ids: list[int], rows: int, seq_len: int) -> dict[str, torch.Tensor]:
-    from collections import Counter
-
-    from data_prep.config import DataConfig
-
+def real_batch(model, tok, rows: int, seq_len: int, labelled: float) -> dict[str, torch.Tensor]:
     data_cfg = DataConfig()
     data_cfg.regenerate.enabled = False  # the ShareGPT answers as they are: enough for timing
     texts = []
@@ -40,30 +43,52 @@ def real_batch(model, tok, aux_ids: list[int], rows: int, seq_len: int) -> dict[
     ids = torch.tensor(texts, device=model.device)
     with torch.no_grad():
         hs = model(ids, output_hidden_states=True).hidden_states
-    return {
-        "input_ids": ids,
-        "loss_mask": torch.ones_like(ids, dtype=torch.bool),
-        "aux_hidden": torch.cat([hs[i] for i in aux_ids], -1).float(),
-        "final_hidden": hs[-1].float(),
-    }
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, : round(seq_len * (1 - labelled))] = False
+    return {"input_ids": ids, "loss_mask": mask, "hidden_states": hs}
 
 
-def main(argv: list[str]) -> None:
-    cfg = compose_root(["+head=eagle3", *argv])
-    model, tok = load_target_from_config(cfg.target)
+def eagle3_setup(cfg, model, batch: dict) -> tuple[torch.nn.Module, dict]:
     vocab = model.config.vocab_size
-    draft = min(cfg.head.draft_vocab_size, vocab)
+    draft = min(cfg.data.draft_vocab_size, vocab)
     d2t = torch.zeros(draft, dtype=torch.long)  # the lowest ids: cost depends only on the size
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[:draft] = True
     head = Eagle3Head.from_target(model, cfg.target.name_or_path, cfg.head, d2t, t2d)
     trainee = Eagle3Trainee(
         head, model.get_output_embeddings().weight, cfg.head.ttt_length, cfg.head.step_weight
-    ).to(model.device)
-    seq_len = 512 if cfg.optim.batch_tokens >= 512 else cfg.optim.batch_tokens
+    )
+    hs = batch.pop("hidden_states")
+    batch["aux_hidden"] = torch.cat([hs[i] for i in head.aux_layer_ids], -1).float()
+    batch["final_hidden"] = hs[-1].float()
+    return trainee, {"ttt_length": cfg.head.ttt_length, "draft_vocab_size": draft}
+
+
+def medusa_setup(cfg, model, batch: dict) -> tuple[torch.nn.Module, dict]:
+    trainee = build_medusa_trainee(cfg, model, None)
+    batch["final_hidden"] = batch.pop("hidden_states")[-1].float()  # Medusa-1's input
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])  # Medusa-2's
+    fields = {"num_heads": cfg.head.num_heads, "joint": cfg.head.joint, "lora_rank": cfg.head.lora_rank}
+    return trainee, fields
+
+
+def main(argv: list[str]) -> None:
+    labelled = 1.0
+    if "--labelled" in argv:
+        i = argv.index("--labelled")
+        labelled, argv = float(argv[i + 1]), argv[:i] + argv[i + 2 :]
+    if not any(a.startswith("+head=") for a in argv):
+        argv = ["+head=eagle3", *argv]
+    cfg = compose_root(argv)
+    model, tok = load_target_from_config(cfg.target)
+    seq_len = min(512, cfg.optim.batch_tokens)
     rows = max(1, cfg.optim.batch_tokens // seq_len)
-    batch = real_batch(model, tok, head.aux_layer_ids, rows, seq_len)
-    opt = torch.optim.AdamW([p for p in trainee.parameters() if p.requires_grad], lr=1e-4)
+    batch = real_batch(model, tok, rows, seq_len, labelled)
+    setup = eagle3_setup if cfg.head.name == "eagle3" else medusa_setup
+    trainee, fields = setup(cfg, model, batch)
+    trainee.to(model.device)
+    params = [p for p in trainee.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
     use_bf16 = mixed_precision(cfg.dist) == "bf16"
 
     def step() -> None:
@@ -87,17 +112,21 @@ def main(argv: list[str]) -> None:
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     elapsed = time.perf_counter() - t0
+    tokens, labels = batch["input_ids"].numel(), int(batch["loss_mask"].sum())
     print(
         json.dumps(
             {
+                "head": cfg.head.name,
                 "target": cfg.target.name_or_path,
                 "device": str(model.device),
                 "precision": "bf16-autocast" if use_bf16 else "fp32",
                 "threads": torch.get_num_threads(),
-                "ttt_length": cfg.head.ttt_length,
+                **fields,
+                "trainable_params": sum(p.numel() for p in params),
                 "batch_shape": list(batch["input_ids"].shape),
-                "draft_vocab_size": draft,
-                "train_tokens_per_s": round(n * batch["input_ids"].numel() / elapsed, 1),
+                "labelled_tokens": labels,
+                "train_tokens_per_s": round(n * tokens / elapsed, 1),
+                "labelled_tokens_per_s": round(n * labels / elapsed, 1),
                 "step_s": round(elapsed / n, 3),
                 "peak_memory_mib": round(peak, 1),
             }

@@ -6,6 +6,11 @@ seeded so every test sees the same model.
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +61,40 @@ def tiny_llama_dir(tmp_path_factory, smol_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory, smol_tokenizer) -> Path:
     return build_tiny_target(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", smol_tokenizer)
+
+
+WORDS = "the cat sat on a mat and then it ran to the red house where a dog slept all day".split()
+
+
+@pytest.fixture(scope="session")
+def sharp_target(tmp_path_factory, smol_tokenizer) -> Path:
+    """A tiny target whose next-token distributions are peaked (a scaled final norm), so a head
+    has something to learn and the loss visibly falls."""
+    from transformers import AutoModelForCausalLM
+
+    out = build_tiny_target(tmp_path_factory.mktemp("sharp"), "llama", smol_tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    model.model.norm.weight.data.fill_(30.0)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def chat_file(tmp_path_factory) -> Path:
+    """64 user/assistant exchanges of random words: cheap, varied, and template-ready."""
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    with open(path, "w") as fh:
+        for _ in range(64):
+            q = " ".join(rng.choice(WORDS) for _ in range(8))
+            a = " ".join(rng.choice(WORDS) for _ in range(24))
+            msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+            fh.write(json.dumps({"messages": msgs}) + "\n")
+    return path
+
+
+def run_train_cli(args: list[str], launcher: list[str] | None = None, timeout: int = 600):
+    """`python -m trainer.train` (or under `launcher`) as users run it, one thread per process."""
+    cmd = (launcher or [sys.executable]) + ["-m", "trainer.train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

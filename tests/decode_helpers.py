@@ -53,7 +53,7 @@ def random_eagle3_head(model, draft_vocab: int | None = None, seed: int = 0) -> 
         d2t, t2d = ids - torch.arange(draft_vocab), torch.zeros(v, dtype=torch.bool)
         t2d[ids] = True
     first = max(model.config.num_hidden_layers - 3, 0)
-    cfg = Eagle3Config(draft_vocab_size=len(d2t), aux_layer_ids=[first, first + 1, first + 2])
+    cfg = Eagle3Config(aux_layer_ids=[first, first + 1, first + 2])
     return Eagle3Head.from_target(model, "tiny", cfg, d2t, t2d).eval().requires_grad_(False)
 
 

@@ -52,10 +52,10 @@ def root(target_dir, source, cache_dir, head=None, regenerate=False, **data) -> 
             source=str(source),
             cache_dir=str(cache_dir),
             regenerate=RegenerateConfig(enabled=regenerate, max_new_tokens=6, batch_size=4),
-            **({"shard_samples": 5, "val_fraction": 0.2} | data),
+            **({"shard_samples": 5, "val_fraction": 0.2, "draft_vocab_size": 300} | data),
         ),
         logging=LoggingConfig(progress=False),
-        head=head or Eagle3Config(draft_vocab_size=300),
+        head=head or Eagle3Config(),
     )
 
 

@@ -62,7 +62,7 @@ def test_sigkill_mid_capture_then_resume_gives_identical_shards(tiny_llama_dir, 
     )
     common = [
         "+head=eagle3",
-        "head.draft_vocab_size=500",
+        "data.draft_vocab_size=500",
         f"target.name_or_path={tiny_llama_dir}",
         "target.num_threads=1",
         f"data.source={source}",

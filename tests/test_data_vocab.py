@@ -32,9 +32,9 @@ def test_top_k_sorted_with_offsets_and_coverage():
     # Ties at the cut go to the lower id; a size above the vocabulary is capped.
     d2t, _ = build_draft_vocab(torch.tensor([1, 1, 1]), 2)
     assert (torch.arange(2) + d2t).tolist() == [0, 1]
-    # A cap above what the data contains keeps only the ids seen under the loss mask.
-    d2t, t2d = build_draft_vocab(counts, 100)
-    assert (torch.arange(5) + d2t).tolist() == [1, 2, 3, 5, 6] and int(t2d.sum()) == 5
+    # Slots beyond the ids the data contains go to the lowest unseen ids.
+    d2t, t2d = build_draft_vocab(counts, 6)
+    assert (torch.arange(6) + d2t).tolist() == [0, 1, 2, 3, 5, 6] and int(t2d.sum()) == 6
 
 
 def test_saved_vocab_round_trips(tmp_path):

@@ -40,7 +40,7 @@ def test_evaluator_with_a_random_head_is_lossless(smol, tmp_path):
     model, tok = smol
     v, vd = model.config.vocab_size, 32000
     d2t, t2d = torch.zeros(vd, dtype=torch.long), torch.arange(v) < vd
-    head = Eagle3Head.from_target(model, NAME, Eagle3Config(draft_vocab_size=vd), d2t, t2d)
+    head = Eagle3Head.from_target(model, NAME, Eagle3Config(), d2t, t2d)
     folder = head.save_pretrained(tmp_path / "head")
     cfg = compose_root(["+head=eagle3", "eval.max_prompts_per_task=1", "eval.max_new_tokens=24"])
     result = evaluate(cfg, folder, tmp_path / "eval", target=smol)

@@ -37,12 +37,15 @@ def aux_features(model, head, ids):
 
 
 def test_ttt_mask_by_hand():
-    m = ttt_attention_mask(3, 2)[0, 0].int().tolist()
+    m = ttt_attention_mask(torch.arange(3)[None], 3, 2)[0, 0].int().tolist()
     assert m == [
         [1, 0, 0, 1, 0, 0, 1, 0, 0],
         [1, 1, 0, 0, 1, 0, 0, 1, 0],
         [1, 1, 1, 0, 0, 1, 0, 0, 1],
     ]
+    # Later steps computing positions 1 and 2 of 3: causal over the context, own branch after.
+    m = ttt_attention_mask(torch.tensor([[1, 2]]), 3, 1)[0, 0].int().tolist()
+    assert m == [[1, 1, 0, 1, 0], [1, 1, 1, 0, 1]]
 
 
 def test_ttt_unroll_equals_chain_decoding(tiny):
@@ -53,7 +56,16 @@ def test_ttt_unroll_equals_chain_decoding(tiny):
     aux, _ = aux_features(model, head, ids)
     trainee = Eagle3Trainee(head, model.get_output_embeddings().weight, ttt_length=4, step_weight=0.8)
     with torch.no_grad():
-        unrolled = [head.logits(hidden) for _, hidden in trainee.unroll(aux, ids)]
+        unrolled = [head.logits(hidden) for _, hidden, _, _ in trainee.unroll(aux, ids)]
+        # Later steps on a subset of positions (a different count per row, so one row is
+        # padded) give the same rows as the full unroll.
+        keep = torch.zeros(2, 12, dtype=torch.bool)
+        keep[0, [3, 7, 8]] = True
+        keep[1, 5] = True
+        for k, hidden, pos, valid in trainee.unroll(aux.expand(2, -1, -1), ids.expand(2, -1), keep):
+            if k > 0:
+                assert pos[0].tolist() == [3, 7, 8] and pos[1, valid[1]].tolist() == [5]
+            torch.testing.assert_close(head.logits(hidden)[valid], unrolled[k][0, pos[valid]])
         for t in (3, 7):
             # Inference: step 0 over the verified prefix 0..t, then chain on position t alone.
             pos = torch.arange(t + 1)[None]

@@ -25,7 +25,7 @@ from trainer.cli import compose_root
 from trainer.decoding import greedy_generate
 from trainer.errors import UserError
 from trainer.eval_tasks import load_prompts, user_prompts
-from trainer.evaluate import evaluate, greedy_verdict
+from trainer.evaluate import evaluate, greedy_verdict, resolve_mode
 from trainer.target import load_target
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -40,7 +40,7 @@ def tiny(tiny_llama_dir):
 def eagle_head(model, name: str, out: Path, aux: list[int] | None = None) -> Path:
     v = model.config.vocab_size
     d2t, t2d = torch.zeros(v, dtype=torch.long), torch.ones(v, dtype=torch.bool)
-    cfg = Eagle3Config(draft_vocab_size=v, aux_layer_ids=aux)
+    cfg = Eagle3Config(aux_layer_ids=aux)
     head = Eagle3Head.from_target(model, name, cfg, d2t, t2d)
     return head.save_pretrained(out)
 
@@ -182,3 +182,8 @@ def test_command_line(tiny_llama_dir, eagle_dir, tmp_path):
     proc = subprocess.run([*cmd[:3], f"head={tmp_path}"], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 2 and proc.stderr.startswith("error: head=")
+
+
+def test_auto_mode_drafts_each_head_as_it_is_served():
+    assert resolve_mode("auto", "eagle3") == "chain" and resolve_mode("auto", "medusa") == "tree"
+    assert resolve_mode("chain", "medusa") == "chain" and resolve_mode("tree", "eagle3") == "tree"

@@ -61,7 +61,7 @@ def make_head(target_dir: Path, out: Path, seed: int = 0) -> Path:
     t2d[keep] = True
     torch.manual_seed(seed)
     d2t = keep - torch.arange(DRAFT_VOCAB)
-    cfg = Eagle3Config(draft_vocab_size=DRAFT_VOCAB)
+    cfg = Eagle3Config()
     head = Eagle3Head.from_target(model, str(target_dir), cfg, d2t, t2d)
     with torch.no_grad():  # move the norms off 1.0 so a dropped norm weight would show
         for name, p in head.named_parameters():

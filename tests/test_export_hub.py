@@ -87,7 +87,7 @@ def head_dir(tiny_llama_dir, tmp_path_factory):
     # Named after the alias so the card's base_model is a Hub id (vocab/hidden come from the
     # tiny model; only the name is borrowed).
     head = Eagle3Head.from_target(
-        model, "smollm2-135m-instruct", Eagle3Config(draft_vocab_size=v), d2t, t2d
+        model, "smollm2-135m-instruct", Eagle3Config(), d2t, t2d
     )
     return head.save_pretrained(tmp_path_factory.mktemp("hub") / "head")
 

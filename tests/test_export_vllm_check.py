@@ -41,7 +41,7 @@ def test_ours_side_decodes_the_exported_weights(check_vllm, tiny_llama_dir, tmp_
     head = Eagle3Head.from_target(
         model,
         str(tiny_llama_dir),
-        Eagle3Config(draft_vocab_size=v),
+        Eagle3Config(),
         torch.zeros(v, dtype=torch.long),
         torch.ones(v, dtype=torch.bool),
     )

@@ -165,7 +165,7 @@ def test_heads_for_another_target_are_refused(tiny, tmp_path):
 def test_an_eagle3_folder_is_not_a_medusa_head(tiny, tmp_path):
     vocab = tiny.config.vocab_size
     d2t, t2d = torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool)
-    eagle = Eagle3Head.from_target(tiny, "tiny", Eagle3Config(draft_vocab_size=vocab), d2t, t2d)
+    eagle = Eagle3Head.from_target(tiny, "tiny", Eagle3Config(), d2t, t2d)
     eagle.save_pretrained(tmp_path / "e")
     with pytest.raises(UserError, match="a 'eagle3' head, expected 'medusa'"):
         MedusaHead.from_pretrained(tmp_path / "e", tiny, "tiny")

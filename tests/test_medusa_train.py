@@ -14,8 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from heads.medusa import TARGET_DIR, MedusaConfig, MedusaHead, load_joint_target
-from tests.conftest import TINY
-from tests.test_train import conversations, run_cli, sharp_target  # noqa: F401 (fixtures)
+from tests.conftest import TINY, run_train_cli
 from trainer.config import DistConfig, LoggingConfig, OptimConfig, RootConfig
 from trainer.distributed import build_accelerator
 from trainer.loop import fit, validate
@@ -234,13 +233,13 @@ LORA = ("head.joint=true", "head.lora_rank=4")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("joint", [False, True], ids=["medusa1", "medusa2-lora"])
-def test_the_main_job_trains_medusa(sharp_target, conversations, tmp_path, joint):  # noqa: F811
+def test_the_main_job_trains_medusa(sharp_target, chat_file, tmp_path, joint):
     """`python -m trainer.train +head=medusa`: data_prep captures what the head needs (final
     hidden states, or tokens only for joint training), the shared loop trains, the head folder
     reloads against the target (and carries its LoRA adapter when joint)."""
     run_dir = tmp_path / "run"
     extra = ("optim.max_steps=8", *(LORA if joint else ()))
-    proc = run_cli(medusa_args(sharp_target, conversations, run_dir, *extra))
+    proc = run_train_cli(medusa_args(sharp_target, chat_file, run_dir, *extra))
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [h["loss"] for h in json.loads((run_dir / "history.json").read_text())]
     assert losses[-1] < losses[0], losses
@@ -252,15 +251,15 @@ def test_the_main_job_trains_medusa(sharp_target, conversations, tmp_path, joint
 
 
 @pytest.mark.slow
-def test_medusa2_lora_on_two_ddp_processes(sharp_target, conversations, tmp_path):  # noqa: F811
+def test_medusa2_lora_on_two_ddp_processes(sharp_target, chat_file, tmp_path):
     """The joint trainee (peft target, a frozen teacher outside the module tree, a step-count
     buffer) under DDP on 2 CPU processes: replicas stay identical."""
     run_dir = tmp_path / "run"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                 "--master_port", str(29900 + random.randint(0, 90))]
-    args = medusa_args(sharp_target, conversations, run_dir, "dist=ddp", "optim.max_steps=6",
+    args = medusa_args(sharp_target, chat_file, run_dir, "dist=ddp", "optim.max_steps=6",
                        "head.head_warmup_steps=2", *LORA)
-    proc = run_cli(args, launcher=launcher)
+    proc = run_train_cli(args, launcher=launcher)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     a, b = summary["replica_checksums"]

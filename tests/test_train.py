@@ -16,35 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import build_tiny_target
-
-WORDS = "the cat sat on a mat and then it ran to the red house where a dog slept all day".split()
-
-
-@pytest.fixture(scope="module")
-def sharp_target(tmp_path_factory, smol_tokenizer) -> Path:
-    """A tiny target whose next-token distributions are peaked (a scaled final norm), so a head
-    has something to learn and the loss visibly falls."""
-    from transformers import AutoModelForCausalLM
-
-    out = build_tiny_target(tmp_path_factory.mktemp("sharp"), "llama", smol_tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(out)
-    model.model.norm.weight.data.fill_(30.0)
-    model.save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def conversations(tmp_path_factory) -> Path:
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
-    with open(path, "w") as fh:
-        for _ in range(64):
-            q = " ".join(rng.choice(WORDS) for _ in range(8))
-            a = " ".join(rng.choice(WORDS) for _ in range(24))
-            msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-            fh.write(json.dumps({"messages": msgs}) + "\n")
-    return path
+from tests.conftest import run_train_cli
 
 
 def train_args(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -57,7 +29,7 @@ def train_args(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str
         "data.max_samples=0",
         "data.val_fraction=0.1",
         f"data.cache_dir={run_dir.parent / 'data-cache'}",
-        "head.draft_vocab_size=400",
+        "data.draft_vocab_size=400",
         "head.ttt_length=3",
         f"run_dir={run_dir}",
         "pipeline.evaluate=false",
@@ -71,19 +43,13 @@ def train_args(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str
     ]
 
 
-def run_cli(args: list[str], launcher: list[str] | None = None, timeout: int = 600):
-    cmd = (launcher or [sys.executable]) + ["-m", "trainer.train", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def test_single_process_trains_and_loss_falls(sharp_target, conversations, tmp_path):
+def test_single_process_trains_and_loss_falls(sharp_target, chat_file, tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli(train_args(sharp_target, conversations, run_dir, "optim.max_steps=16"))
+    proc = run_train_cli(train_args(sharp_target, chat_file, run_dir, "optim.max_steps=16"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = summary(run_dir)
     assert s["steps"] == 16 and (run_dir / "head" / "model.safetensors").exists()
@@ -93,12 +59,12 @@ def test_single_process_trains_and_loss_falls(sharp_target, conversations, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dist", ["ddp", "zero2"])
-def test_two_cpu_processes_agree(sharp_target, conversations, tmp_path, dist):
+def test_two_cpu_processes_agree(sharp_target, chat_file, tmp_path, dist):
     run_dir = tmp_path / f"run-{dist}"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                 "--master_port", str(29500 + random.randint(0, 400))]
-    proc = run_cli(
-        train_args(sharp_target, conversations, run_dir, f"dist={dist}", "optim.max_steps=8"),
+    proc = run_train_cli(
+        train_args(sharp_target, chat_file, run_dir, f"dist={dist}", "optim.max_steps=8"),
         launcher=launcher,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -111,13 +77,13 @@ def test_two_cpu_processes_agree(sharp_target, conversations, tmp_path, dist):
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_matches_uninterrupted(sharp_target, conversations, tmp_path):
+def test_resume_after_sigkill_matches_uninterrupted(sharp_target, chat_file, tmp_path):
     extra = ("optim.max_steps=12", "optim.save_every=3", "optim.val_every=100")
     straight = tmp_path / "straight"
-    assert run_cli(train_args(sharp_target, conversations, straight, *extra)).returncode == 0
+    assert run_train_cli(train_args(sharp_target, chat_file, straight, *extra)).returncode == 0
 
     killed = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "trainer.train", *train_args(sharp_target, conversations, killed, *extra)]
+    cmd = [sys.executable, "-m", "trainer.train", *train_args(sharp_target, chat_file, killed, *extra)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.time() + 300
@@ -126,7 +92,7 @@ def test_resume_after_sigkill_matches_uninterrupted(sharp_target, conversations,
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "summary.json").exists(), "the run finished before it could be killed"
-    resumed = run_cli(train_args(sharp_target, conversations, killed, *extra, "resume=true"))
+    resumed = run_train_cli(train_args(sharp_target, chat_file, killed, *extra, "resume=true"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
     final = "checkpoints/step-0000012/model.safetensors"
@@ -149,7 +115,7 @@ def test_bad_overrides_fail_before_loading(override, expected, tmp_path):
     args = ["+head=eagle3", f"run_dir={tmp_path}", override]
     if override.startswith("+head="):
         args = args[1:]
-    proc = run_cli(args, timeout=120)
+    proc = run_train_cli(args, timeout=120)
     assert proc.returncode != 0
     assert expected in proc.stderr
     assert "Loading weights" not in proc.stderr

@@ -15,16 +15,30 @@ from torch import nn
 from heads.eagle3 import Eagle3Head
 
 
-def ttt_attention_mask(seq_len: int, step: int, device=None) -> torch.Tensor:
-    """Bool [1,1,T,(step+1)*T]: what a query of unroll step `step` may attend to.
+def ttt_attention_mask(positions: torch.Tensor, seq_len: int, step: int) -> torch.Tensor:
+    """Bool [B,1,S,T+step*S]: what the queries of unroll step `step` may attend to.
 
-    Keys are the concatenation of every step's K/V so far. Step 0's block is causal (the verified
-    context); the block of each later step j is the diagonal: the draft token at position t in
-    step j exists only on t's own branch, exactly what a chain decoder's cache holds at inference.
+    `positions` [B,S] are the sequence positions the step computes (all T at step 0, only those a
+    later loss reads afterwards). Keys are step 0's K/V over all T positions, then each later
+    step's K/V over the S rows. Step 0's block is causal (the verified context); each later step's
+    block is the diagonal: the draft token at a position exists only on that position's own
+    branch, exactly what a chain decoder's cache holds at inference.
     """
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-    eye = torch.eye(seq_len, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [eye] * step, dim=1)[None, None]
+    keys = torch.arange(seq_len, device=positions.device)
+    causal = keys[None, None, :] <= positions[:, :, None]
+    eye = torch.eye(positions.shape[1], dtype=torch.bool, device=positions.device)
+    diag = eye.expand(positions.shape[0], -1, -1)
+    return torch.cat([causal] + [diag] * step, dim=2)[:, None]
+
+
+def gather_positions(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool [B,T] -> (positions [B,S] in ascending order, padded with 0; valid [B,S]), S = the
+    largest per-row count."""
+    counts = keep.sum(1)
+    width = max(1, int(counts.max()))
+    order = torch.sort((~keep).int(), dim=1, stable=True).indices[:, :width]
+    valid = torch.arange(width, device=keep.device)[None] < counts[:, None]
+    return torch.where(valid, order, 0), valid
 
 
 def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
@@ -71,19 +85,28 @@ class Eagle3Trainee(nn.Module):
             probs.append(F.softmax(logits[:, draft_ids], dim=-1))
         return torch.cat(probs), torch.cat(tops)
 
-    def unroll(self, aux_hidden: torch.Tensor, ids: torch.Tensor):
-        """Yield (k, pre-norm hidden [B,T,H]) for each TTT step. Position t reads token t+1+k and
-        predicts token t+2+k; step k>0 feeds back the head's own hidden state from step k-1."""
+    def unroll(self, aux_hidden: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor | None = None):
+        """Yield (k, pre-norm hidden [B,S,H], positions [B,S], valid [B,S]) for each TTT step.
+
+        Position t reads token t+1+k and predicts token t+2+k; step k>0 feeds back the head's own
+        hidden state from step k-1. Step 0 runs every position (all are keys of the context);
+        later steps run only the positions in `keep` (default all), since a later step's row
+        depends on nothing but its own branch: on chat data this skips the unlabelled prompt.
+        """
         b, t = ids.shape
         hidden = self.head.fuse(aux_hidden.to(self.head.fc.weight.dtype))
-        positions = torch.arange(t, device=ids.device).expand(b, t)
+        pos = torch.arange(t, device=ids.device).expand(b, t)
+        valid = torch.ones_like(pos, dtype=torch.bool)
         past = None
         for k in range(self.ttt_length):
-            attn = ttt_attention_mask(t, k, ids.device)
-            tokens = shift_left(ids, 1 + k, 0)
-            hidden, kv = self.head.layer(hidden, tokens, positions + k, attn, past)
+            if k == 1 and keep is not None:
+                pos, valid = gather_positions(keep)
+                hidden = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
+            attn = ttt_attention_mask(pos, t, k)
+            tokens = shift_left(ids, 1 + k, 0).gather(1, pos)
+            hidden, kv = self.head.layer(hidden, tokens, pos + k, attn, past)
             past = kv if past is None else tuple(torch.cat([p, n], 2) for p, n in zip(past, kv))
-            yield k, hidden
+            yield k, hidden, pos, valid
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Loss and metric sums for one batch. Metric sums are per unroll step:
@@ -101,9 +124,12 @@ class Eagle3Trainee(nn.Module):
         loss = teacher_p.new_zeros(())
         correct = teacher_p.new_zeros(self.ttt_length)
         total = teacher_p.new_zeros(self.ttt_length)
-        for k, hidden in self.unroll(batch["aux_hidden"], ids):
-            labelled = shift_left(mask, 2 + k, False)
-            rows = shift_left(teacher_row, 1 + k, -1)[labelled]
+        later = torch.zeros_like(mask)
+        for k in range(1, self.ttt_length):
+            later |= shift_left(mask, 2 + k, False)
+        for k, hidden, pos, valid in self.unroll(batch["aux_hidden"], ids, later):
+            labelled = shift_left(mask, 2 + k, False).gather(1, pos) & valid
+            rows = shift_left(teacher_row, 1 + k, -1).gather(1, pos)[labelled]
             top = teacher_top[rows]
             keep = top >= 0  # the target's choice is inside the draft vocabulary
             logits = self.head.logits(hidden[labelled][keep]).float()

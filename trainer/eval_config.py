@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from trainer.errors import UserError
 
 BASELINES = ("greedy", "prompt_lookup")
-MODES = ("chain", "tree")
+MODES = ("auto", "chain", "tree")
 
 
 @dataclass
@@ -28,7 +28,9 @@ class EvalConfig:
     max_prompts_per_task: int = 3
     max_new_tokens: int = 96
     num_speculative_tokens: int = 3
-    mode: str = "chain"  # chain | tree
+    # auto: each head as it is usually served (EAGLE-3 a chain, as vLLM drafts; Medusa its
+    # static tree, the shape it was designed for); chain | tree force one.
+    mode: str = "auto"
     tree: TreeConfig = field(default_factory=TreeConfig)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0

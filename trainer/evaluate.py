@@ -34,9 +34,16 @@ from trainer.eval_tasks import encode, load_prompts
 from trainer.target import load_target_from_config
 
 
-def draft_shape(cfg: EvalConfig, mode: str | None = None) -> Shape:
-    """The configured chain or tree (`mode` overrides `cfg.mode`)."""
-    if (mode or cfg.mode) == "chain":
+def resolve_mode(mode: str, kind: str) -> str:
+    """`auto` -> the shape a head of `kind` is usually served with."""
+    if mode != "auto":
+        return mode
+    return "tree" if kind == "medusa" else "chain"
+
+
+def draft_shape(cfg: EvalConfig, mode: str) -> Shape:
+    """The configured chain or tree for a resolved `mode`."""
+    if mode == "chain":
         return Chain(cfg.num_speculative_tokens)
     choices = cfg.tree.medusa_choices
     return Tree(
@@ -117,7 +124,8 @@ def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target
     check_eval_config(ev)
     prompts = load_prompts(ev)
     model, tokenizer = target if target is not None else load_target_from_config(cfg.target)
-    shape = draft_shape(ev)
+    mode = resolve_mode(ev.mode, head_kind(head_path))
+    shape = draft_shape(ev, mode)
     drafter, verifier = load_drafter(head_path, model, cfg.target.name_or_path, [shape])
     eos = eos_token_ids(verifier, tokenizer)
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -148,7 +156,7 @@ def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target
         "head": str(head_path),
         "kind": head_kind(head_path),
         "target": cfg.target.name_or_path,
-        "mode": ev.mode,
+        "mode": mode,
         "num_speculative_tokens": ev.num_speculative_tokens,
         "tree": asdict(ev.tree),
         "temperature": ev.temperature,
