@@ -84,6 +84,14 @@ LAYOUTS: dict[str, Layout] = {
 }
 
 
+def formats_for(head_path: str | Path, formats: list[str] | None) -> list[str]:
+    """The formats to write for a head: those asked for, or every one that holds its kind."""
+    if formats:
+        return list(formats)
+    kind = head_kind(head_path)
+    return [fmt for fmt, layout in LAYOUTS.items() if layout.kind == kind]
+
+
 def _read_json(path: Path, what: str) -> dict:
     try:
         return json.loads(path.read_text())
@@ -110,14 +118,6 @@ def _verifier(spec: TargetSpec, target_model) -> tuple[str, list[str]]:
         return name, list(target_model.config.architectures or [])
     local = Path(spec.name_or_path).expanduser() / "config.json"
     return name, (_read_json(local, "target").get("architectures", []) if local.exists() else [])
-
-
-def _make_readable(folder: Path) -> None:
-    """mkdtemp makes 0700 folders and safetensors 0600 files; an engine in a container running as
-    another user, or a teammate, must be able to read the export."""
-    folder.chmod(0o755)
-    for f in folder.iterdir():
-        f.chmod(0o644)
 
 
 def _write(folder: Path, layout: Layout, config: dict, tensors: Tensors) -> None:
@@ -179,7 +179,6 @@ def export_with_report(
             data=run_data_config(head_path),
         )
         (tmp / "README.md").write_text(render(facts))
-        _make_readable(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -252,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     own, overrides = split_args(sys.argv[1:] if argv is None else argv, OWN_KEYS)
     head = own.get("head", "")
     cfg = compose_for_head(head, overrides)
-    formats = own["format"].split(",") if own.get("format") else list(cfg.export.formats)
+    formats = formats_for(head, own["format"].split(",") if own.get("format") else cfg.export.formats)
     push = own.get("push_to_hub") or cfg.export.push_to_hub
     if push and len(formats) > 1:
         raise UserError(f"push_to_hub={push}: one repo holds one format; add format=<one of them>")

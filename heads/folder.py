@@ -57,6 +57,11 @@ def atomic_dir(final: Path) -> Path:
 
 
 def commit_dir(tmp: Path, final: Path) -> None:
+    """Rename `tmp` into place, readable by all: mkdtemp makes 0700 folders (and safetensors 0600
+    files), but an engine in a container running as another user, or a teammate, must read them."""
+    tmp.chmod(0o755)
+    for f in tmp.rglob("*"):
+        f.chmod(0o755 if f.is_dir() else 0o644)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

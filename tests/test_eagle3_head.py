@@ -111,6 +111,9 @@ def test_save_load_roundtrip(tiny, tmp_path, tiny_llama_dir):
     torch.testing.assert_close(head.step(hidden, ids, pos)[1], again.step(hidden, ids, pos)[1])
     assert torch.equal(again.d2t, head.d2t) and torch.equal(again.t2d, head.t2d)
     assert not (tmp_path / "h").with_name("h.tmp").exists()
+    # Readable by an engine running as another user (mkdtemp alone would leave 0700 / 0600).
+    assert oct((tmp_path / "h").stat().st_mode & 0o777) == "0o755"
+    assert {oct(p.stat().st_mode & 0o777) for p in (tmp_path / "h").iterdir()} == {"0o644"}
 
 
 def test_refuses_other_target(tiny, tmp_path, smol_tokenizer):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from heads.export import detect_format, export_with_report, load_export
+from heads.export import detect_format, export_with_report, formats_for, load_export
 from heads.export_check import KINDS
 from heads.export_medusa import read_tgi, read_vllm
 from heads.folder import load_head, save_head
@@ -148,3 +148,8 @@ def test_medusa2_head_is_refused(tiny_target, tiny_llama_dir, tmp_path):
 def test_eagle3_format_refuses_a_medusa_head(head_dir, tmp_path):
     with pytest.raises(UserError, match="format=eagle3: exports eagle3 heads"):
         export_with_report(head_dir, "eagle3", tmp_path / "x")
+
+
+def test_default_formats_follow_the_head_kind(head_dir):
+    assert formats_for(head_dir, None) == ["medusa-vllm", "medusa-tgi"]
+    assert formats_for(head_dir, ["medusa-tgi"]) == ["medusa-tgi"]

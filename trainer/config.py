@@ -56,7 +56,9 @@ class LoggingConfig:
 
 @dataclass
 class ExportConfig:
-    formats: list[str] = field(default_factory=lambda: ["eagle3", "speculators"])
+    # None: every format that holds the head's kind (EAGLE-3: eagle3, speculators; Medusa:
+    # medusa-vllm, medusa-tgi).
+    formats: list[str] | None = None
     out_dir: str | None = None
     push_to_hub: str | None = None
     dtype: str = "bfloat16"  # storage dtype of the exported weights (engines cast on load)

@@ -59,7 +59,7 @@ def run(cfg: RootConfig) -> dict:
             summary["eval_dir"] = str(run_dir / "eval")
             summary["mean_acceptance_length"] = report["overall"]["mean_acceptance_length"]
         if cfg.pipeline.export:
-            from heads.export import export_head
+            from heads.export import export_head, formats_for
 
             eval_json = run_dir / "eval" / "eval.json"
             out_root = Path(cfg.export.out_dir or run_dir / "export")
@@ -76,7 +76,7 @@ def run(cfg: RootConfig) -> dict:
                         license=cfg.export.license,
                     )
                 )
-                for fmt in cfg.export.formats
+                for fmt in formats_for(result["head_dir"], cfg.export.formats)
             ]
         summary["wall_time_s"] = round(time.perf_counter() - started, 1)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
