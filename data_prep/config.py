@@ -25,7 +25,7 @@ class DataConfig:
     max_samples: int = 192  # 0 = all
     max_length: int = 512
     max_turns: int = 1  # user/assistant exchanges kept per conversation; 0 = all
-    val_fraction: float = 0.05
+    val_fraction: float = 0.1
     seed: int = 0
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     storage_dtype: str = "bfloat16"  # bfloat16 | fp8 (e4m3 with a scale per token and layer)
