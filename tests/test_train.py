@@ -43,6 +43,10 @@ def train_args(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str
     ]
 
 
+def train_losses(run_dir: Path) -> list[float]:
+    return [h["loss"] for h in json.loads((run_dir / "history.json").read_text()) if "loss" in h]
+
+
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -53,7 +57,7 @@ def test_single_process_trains_and_loss_falls(sharp_target, chat_file, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = summary(run_dir)
     assert s["steps"] == 16 and (run_dir / "head" / "model.safetensors").exists()
-    losses = [h["loss"] for h in json.loads((run_dir / "history.json").read_text())]
+    losses = train_losses(run_dir)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 
 
@@ -72,7 +76,7 @@ def test_two_cpu_processes_agree(sharp_target, chat_file, tmp_path, dist):
     assert s["world_size"] == 2
     a, b = s["replica_checksums"]
     assert a == b and a != 0.0
-    losses = [h["loss"] for h in json.loads((run_dir / "history.json").read_text())]
+    losses = train_losses(run_dir)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 
 
@@ -100,6 +104,8 @@ def test_resume_after_sigkill_matches_uninterrupted(sharp_target, chat_file, tmp
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    # The resumed run's curve holds the steps before the kill too.
+    assert train_losses(killed) == train_losses(straight)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -20,6 +21,8 @@ from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, s
 from trainer.config import OptimConfig, RootConfig
 from trainer.errors import UserError
 from trainer.logger import RunLogger
+
+HISTORY = "history.json"  # per-step train loss and validation metrics
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float):
@@ -85,6 +88,17 @@ def save_best(accelerator, trainee, out_dir: Path) -> None:
     accelerator.wait_for_everyone()
 
 
+def read_history(run_dir: Path, upto: int) -> list[dict]:
+    path = run_dir / HISTORY
+    return [h for h in json.loads(path.read_text()) if h["step"] <= upto] if path.exists() else []
+
+
+def write_history(run_dir: Path, history: list[dict]) -> None:
+    tmp = run_dir / f".{HISTORY}.tmp"
+    tmp.write_text(json.dumps(history))
+    tmp.replace(run_dir / HISTORY)
+
+
 def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) -> dict:
     """Train, validating every `val_every` steps; the best head (by `score`) goes to run_dir/head."""
     optim = cfg.optim
@@ -99,8 +113,12 @@ def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) 
     ckpt = latest_checkpoint(run_dir) if cfg.resume else None
     if ckpt is not None:
         state = load_checkpoint(accelerator, ckpt)
-        for _ in range(state.step):  # the schedule is a function of the step: no pickle needed
-            sched.step()
+        # The schedule is a function of the step: replay it rather than unpickle it. torch warns
+        # that no optimizer step preceded these; here that is the point.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            for _ in range(state.step):
+                sched.step()
     logger = RunLogger(cfg.logging, run_dir, accelerator.is_main_process, {})
     head_dir = run_dir / "head"
     bar = tqdm(
@@ -109,7 +127,9 @@ def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) 
         desc="train",
         disable=not (cfg.logging.progress and accelerator.is_main_process),
     )
-    history: list[dict] = []
+    # Resumed runs keep the curve of the steps they restore (history.json is written with every
+    # checkpoint, so a killed run leaves it as far as its last checkpoint).
+    history = read_history(run_dir, state.step) if ckpt is not None else []
     trainee.train()
     tokens, t0 = 0, time.perf_counter()
     params = [p for g in groups for p in g["params"]]
@@ -147,6 +167,7 @@ def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) 
             if state.step % optim.val_every == 0 or last:
                 metrics = validate(accelerator, trainee, val_ds, cfg)
                 logger.log(state.step, metrics, "val")
+                history.append({"step": state.step, "val": metrics})
                 if accelerator.is_main_process:
                     shown = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
                     tqdm.write(f"step {state.step}: val {shown}")
@@ -158,14 +179,14 @@ def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) 
                     save_best(accelerator, trainee, head_dir)
             if state.step % optim.save_every == 0 or last:
                 save_checkpoint(accelerator, run_dir, state)
+                if accelerator.is_main_process:
+                    write_history(run_dir, history)
         if state.batch_in_epoch >= len(batches):
             state.epoch += 1
             state.batch_in_epoch = 0
     bar.close()
     logger.close()
     elapsed = time.perf_counter() - t0
-    if accelerator.is_main_process:
-        (run_dir / "history.json").write_text(json.dumps(history))
     return {
         "world_size": world,
         "replica_checksums": replica_checksums(accelerator, trainee),
