@@ -98,3 +98,27 @@ def run_train_cli(args: list[str], launcher: list[str] | None = None, timeout: i
     cmd = (launcher or [sys.executable]) + ["-m", "trainer.train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def tiny_run_args(head: str, target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
+    """`trainer.train` overrides for a seconds-long run of `head` on a tiny target: no
+    regeneration, no evaluation or export, small batches."""
+    return [
+        f"+head={head}",
+        f"target.name_or_path={target}",
+        "target.num_threads=1",
+        f"data.source={data}",
+        "data.regenerate.enabled=false",
+        "data.max_samples=0",
+        "data.val_fraction=0.1",
+        f"data.cache_dir={run_dir.parent / 'data-cache'}",
+        f"run_dir={run_dir}",
+        "pipeline.evaluate=false",
+        "pipeline.export=false",
+        "optim.batch_tokens=512",
+        "optim.max_batch_size=4",
+        "optim.lr=1e-3",
+        "logging.log_every=2",
+        "logging.progress=false",
+        *extra,
+    ]

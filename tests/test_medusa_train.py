@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from heads.medusa import TARGET_DIR, MedusaConfig, MedusaHead, load_joint_target
-from tests.conftest import TINY, run_train_cli
+from tests.conftest import TINY, run_train_cli, tiny_run_args
 from trainer.config import DistConfig, LoggingConfig, OptimConfig, RootConfig
 from trainer.distributed import build_accelerator
 from trainer.loop import fit, validate
@@ -207,26 +207,7 @@ def test_heads_warmup_keeps_the_head_loss_off_the_target(target, data, tmp_path)
 
 
 def medusa_args(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [
-        "+head=medusa",
-        f"target.name_or_path={target}",
-        "target.num_threads=1",
-        f"data.source={data}",
-        "data.regenerate.enabled=false",
-        "data.max_samples=0",
-        "data.val_fraction=0.1",
-        f"data.cache_dir={run_dir.parent / 'data-cache'}",
-        f"run_dir={run_dir}",
-        "pipeline.evaluate=false",
-        "pipeline.export=false",
-        "optim.batch_tokens=512",
-        "optim.max_batch_size=4",
-        "optim.lr=1e-3",
-        "logging.log_every=2",
-        "logging.progress=false",
-        "head.num_heads=2",
-        *extra,
-    ]
+    return tiny_run_args("medusa", target, data, run_dir, "head.num_heads=2", *extra)
 
 
 LORA = ("head.joint=true", "head.lora_rank=4")

@@ -16,31 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_train_cli
+from tests.conftest import run_train_cli, tiny_run_args
 
 
 def train_args(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [
-        "+head=eagle3",
-        f"target.name_or_path={target}",
-        "target.num_threads=1",
-        f"data.source={data}",
-        "data.regenerate.enabled=false",
-        "data.max_samples=0",
-        "data.val_fraction=0.1",
-        f"data.cache_dir={run_dir.parent / 'data-cache'}",
-        "data.draft_vocab_size=400",
-        "head.ttt_length=3",
-        f"run_dir={run_dir}",
-        "pipeline.evaluate=false",
-        "pipeline.export=false",
-        "optim.batch_tokens=512",
-        "optim.max_batch_size=4",
-        "optim.lr=1e-3",
-        "logging.log_every=2",
-        "logging.progress=false",
-        *extra,
-    ]
+    return tiny_run_args(
+        "eagle3", target, data, run_dir, "data.draft_vocab_size=400", "head.ttt_length=3", *extra
+    )
 
 
 def train_losses(run_dir: Path) -> list[float]:
