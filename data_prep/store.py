@@ -135,8 +135,9 @@ def check_target(manifest: dict, target: dict, where: str) -> None:
 class CapturedDataset(torch.utils.data.Dataset):
     """One split of a data folder, read lazily from memory-mapped shards.
 
-    item: input_ids LongTensor[T], loss_mask BoolTensor[T], and when captured aux_hidden
-    float32 [T, 3H] and final_hidden float32 [T, H]. `lengths` serves length-grouped batching.
+    item: input_ids LongTensor[T], loss_mask BoolTensor[T], and when captured aux_hidden [T, 3H]
+    and final_hidden [T, H]: bf16 as stored (half the bytes to pad and copy; the trainer widens
+    them on the device), float32 when stored as fp8. `lengths` serves length-grouped batching.
     """
 
     def __init__(self, folder: str | Path, split: str):
@@ -181,5 +182,6 @@ class CapturedDataset(torch.utils.data.Dataset):
             "loss_mask": f.get_slice("loss_mask")[a:b],
         }
         for name, stored in self.fields.items():
-            item[name] = decode({t: f.get_slice(t)[a:b] for t in stored}, name)
+            parts = {t: f.get_slice(t)[a:b] for t in stored}
+            item[name] = parts[name] if len(parts) == 1 else decode(parts, name)
         return item

@@ -3,11 +3,11 @@
     python scripts/bench_train.py [+head=eagle3|medusa] [--labelled F] [key=value ...]
     (any root-config override, e.g. head.ttt_length=3, or head.joint=true head.lora_rank=16)
 
-Batches are real: chat-templated ShareGPT conversations through the real target, captured as
-training will see them (fp32 on CPU, bf16 autocast on a GPU), at `optim.batch_tokens` tokens per
-batch. The last fraction F (default 1.0, the worst case) of each row is labelled, as an answer
-after its prompt: the vocabulary projections, and EAGLE-3's later unroll steps, scale with the
-labelled tokens. EAGLE-3 is the default head.
+Batches are real: chat-templated conversations from `data.source` (ShareGPT by default) through
+the real target, captured as training will see them (fp32 on CPU, bf16 autocast on a GPU), at
+`optim.batch_tokens` tokens per batch. The last fraction F (default 1.0, the worst case) of each
+row is labelled, as an answer after its prompt: the vocabulary projections, and EAGLE-3's later
+unroll steps, scale with the labelled tokens. EAGLE-3 is the default head.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from trainer.medusa_objective import build_medusa_trainee
 from trainer.target import load_target_from_config
 
 
-def real_batch(model, tok, rows: int, seq_len: int, labelled: float) -> dict[str, torch.Tensor]:
-    data_cfg = DataConfig()
-    data_cfg.regenerate.enabled = False  # the ShareGPT answers as they are: enough for timing
+def real_batch(
+    model, tok, data_cfg: DataConfig, rows: int, seq_len: int, labelled: float
+) -> dict[str, torch.Tensor]:
+    data_cfg.regenerate.enabled = False  # the source's answers as they are: enough for timing
     texts = []
     for sample in iter_samples(data_cfg, Counter()):
         ids = tok.apply_chat_template(sample.messages, tokenize=True, return_dict=True)["input_ids"]
@@ -83,7 +84,7 @@ def main(argv: list[str]) -> None:
     model, tok = load_target_from_config(cfg.target)
     seq_len = min(512, cfg.optim.batch_tokens)
     rows = max(1, cfg.optim.batch_tokens // seq_len)
-    batch = real_batch(model, tok, rows, seq_len, labelled)
+    batch = real_batch(model, tok, cfg.data, rows, seq_len, labelled)
     setup = eagle3_setup if cfg.head.name == "eagle3" else medusa_setup
     trainee, fields = setup(cfg, model, batch)
     trainee.to(model.device)

@@ -18,6 +18,7 @@ from data_prep.store import (
     open_partial,
     write_split,
 )
+from trainer.batching import batch_loader
 from trainer.errors import UserError
 
 TARGET = {
@@ -87,9 +88,10 @@ def test_dataset_items_and_lengths(tmp_path, storage):
     item = ds[1]
     assert item["input_ids"].dtype == torch.long and item["input_ids"].tolist() == [2, 3, 4]
     assert item["loss_mask"].tolist() == [True, False, True]
-    assert item["aux_hidden"].dtype == torch.float32 and item["aux_hidden"].shape == (3, 12)
+    stored = torch.bfloat16 if storage == "bfloat16" else torch.float32  # fp8 is dequantised
+    assert item["aux_hidden"].dtype == stored and item["aux_hidden"].shape == (3, 12)
     assert item["final_hidden"].shape == (3, 4)
-    assert torch.allclose(item["final_hidden"][:, 0], torch.tensor([2.0, 3.0, 4.0]), rtol=0.07)
+    assert torch.allclose(item["final_hidden"][:, 0].float(), torch.tensor([2.0, 3.0, 4.0]), rtol=0.07)
     assert ds[2]["input_ids"].tolist() == [0, 1, 2, 3]  # the second shard starts afresh
     # Picklable for DataLoader workers even after handles were opened.
     clone = pickle.loads(pickle.dumps(ds))
@@ -114,3 +116,12 @@ def test_manifest_checks(tmp_path):
     (folder / "manifest.json").write_text(json.dumps({"format_version": 0}))
     with pytest.raises(UserError, match="format_version 0"):
         load_manifest(folder)
+
+
+def test_loader_workers_give_the_in_process_batches(tmp_path):
+    folder, _ = build(tmp_path, [[2, 3], [4]], "bfloat16")
+    ds = CapturedDataset(folder, "train")
+    order = [[2, 0], [1]]
+    here, workers = list(batch_loader(ds, order, 0, False)), list(batch_loader(ds, order, 2, False))
+    assert [b["input_ids"].shape for b in here] == [(2, 4), (1, 3)]
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(here, workers, strict=True) for k in a)

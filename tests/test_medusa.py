@@ -6,10 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from conf import __file__ as conf_init
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.medusa import MedusaConfig, MedusaHead, load_joint_target
 from trainer.errors import UserError
@@ -182,11 +180,3 @@ def test_an_eagle3_folder_is_not_a_medusa_head(tiny, tmp_path):
 def test_bad_head_settings_are_one_line_errors(tiny, cfg, message):
     with pytest.raises(UserError, match=message):
         MedusaHead.from_target(tiny, "tiny", cfg)
-
-
-def test_yaml_mirrors_the_dataclass():
-    from pathlib import Path
-
-    yaml = OmegaConf.load(Path(conf_init).parent / "head" / "medusa.yaml")
-    schema = OmegaConf.structured(MedusaConfig)
-    assert OmegaConf.to_container(yaml) == OmegaConf.to_container(schema)

@@ -36,6 +36,14 @@ def shard_batches(batches: list[list[int]], rank: int, world: int) -> list[list[
     return batches[rank:usable:world]
 
 
+def batch_loader(ds, batches: list[list[int]], workers: int, pin_memory: bool):
+    """Collated batches in `batches` order, read by `workers` processes (0: in this one), so that
+    on a GPU host reading and padding the next batches can overlap the current step."""
+    return torch.utils.data.DataLoader(
+        ds, batch_sampler=batches, collate_fn=collate, num_workers=workers, pin_memory=pin_memory
+    )
+
+
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sample: causal attention keeps real positions unaffected and
     the loss mask is False on padding."""

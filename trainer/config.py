@@ -32,10 +32,11 @@ class OptimConfig:
     grad_accum: int = 1
     batch_tokens: int = 1024
     max_batch_size: int = 16
-    epochs: int = 2
+    epochs: int = 3
     max_steps: int = 0
     val_every: int = 50
     save_every: int = 50
+    loader_workers: int = 0
 
 
 @dataclass

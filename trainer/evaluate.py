@@ -83,10 +83,14 @@ def load_drafter(head_path: str | Path, model, target_name: str, shapes: list[Sh
     raise UserError(f"head={str(head_path)!r}: unknown head kind {kind!r}")
 
 
-def tie_tolerance(dtype: torch.dtype) -> float:
-    """Logit gap under which two tokens count as tied: a batched verify forward and a
-    one-token forward round differently (float32 ~1e-5, half precision ~1e-2)."""
-    return 1e-3 if dtype == torch.float32 else 5e-2
+def tie_tolerance(dtype: torch.dtype, top_logit: float) -> float:
+    """Logit gap under which two tokens count as tied: a batched verify forward and a one-token
+    forward round differently. float32 parts by ~1e-5; half precision by a few units in the last
+    place of the logit itself, and bf16 logits near 20 are 0.125 apart: a fixed tolerance below
+    that spacing calls rounding a mismatch."""
+    if dtype == torch.float32:
+        return 1e-3
+    return 4 * torch.finfo(dtype).eps * max(1.0, abs(top_logit))
 
 
 @torch.no_grad()
@@ -102,8 +106,9 @@ def greedy_verdict(model, prompt: torch.Tensor, plain: list[int], spec: list[int
     device = model.get_input_embeddings().weight.device
     seq = torch.cat([prompt.reshape(-1), torch.tensor(plain[:i], dtype=torch.long)]).to(device)
     logits = model(seq[None], logits_to_keep=1).logits[0, -1].float()
-    behind = logits.max() - logits[[plain[i], spec[i]]]
-    return "tie" if float(behind.max()) <= tie_tolerance(model.dtype) else "mismatch"
+    top = float(logits.max())
+    behind = top - logits[[plain[i], spec[i]]]
+    return "tie" if float(behind.max()) <= tie_tolerance(model.dtype, top) else "mismatch"
 
 
 def eos_token_ids(model, tokenizer) -> set[int]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from trainer.batching import collate, length_grouped_batches, shard_batches
+from trainer.batching import batch_loader, length_grouped_batches, shard_batches
 from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import OptimConfig, RootConfig
 from trainer.errors import UserError
@@ -46,7 +46,13 @@ def _batches(ds, optim: OptimConfig, seed: int, epoch: int, rank: int, world: in
 
 
 def _to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    """Hidden states travel as stored (bf16) and widen to float32 on the device."""
+    moved = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: v.float() if v.is_floating_point() else v for k, v in moved.items()}
+
+
+def _loader(ds, batches: list[list[int]], optim: OptimConfig, device: torch.device):
+    return batch_loader(ds, batches, optim.loader_workers, pin_memory=device.type == "cuda")
 
 
 @torch.no_grad()
@@ -57,8 +63,8 @@ def validate(accelerator, trainee, val_ds, cfg: RootConfig) -> dict[str, float]:
     batches = _batches(
         val_ds, cfg.optim, cfg.seed, 0, accelerator.process_index, accelerator.num_processes
     )
-    for idx in batches:
-        out = trainee(_to_device(collate([val_ds[i] for i in idx]), accelerator.device))
+    for batch in _loader(val_ds, batches, cfg.optim, accelerator.device):
+        out = trainee(_to_device(batch, accelerator.device))
         for k, v in out.items():
             v = v.detach().float().reshape(-1)
             sums[k] = sums[k] + v if k in sums else v
@@ -140,9 +146,11 @@ def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) 
         )
     while state.step < total_steps:
         batches = _batches(train_ds, optim, cfg.seed, state.epoch, rank, world)
-        while state.batch_in_epoch < len(batches) and state.step < total_steps:
-            idx = batches[state.batch_in_epoch]
-            batch = _to_device(collate([train_ds[i] for i in idx]), accelerator.device)
+        # A resumed epoch starts at the batch it stopped before.
+        for batch in _loader(train_ds, batches[state.batch_in_epoch :], optim, accelerator.device):
+            if state.step >= total_steps:
+                break
+            batch = _to_device(batch, accelerator.device)
             with accelerator.accumulate(trainee):
                 out = trainee(batch)
                 accelerator.backward(out["loss"])
@@ -170,7 +178,8 @@ def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) 
                 history.append({"step": state.step, "val": metrics})
                 if accelerator.is_main_process:
                     shown = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
-                    tqdm.write(f"step {state.step}: val {shown}")
+                    rate = tokens / (time.perf_counter() - t0)
+                    tqdm.write(f"step {state.step}: val {shown} (train {rate:.0f} tokens/s)")
                 # Every rank must take the same branch (save_best is collective): decide on the
                 # reduced metrics only, never on the file system. No validation data: keep the latest.
                 score = metrics.get("score")

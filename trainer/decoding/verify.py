@@ -30,8 +30,13 @@ def warp(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.
     return kept / kept.sum(-1, keepdim=True)
 
 
+def _rng_device(generator: torch.Generator | None) -> torch.device:
+    return generator.device if generator is not None else torch.device("cpu")
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """Draws on the generator's device: a CPU generator keeps GPU runs reproducible too."""
+    return int(torch.multinomial(probs.to(_rng_device(generator)), 1, generator=generator))
 
 
 def greedy_accept_chain(draft: torch.Tensor, target_argmax: torch.Tensor) -> tuple[int, int]:
@@ -45,8 +50,8 @@ def greedy_accept_chain(draft: torch.Tensor, target_argmax: torch.Tensor) -> tup
     return accepted, int(target_argmax[accepted])
 
 
-def _uniform(generator: torch.Generator | None, device: torch.device) -> float:
-    return float(torch.rand((), generator=generator, device=device))
+def _uniform(generator: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=generator, device=_rng_device(generator)))
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
@@ -74,7 +79,7 @@ def rejection_sample_chain(
     for j, x in enumerate(tokens):
         qx = 1.0 if q is None else float(q[j, x])
         px = float(p[j, x])
-        if _uniform(generator, p.device) * qx < px:
+        if _uniform(generator) * qx < px:
             continue
         return j, sample(_residual(p[j], None if q is None else q[j], x), generator)
     return len(tokens), sample(p[len(tokens)], generator)
@@ -118,7 +123,7 @@ def rejection_sample_tree(
         dist = p[node]
         for child in kids[node]:
             x = toks[child]
-            if _uniform(generator, p.device) < float(dist[x]):
+            if _uniform(generator) < float(dist[x]):
                 path.append(child)
                 break
             dist = _residual(dist, None, x)
