@@ -1,5 +1,7 @@
 """Training checkpoints for exact resume: accelerate's state (model, optimizer, scheduler, RNG)
-plus where the data order stood. A checkpoint appears under its final name only when complete."""
+plus where the data order stood. A checkpoint appears under its final name only when complete.
+accelerate writes the optimizer and RNG states with torch.save but reads them back with
+weights_only=True, so resuming never unpickles arbitrary objects (tests/test_checkpoint.py)."""
 
 from __future__ import annotations
 
