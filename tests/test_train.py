@@ -39,6 +39,7 @@ def test_single_process_trains_and_loss_falls(sharp_target, chat_file, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = summary(run_dir)
     assert s["steps"] == 16 and (run_dir / "head" / "model.safetensors").exists()
+    assert 0 < s["data_wait_fraction"] < 1 and "% waiting for data)" in proc.stdout
     losses = train_losses(run_dir)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
 

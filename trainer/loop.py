@@ -55,6 +55,19 @@ def _loader(ds, batches: list[list[int]], optim: OptimConfig, device: torch.devi
     return batch_loader(ds, batches, optim.loader_workers, pin_memory=device.type == "cuda")
 
 
+def _timed(batches, waited: list[float]):
+    """Yield from `batches`, adding the seconds spent waiting for each to waited[0]: the share of
+    training time a slow data path costs (on a GPU host it can exceed the step itself)."""
+    it = iter(batches)
+    while True:
+        start = time.perf_counter()
+        batch = next(it, None)
+        waited[0] += time.perf_counter() - start
+        if batch is None:
+            return
+        yield batch
+
+
 @torch.no_grad()
 def validate(accelerator, trainee, val_ds, cfg: RootConfig) -> dict[str, float]:
     model = accelerator.unwrap_model(trainee)
@@ -137,7 +150,7 @@ def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) 
     # checkpoint, so a killed run leaves it as far as its last checkpoint).
     history = read_history(run_dir, state.step) if ckpt is not None else []
     trainee.train()
-    tokens, t0 = 0, time.perf_counter()
+    tokens, t0, waited = 0, time.perf_counter(), [0.0]
     params = [p for g in groups for p in g["params"]]
     if steps_per_epoch == 0:
         raise UserError(
@@ -147,7 +160,8 @@ def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) 
     while state.step < total_steps:
         batches = _batches(train_ds, optim, cfg.seed, state.epoch, rank, world)
         # A resumed epoch starts at the batch it stopped before.
-        for batch in _loader(train_ds, batches[state.batch_in_epoch :], optim, accelerator.device):
+        loader = _loader(train_ds, batches[state.batch_in_epoch :], optim, accelerator.device)
+        for batch in _timed(loader, waited):
             if state.step >= total_steps:
                 break
             batch = _to_device(batch, accelerator.device)
@@ -178,8 +192,11 @@ def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) 
                 history.append({"step": state.step, "val": metrics})
                 if accelerator.is_main_process:
                     shown = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
-                    rate = tokens / (time.perf_counter() - t0)
-                    tqdm.write(f"step {state.step}: val {shown} (train {rate:.0f} tokens/s)")
+                    spent = time.perf_counter() - t0
+                    tqdm.write(
+                        f"step {state.step}: val {shown} (train {tokens / spent:.0f} tokens/s, "
+                        f"{waited[0] / spent:.0%} waiting for data)"
+                    )
                 # Every rank must take the same branch (save_best is collective): decide on the
                 # reduced metrics only, never on the file system. No validation data: keep the latest.
                 score = metrics.get("score")
@@ -202,5 +219,6 @@ def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) 
         "steps": state.step,
         "best_score": state.best_score,
         "train_tokens_per_s": tokens / max(elapsed, 1e-9),
+        "data_wait_fraction": waited[0] / max(elapsed, 1e-9),
         "head_dir": str(head_dir),
     }
