@@ -183,5 +183,6 @@ class CapturedDataset(torch.utils.data.Dataset):
         }
         for name, stored in self.fields.items():
             parts = {t: f.get_slice(t)[a:b] for t in stored}
-            item[name] = parts[name] if len(parts) == 1 else decode(parts, name)
+            # fp8 needs its scales applied here; bf16 stays as stored until the device.
+            item[name] = decode(parts, name) if f"{name}_scale" in parts else parts[name]
         return item
