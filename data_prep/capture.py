@@ -14,10 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from data_prep.template import Tokenized
-from trainer.errors import UserError
 
 LAYER_CONVENTION = "hf_hidden_states"
-STORAGE_DTYPES = ("bfloat16", "fp8")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 
@@ -28,13 +26,7 @@ class CaptureSpec:
 
     aux_layer_ids: tuple[int, ...]
     final_layer_id: int | None
-    storage_dtype: str = "bfloat16"
-
-    def __post_init__(self):
-        if self.storage_dtype not in STORAGE_DTYPES:
-            raise UserError(
-                f"data.storage_dtype={self.storage_dtype!r}: expected one of {', '.join(STORAGE_DTYPES)}"
-            )
+    storage_dtype: str = "bfloat16"  # one of conf.schema.STORAGE_DTYPES
 
     @property
     def needs_forward(self) -> bool:

@@ -21,6 +21,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from conf.compose import hydra_main
+from conf.errors import UserError, exit_on_user_error
+from conf.schema import RootConfig, to_root_config
 from data_prep.capture import LAYER_CONVENTION, CaptureSpec, capture_shard
 from data_prep.regenerate import regenerate
 from data_prep.sources import (
@@ -41,18 +44,7 @@ from data_prep.store import (
     open_partial,
     write_split,
 )
-from data_prep.template import Tokenized, prompt_ids, tokenize_conversation
-from data_prep.vocab import (
-    VOCAB_FILE,
-    build_draft_vocab,
-    count_masked_tokens,
-    coverage,
-    save_draft_vocab,
-)
-from heads.eagle3 import default_aux_layer_ids
-from trainer.config import RootConfig, validate
-from trainer.errors import UserError, exit_on_user_error
-from trainer.target import (
+from data_prep.target import (
     cache_root,
     load_target_from_config,
     load_tokenizer,
@@ -61,6 +53,15 @@ from trainer.target import (
     resolve_target_path,
     tokenizer_hash,
 )
+from data_prep.template import Tokenized, prompt_ids, tokenize_conversation
+from data_prep.vocab import (
+    VOCAB_FILE,
+    build_draft_vocab,
+    count_masked_tokens,
+    coverage,
+    save_draft_vocab,
+)
+from heads.eagle3 import resolve_aux_layer_ids
 
 
 def _hash(obj) -> str:
@@ -86,12 +87,7 @@ def capture_spec(cfg: RootConfig, num_hidden_layers: int) -> CaptureSpec:
     """What the chosen head trains on."""
     head, n = cfg.head, num_hidden_layers
     if head.name == "eagle3":
-        aux = sorted(set(head.aux_layer_ids or default_aux_layer_ids(n)))
-        if len(aux) != 3 or aux[0] < 0 or aux[-1] > n:
-            raise UserError(
-                f"head.aux_layer_ids={head.aux_layer_ids}: expected 3 distinct ids in 0..{n} "
-                "(HF hidden_states indices)"
-            )
+        aux = resolve_aux_layer_ids(head.aux_layer_ids, n)
         return CaptureSpec(tuple(aux), n, cfg.data.storage_dtype)
     if head.joint:  # Medusa-2 runs the target itself during training
         return CaptureSpec((), None, cfg.data.storage_dtype)
@@ -102,20 +98,10 @@ def draft_vocab_size(cfg: RootConfig, vocab_size: int) -> int | None:
     return min(cfg.data.draft_vocab_size, vocab_size) if cfg.head.name == "eagle3" else None
 
 
-def check_data_config(cfg: RootConfig) -> None:
-    """Cheap checks that must fail before any model is loaded."""
-    d = cfg.data
-    source_rows(d)  # a missing local file is refused here
-    if not 0 <= d.val_fraction < 1:
-        raise UserError(f"data.val_fraction={d.val_fraction}: expected a value in [0, 1)")
-    for name in ("max_length", "shard_samples", "capture_batch_tokens"):
-        if getattr(d, name) < 1:
-            raise UserError(f"data.{name}={getattr(d, name)}: expected a positive integer")
-    if d.regenerate.enabled and not 0 < d.regenerate.max_new_tokens < d.max_length:
-        raise UserError(
-            f"data.regenerate.max_new_tokens={d.regenerate.max_new_tokens}: expected 1.."
-            f"{d.max_length - 1} (below data.max_length, which also holds the prompt)"
-        )
+def check_source(cfg: RootConfig) -> None:
+    """The one data check that needs the outside world (the schema did the rest): a missing local
+    source file is refused here, before any model is loaded."""
+    source_rows(cfg.data)
 
 
 def data_folder(cfg: RootConfig, identity: dict, spec: CaptureSpec, vocab: int | None) -> Path:
@@ -224,7 +210,7 @@ def prepare(cfg: RootConfig, target=None) -> Path:
     `target` may be an already loaded `(model, tokenizer)` pair of `cfg.target`, so a caller that
     holds the target does not load it twice.
     """
-    check_data_config(cfg)
+    check_source(cfg)
     d = cfg.data
     if target is not None:
         model, tok = target
@@ -347,8 +333,8 @@ def prepare(cfg: RootConfig, target=None) -> Path:
 @hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
 @exit_on_user_error
 def main(dict_cfg: DictConfig) -> None:
-    prepare(validate(dict_cfg))
+    prepare(to_root_config(dict_cfg))
 
 
 if __name__ == "__main__":
-    main()
+    hydra_main(main)

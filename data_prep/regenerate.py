@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from data_prep.config import RegenerateConfig
+from conf.schema import RegenerateConfig
 from data_prep.sources import Message, Sample
 from data_prep.template import prompt_ids
 

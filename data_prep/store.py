@@ -20,8 +20,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from conf.errors import UserError
+from conf.files import atomic_write
 from data_prep.capture import decode
-from trainer.errors import UserError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -43,12 +44,6 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def open_partial(folder: Path, plan: dict) -> Path:
     """The partial build folder for `folder`, kept only if it was started with the same plan."""
     partial = folder.with_name(folder.name + ".partial")
@@ -57,7 +52,7 @@ def open_partial(folder: Path, plan: dict) -> Path:
         shutil.rmtree(partial)
     if not partial.exists():
         partial.mkdir(parents=True)
-        write_atomic(plan_file, lambda p: p.write_text(json.dumps(plan, sort_keys=True)))
+        atomic_write(plan_file, lambda p: p.write_text(json.dumps(plan, sort_keys=True)))
     return partial
 
 
@@ -77,7 +72,7 @@ def write_split(
         fresh = not path.exists()
         if fresh:
             tensors = make_shard(chunk)
-            write_atomic(path, lambda p, t=tensors: save_file(t, str(p)))
+            atomic_write(path, lambda p, t=tensors: save_file(t, str(p)))
         with safe_open(str(path), "pt") as f:
             offsets = f.get_tensor("offsets")
             mask_tokens = int(f.get_tensor("loss_mask").sum())
@@ -98,7 +93,7 @@ def write_split(
 def finish(partial: Path, folder: Path, manifest: dict) -> None:
     """Write the manifest and move the partial folder into place: the folder is now complete."""
     (partial / PLAN).unlink(missing_ok=True)
-    write_atomic(partial / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2)))
+    atomic_write(partial / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2)))
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(partial, folder)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conf.errors import UserError
 from data_prep.sources import Message
-from trainer.errors import UserError
 
 
 @dataclass

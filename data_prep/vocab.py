@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.errors import UserError
+from conf.errors import UserError
 
 VOCAB_FILE = "draft_vocab.safetensors"
 

@@ -8,7 +8,6 @@ One `step` serves training (the TTT unroll passes earlier steps' K/V as `past`) 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,31 +21,28 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from conf.errors import UserError
+from conf.schema import Eagle3Config
 from heads.folder import TargetSpec, load_head, save_head
-from trainer.errors import UserError
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
-@dataclass
-class Eagle3Config:
-    """Hydra group `head/eagle3`: what a user may choose about a new EAGLE-3 head."""
+def resolve_aux_layer_ids(
+    ids: list[int] | None, num_hidden_layers: int, where: str = "head.aux_layer_ids"
+) -> list[int]:
+    """The three captured layers, sorted: `ids`, or the engines' default (2, N//2, N-3).
 
-    name: str = "eagle3"
-    # HF `hidden_states` indices (k = residual stream after k decoder layers). None: the
-    # engines' default (2, N//2, N-3).
-    aux_layer_ids: list[int] | None = None
-    ttt_length: int = 7
-    step_weight: float = 0.8
-    # None: copy the target's values.
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-
-
-def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
+    The one place that knows the default and the valid range, so that data capture, the head
+    and the evaluator can never disagree about which layers a head reads."""
     n = num_hidden_layers
-    return [2, n // 2, n - 3]
+    aux = sorted(set(ids)) if ids else [2, n // 2, n - 3]
+    if len(aux) != 3 or aux[0] < 0 or aux[-1] > n:
+        raise UserError(
+            f"{where}={ids}: expected 3 distinct ids in 0..{n} (HF hidden_states indices of "
+            f"this {n}-layer target)"
+        )
+    return aux
 
 
 def draft_layer_config(target_config, cfg: Eagle3Config, draft_vocab_size: int) -> LlamaConfig:
@@ -54,12 +50,7 @@ def draft_layer_config(target_config, cfg: Eagle3Config, draft_vocab_size: int) 
     t = target_config.get_text_config()
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
     num_heads = cfg.num_attention_heads or t.num_attention_heads
-    aux = sorted(set(cfg.aux_layer_ids or default_aux_layer_ids(t.num_hidden_layers)))
-    if len(aux) != 3 or aux[0] < 0 or aux[-1] > t.num_hidden_layers:
-        raise UserError(
-            f"head.aux_layer_ids={cfg.aux_layer_ids}: expected 3 distinct ids in "
-            f"0..{t.num_hidden_layers} (HF hidden_states indices)"
-        )
+    aux = resolve_aux_layer_ids(cfg.aux_layer_ids, t.num_hidden_layers)
     return LlamaConfig(
         hidden_size=t.hidden_size,
         intermediate_size=cfg.intermediate_size or t.intermediate_size,

@@ -7,16 +7,16 @@ against the wrong target is recorded and checked in one place.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.errors import UserError
+from conf.compose import compose_root
+from conf.errors import UserError, first_line
+from conf.files import atomic_dir, commit_dir, read_json
+from conf.schema import RootConfig
 
 CONFIG_NAME = "draftsmith_head.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -50,23 +50,6 @@ class TargetSpec:
             )
 
 
-def atomic_dir(final: Path) -> Path:
-    """A fresh temporary sibling of `final`; `commit_dir` renames it into place."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-
-
-def commit_dir(tmp: Path, final: Path) -> None:
-    """Rename `tmp` into place, readable by all: mkdtemp makes 0700 folders (and safetensors 0600
-    files), but an engine in a container running as another user, or a teammate, must read them."""
-    tmp.chmod(0o755)
-    for f in tmp.rglob("*"):
-        f.chmod(0o755 if f.is_dir() else 0o644)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-
-
 def save_head(
     out_dir: str | Path, kind: str, config: dict, target: TargetSpec, tensors: dict
 ) -> Path:
@@ -79,19 +62,48 @@ def save_head(
     return out
 
 
-def load_head(path: str | Path, kind: str) -> tuple[dict, TargetSpec, dict[str, torch.Tensor]]:
-    folder = Path(path)
-    meta_file = folder / CONFIG_NAME
-    if not meta_file.exists():
-        raise UserError(f"head={str(path)!r}: no {CONFIG_NAME} there (not a draftsmith head folder)")
-    meta = json.loads(meta_file.read_text())
-    if meta.get("kind") != kind:
-        raise UserError(f"head={str(path)!r}: a {meta.get('kind')!r} head, expected {kind!r}")
-    return meta["config"], TargetSpec(**meta["target"]), load_file(folder / WEIGHTS_NAME)
-
-
-def head_kind(path: str | Path) -> str:
+def read_head_meta(path: str | Path) -> dict:
+    """`draftsmith_head.json` of a head folder: {kind, target, config}, or one line naming the
+    folder and what is wrong (missing, cut off, not UTF-8, fields missing)."""
     meta_file = Path(path) / CONFIG_NAME
     if not meta_file.exists():
         raise UserError(f"head={str(path)!r}: no {CONFIG_NAME} there (not a draftsmith head folder)")
-    return json.loads(meta_file.read_text())["kind"]
+    meta = read_json(meta_file, f"head={str(path)!r}")
+    missing = [k for k in ("kind", "target", "config") if k not in meta]
+    if missing:
+        raise UserError(f"head={str(path)!r}: {meta_file} lacks {', '.join(missing)}")
+    return meta
+
+
+def load_head(path: str | Path, kind: str) -> tuple[dict, TargetSpec, dict[str, torch.Tensor]]:
+    meta = read_head_meta(path)
+    if meta["kind"] != kind:
+        raise UserError(f"head={str(path)!r}: a {meta['kind']!r} head, expected {kind!r}")
+    weights = Path(path) / WEIGHTS_NAME
+    try:
+        tensors = load_file(weights)
+    except FileNotFoundError:
+        raise UserError(f"head={str(path)!r}: {weights} is missing") from None
+    except Exception as err:  # safetensors raises its own error type for a cut-off file
+        raise UserError(f"head={str(path)!r}: {weights} is not a readable safetensors file "
+                        f"({first_line(err)})") from None
+    try:
+        target = TargetSpec(**meta["target"])
+    except TypeError:
+        raise UserError(f"head={str(path)!r}: {CONFIG_NAME} has a malformed 'target' entry") from None
+    return meta["config"], target, tensors
+
+
+def head_kind(path: str | Path) -> str:
+    return read_head_meta(path)["kind"]
+
+
+def compose_for_head(head_path: str, overrides: list[str]) -> RootConfig:
+    """The root config for an existing head: its kind, and its target unless overridden."""
+    if not head_path:
+        raise UserError("head=<path> is required (a folder written by trainer.train)")
+    meta = read_head_meta(head_path)
+    extra = [f"+head={meta['kind']}"]
+    if not any(o.startswith("target.name_or_path=") for o in overrides):
+        extra.append(f"target.name_or_path={meta['target']['name_or_path']}")
+    return compose_root(extra + overrides)

@@ -14,47 +14,22 @@ Hugging Face model folder (`target_update="full"`). `load_joint_target` rebuilds
 from __future__ import annotations
 
 import copy
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.folder import CONFIG_NAME, TargetSpec, load_head, save_head
-from trainer.errors import UserError
+from conf.errors import UserError
+from conf.schema import MedusaConfig
+from heads.folder import TargetSpec, load_head, read_head_meta, save_head
 
 TARGET_DIR = "target"
 TARGET_UPDATES = (None, "lora", "full")
 
 
-@dataclass
-class MedusaConfig:
-    """Hydra group `head/medusa`."""
-
-    name: str = "medusa"
-    num_heads: int = 4
-    num_layers: int = 1
-    fc_bias: bool = True  # bias on the ResBlock linears (vLLM `medusa_fc_bias`)
-    head_weight: float = 0.8  # lambda_k = head_weight**k
-    joint: bool = False  # Medusa-2: train the target too
-    lora_rank: int = 0  # > 0: LoRA on the target instead of full fine-tuning (joint only)
-    head_lr_scale: float = 4.0
-    joint_head_loss_scale: float = 0.2
-    head_warmup_steps: int = 0  # joint only: steps in which the head loss leaves the target alone
-    self_distill: bool = True
-
-
 def head_config(target_config, cfg: MedusaConfig) -> dict:
     """The JSON-able description a head folder records: shapes plus how the target was changed."""
-    for field in ("num_heads", "num_layers"):
-        if getattr(cfg, field) < 1:
-            raise UserError(f"head.{field}={getattr(cfg, field)}: expected an integer >= 1")
-    if cfg.lora_rank < 0 or (cfg.lora_rank > 0 and not cfg.joint):
-        raise UserError(
-            f"head.lora_rank={cfg.lora_rank}: expected 0, or > 0 together with head.joint=true"
-        )
     t = target_config.get_text_config()
     return {
         "num_heads": cfg.num_heads,
@@ -146,10 +121,7 @@ def load_joint_target(path: str | Path, target_model):
     untouched, it stays the baseline): the LoRA adapter of `<path>/target` merged into a copy of
     `target_model`, or the fully fine-tuned model saved there, on the same device and dtype.
     """
-    meta_file = Path(path) / CONFIG_NAME
-    if not meta_file.exists():
-        raise UserError(f"head={str(path)!r}: no {CONFIG_NAME} (not a draftsmith head folder)")
-    update = json.loads(meta_file.read_text())["config"].get("target_update")
+    update = read_head_meta(path)["config"].get("target_update")
     if update is None:
         return target_model
     folder = Path(path) / TARGET_DIR

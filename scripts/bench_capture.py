@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_module
 
+from conf.schema import to_root_config
 from data_prep.capture import capture_shard, length_batches
 from data_prep.prepare import capture_spec, select_samples, tokenize_all
 from data_prep.store import open_partial, write_split
-from trainer.config import validate
-from trainer.target import load_target_from_config
+from data_prep.target import load_target_from_config
 
 
 @torch.inference_mode()
@@ -57,7 +57,7 @@ def main() -> None:
         f"target.num_threads={args.threads}",
     ]
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        cfg = validate(compose(config_name="config", overrides=overrides))
+        cfg = to_root_config(compose(config_name="config", overrides=overrides))
     model, tok = load_target_from_config(cfg.target)
     n_layers = model.config.get_text_config().num_hidden_layers
     spec = capture_spec(cfg, n_layers)

@@ -19,14 +19,14 @@ import sys
 
 import torch
 
-from trainer.cli import compose_for_head, split_args
+from conf.compose import split_args
+from conf.errors import UserError, exit_on_user_error
+from data_prep.target import load_target_from_config
+from heads.folder import compose_for_head
 from trainer.decoding import greedy_generate, prompt_lookup_generate, speculative_generate
-from trainer.errors import UserError, exit_on_user_error
-from trainer.eval_config import check_eval_config
-from trainer.eval_report import Record, task_metrics
-from trainer.eval_tasks import encode, load_prompts
-from trainer.evaluate import draft_shape, eos_token_ids, greedy_verdict, load_drafter
-from trainer.target import load_target_from_config
+from trainer.evaluate.report import Record, task_metrics
+from trainer.evaluate.run import draft_shape, eos_token_ids, greedy_verdict, load_drafter
+from trainer.evaluate.tasks import encode, load_prompts
 
 
 def fastest(runs):
@@ -43,7 +43,6 @@ def main(argv: list[str]) -> None:
     if reps < 1:
         raise UserError(f"reps={reps}: expected an integer >= 1")
     ev = cfg.eval
-    check_eval_config(ev)
     prompts = load_prompts(ev)
     model, tokenizer = load_target_from_config(cfg.target)
     shapes = {"chain": draft_shape(ev, "chain"), "tree": draft_shape(ev, "tree")}

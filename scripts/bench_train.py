@@ -20,14 +20,14 @@ from collections import Counter
 
 import torch
 
-from data_prep.config import DataConfig
+from conf.compose import compose_root
+from conf.schema import DataConfig
 from data_prep.sources import iter_samples
+from data_prep.target import load_target_from_config
 from heads.eagle3 import Eagle3Head
-from trainer.cli import compose_root
 from trainer.distributed import mixed_precision
-from trainer.eagle3_objective import Eagle3Trainee
-from trainer.medusa_objective import build_medusa_trainee
-from trainer.target import load_target_from_config
+from trainer.eagle3_trainee import Eagle3Trainee
+from trainer.medusa_trainee import build_medusa_trainee
 
 
 def real_batch(

@@ -54,6 +54,8 @@ def relative_gap(ours: float, theirs: float) -> float:
 def ours(export_dir: str, target: str, n_prompts: int, max_tokens: int, k: int) -> dict:
     import torch
 
+    from conf.schema import EvalConfig
+    from data_prep.target import load_target, resolve_target_path
     from heads.export import detect_format, load_export
     from heads.folder import TargetSpec
     from trainer.decoding import (
@@ -63,10 +65,8 @@ def ours(export_dir: str, target: str, n_prompts: int, max_tokens: int, k: int) 
         greedy_generate,
         speculative_generate,
     )
-    from trainer.eval_config import EvalConfig
-    from trainer.eval_tasks import encode, load_prompts
-    from trainer.evaluate import eos_token_ids
-    from trainer.target import load_target, resolve_target_path
+    from trainer.evaluate.run import eos_token_ids
+    from trainer.evaluate.tasks import encode, load_prompts
 
     torch.manual_seed(0)
     model, tokenizer = load_target(target, dtype="float32", device="cpu")

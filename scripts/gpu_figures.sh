@@ -13,6 +13,10 @@
 #       [SAMPLES=2000] [EPOCHS=3] [PYTHON=python3] bash scripts/gpu_figures.sh [main-job overrides]
 set -u
 OUT=${OUT:?set OUT to the folder for logs and JSON}
+# On the GPU machine, what scripts/gpu_bundle.sh staged (PYTHONPATH, TARGET, SOURCE).
+STAGE_ENV=${STAGE:-/tmp/gpu-stage}/env.sh
+# shellcheck disable=SC1090
+[ -f "$STAGE_ENV" ] && . "$STAGE_ENV"
 TARGET=${TARGET:-smollm2-135m-instruct}
 SOURCE=${SOURCE:-sharegpt}
 SAMPLES=${SAMPLES:-2000}
@@ -33,7 +37,7 @@ stage() {  # stage NAME SECONDS command...: log to $OUT/NAME.log, report rc and 
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-stage main_eagle3 330 "$PY" -m trainer.train +head=eagle3 "${common[@]}" run_dir="$RUN" \
+stage main_eagle3 "${MAIN_LIMIT:-330}" "$PY" -m trainer.train +head=eagle3 "${common[@]}" run_dir="$RUN" \
     data.max_samples="$SAMPLES" data.max_length=1024 data.regenerate.max_new_tokens=256 \
     data.regenerate.batch_size=256 data.capture_batch_tokens=65536 data.shard_samples=256 \
     optim.batch_tokens=16384 optim.max_batch_size=64 optim.epochs="$EPOCHS" optim.val_every=40 \

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.target import load_tokenizer
+from data_prep.target import load_tokenizer
 
 TINY = dict(
     hidden_size=64,

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from heads.eagle3 import Eagle3Config, Eagle3Head
+from conf.schema import Eagle3Config
+from heads.eagle3 import Eagle3Head
 from trainer.decoding import Chain, Draft, OracleDrafter, Tree
 
 

@@ -9,9 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import conf
-from heads.eagle3 import Eagle3Config
-from heads.medusa import MedusaConfig
-from trainer.config import RootConfig
+from conf.schema import Eagle3Config, MedusaConfig, RootConfig
 
 CONF = Path(conf.__file__).parent
 ROOT_FIELDS = RootConfig.__dataclass_fields__

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conf.errors import UserError
 from data_prep.capture import (
     CaptureSpec,
     capture_shard,
@@ -13,9 +14,8 @@ from data_prep.capture import (
     length_batches,
     quantize_fp8,
 )
+from data_prep.target import load_target
 from data_prep.template import Tokenized
-from trainer.errors import UserError
-from trainer.target import load_target
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,21 @@ import sys
 import pytest
 from conftest import build_tiny_target
 
-from data_prep.config import DataConfig, RegenerateConfig
+from conf.errors import UserError
+from conf.schema import (
+    DataConfig,
+    Eagle3Config,
+    LoggingConfig,
+    MedusaConfig,
+    RegenerateConfig,
+    RootConfig,
+    TargetConfig,
+)
 from data_prep.prepare import prepare
 from data_prep.store import CapturedDataset, load_manifest, sha256_file
+from data_prep.target import load_target
 from data_prep.vocab import load_draft_vocab
-from heads.eagle3 import Eagle3Config, Eagle3Head
-from heads.medusa import MedusaConfig
-from trainer.config import LoggingConfig, RootConfig
-from trainer.errors import UserError
-from trainer.target import TargetConfig, load_target
+from heads.eagle3 import Eagle3Head
 
 WORDS = "apple river stone cloud garden rocket violin tiger paper summer".split()
 

@@ -6,11 +6,11 @@ from collections import Counter
 
 import pytest
 
-from data_prep.config import RegenerateConfig
+from conf.schema import RegenerateConfig
 from data_prep.regenerate import read_cache, regenerate
 from data_prep.sources import Sample
+from data_prep.target import load_target
 from data_prep.template import prompt_ids
-from trainer.target import load_target
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import time
 import pytest
 from hydra import compose, initialize_config_module
 
+from conf.schema import to_root_config
 from data_prep.prepare import prepare
-from trainer.config import validate
 
 # The child slows each shard down (after computing it, before writing it) so that the kill
 # reliably lands between shards of a capture that would otherwise finish in a blink.
@@ -21,7 +21,7 @@ CHILD = r"""
 import sys, time
 from hydra import compose, initialize_config_module
 import data_prep.prepare as P
-from trainer.config import validate
+from conf.schema import to_root_config
 real = P.capture_shard
 def slow(*args, **kwargs):
     out = real(*args, **kwargs)
@@ -29,14 +29,14 @@ def slow(*args, **kwargs):
     return out
 P.capture_shard = slow
 with initialize_config_module(config_module="conf", version_base="1.3"):
-    cfg = validate(compose(config_name="config", overrides=sys.argv[1:]))
+    cfg = to_root_config(compose(config_name="config", overrides=sys.argv[1:]))
 P.prepare(cfg)
 """
 
 
 def compose_cfg(overrides):
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        return validate(compose(config_name="config", overrides=overrides))
+        return to_root_config(compose(config_name="config", overrides=overrides))
 
 
 def shard_bytes(folder):

@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from data_prep.config import DataConfig, RegenerateConfig
+from conf.errors import UserError
+from conf.schema import DataConfig, RegenerateConfig
 from data_prep.sources import (
     iter_json_array,
     iter_samples,
@@ -18,7 +19,6 @@ from data_prep.sources import (
     split_hash,
     validation_uids,
 )
-from trainer.errors import UserError
 
 
 def write_jsonl(path, rows) -> str:

@@ -8,6 +8,7 @@ import pickle
 import pytest
 import torch
 
+from conf.errors import UserError
 from data_prep.capture import encode
 from data_prep.store import (
     FORMAT_VERSION,
@@ -19,7 +20,6 @@ from data_prep.store import (
     write_split,
 )
 from trainer.batching import batch_loader
-from trainer.errors import UserError
 
 TARGET = {
     "name_or_path": "t",

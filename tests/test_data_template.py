@@ -6,8 +6,8 @@ import copy
 
 import pytest
 
+from conf.errors import UserError
 from data_prep.template import mask_from_offsets, tokenize_conversation
-from trainer.errors import UserError
 
 # Meta's Llama-3 template (bos once, header per turn, content trimmed, <|eot_id|> after each).
 LLAMA3_TEMPLATE = (

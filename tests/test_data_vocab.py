@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conf.errors import UserError
 from data_prep.template import Tokenized
 from data_prep.vocab import (
     build_draft_vocab,
@@ -13,7 +14,6 @@ from data_prep.vocab import (
     load_draft_vocab,
     save_draft_vocab,
 )
-from trainer.errors import UserError
 
 
 def test_counts_only_masked_tokens():

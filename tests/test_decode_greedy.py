@@ -15,7 +15,8 @@ from decode_helpers import (
     single_thread,  # noqa: F401 (fixture)
 )
 
-from heads.medusa import MedusaConfig, MedusaHead
+from conf.schema import MedusaConfig
+from heads.medusa import MedusaHead
 from trainer.decoding import (
     Chain,
     Eagle3Drafter,

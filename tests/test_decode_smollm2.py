@@ -8,13 +8,13 @@ import pytest
 import torch
 from decode_helpers import single_thread  # noqa: F401 (fixture)
 
-from heads.eagle3 import Eagle3Config, Eagle3Head
-from trainer.cli import compose_root
+from conf.compose import compose_root
+from conf.schema import Eagle3Config, EvalConfig
+from data_prep.target import load_target
+from heads.eagle3 import Eagle3Head
 from trainer.decoding import Chain, OracleDrafter, Tree, greedy_generate, speculative_generate
-from trainer.eval_config import EvalConfig
-from trainer.eval_tasks import encode, load_prompts
-from trainer.evaluate import evaluate, greedy_verdict
-from trainer.target import load_target
+from trainer.evaluate.run import evaluate, greedy_verdict
+from trainer.evaluate.tasks import encode, load_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 NAME = "smollm2-135m-instruct"

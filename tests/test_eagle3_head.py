@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from heads.eagle3 import Eagle3Config, Eagle3Head
+from conf.errors import UserError
+from conf.schema import Eagle3Config
+from data_prep.target import load_target
+from heads.eagle3 import Eagle3Head
 from tests.conftest import build_tiny_target
-from trainer.eagle3_objective import Eagle3Trainee, simulated_acceptance_length, ttt_attention_mask
-from trainer.errors import UserError
-from trainer.target import load_target
+from trainer.eagle3_trainee import Eagle3Trainee, ttt_attention_mask
+from trainer.trainee import simulated_acceptance_length
 
 
 def identity_vocab(vocab_size: int, keep: int):

@@ -18,15 +18,16 @@ from decode_helpers import (
 )
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from heads.eagle3 import Eagle3Config, Eagle3Head
+from conf.compose import compose_root
+from conf.errors import UserError
+from conf.schema import Eagle3Config, MedusaConfig
+from data_prep.target import load_target
+from heads.eagle3 import Eagle3Head
 from heads.folder import CONFIG_NAME
-from heads.medusa import MedusaConfig, MedusaHead
-from trainer.cli import compose_root
+from heads.medusa import MedusaHead
 from trainer.decoding import greedy_generate
-from trainer.errors import UserError
-from trainer.eval_tasks import load_prompts, user_prompts
-from trainer.evaluate import evaluate, greedy_verdict, resolve_mode
-from trainer.target import load_target
+from trainer.evaluate.run import evaluate, greedy_verdict, resolve_mode
+from trainer.evaluate.tasks import load_prompts, user_prompts
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 QUICK = ["eval.max_prompts_per_task=1", "eval.max_new_tokens=10", "eval.tasks=[mtbench,gsm8k]"]

@@ -16,15 +16,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from heads.eagle3 import Eagle3Config, Eagle3Head
+from conf.errors import UserError
+from conf.schema import Eagle3Config
+from data_prep.target import load_target
+from heads.eagle3 import Eagle3Head
 from heads.export import export_head, export_with_report
-from heads.export_check import KINDS
-from heads.export_common import cast_weights
-from heads.export_eagle3 import engine_layer_ids, read_native, read_speculators
+from heads.export.card import CardFacts, render
+from heads.export.check import KINDS
+from heads.export.core import cast_weights
+from heads.export.eagle3 import engine_layer_ids, read_native, read_speculators
 from heads.folder import load_head
-from heads.model_card import CardFacts, render
-from trainer.errors import UserError
-from trainer.target import load_target
 
 # Checkpoint names the engines load for a one-layer EAGLE-3 head, written down from their source:
 # vLLM 0.32 `llama_eagle3.py` (Eagle3LlamaForCausalLM.load_weights + WeightsMapper "midlayer." ->
@@ -285,7 +286,7 @@ def test_cli_exports_and_reports_one_json_line(head_dir, tmp_path):
 
 
 def test_cli_bad_format_exits_2_with_one_line(head_dir, capsys):
-    from heads.export import main
+    from heads.export.__main__ import main
 
     with pytest.raises(SystemExit) as done:
         main([f"head={head_dir}", "format=onnx"])

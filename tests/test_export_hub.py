@@ -16,10 +16,11 @@ import huggingface_hub
 import pytest
 import torch
 
-from heads.eagle3 import Eagle3Config, Eagle3Head
+from conf.errors import UserError
+from conf.schema import Eagle3Config
+from data_prep.target import load_target
+from heads.eagle3 import Eagle3Head
 from heads.export import export_with_report
-from trainer.errors import UserError
-from trainer.target import load_target
 
 FAKE_TOKEN = "hf_draftsmithTestToken0123"
 

@@ -13,13 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conf.errors import UserError
+from conf.schema import MedusaConfig
+from data_prep.target import load_target
 from heads.export import detect_format, export_with_report, formats_for, load_export
-from heads.export_check import KINDS
-from heads.export_medusa import read_tgi, read_vllm
+from heads.export.check import KINDS
+from heads.export.medusa import read_tgi, read_vllm
 from heads.folder import load_head, save_head
-from heads.medusa import MedusaConfig, MedusaHead
-from trainer.errors import UserError
-from trainer.target import load_target
+from heads.medusa import MedusaHead
 
 HEADS, LAYERS = 3, 2
 

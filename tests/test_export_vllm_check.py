@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads.eagle3 import Eagle3Config, Eagle3Head
+from conf.schema import Eagle3Config
+from data_prep.target import load_target
+from heads.eagle3 import Eagle3Head
 from heads.export import export_head
-from trainer.target import load_target
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_vllm.py"
 

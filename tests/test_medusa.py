@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from heads.eagle3 import Eagle3Config, Eagle3Head
-from heads.medusa import MedusaConfig, MedusaHead, load_joint_target
-from trainer.errors import UserError
-from trainer.medusa_objective import head_losses, offset_labels, token_loss
-from trainer.target import load_target
+from conf.errors import UserError
+from conf.schema import Eagle3Config, MedusaConfig
+from data_prep.target import load_target
+from heads.eagle3 import Eagle3Head
+from heads.medusa import MedusaHead, load_joint_target
+from trainer.medusa_trainee import head_losses, offset_labels, token_loss
 
 
 @pytest.fixture(scope="module")
@@ -170,13 +171,13 @@ def test_an_eagle3_folder_is_not_a_medusa_head(tiny, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("cfg", "message"),
+    ("fields", "message"),
     [
-        (MedusaConfig(num_heads=0), "head.num_heads=0"),
-        (MedusaConfig(num_layers=0), "head.num_layers=0"),
-        (MedusaConfig(lora_rank=4), "head.lora_rank=4: expected 0, or > 0 together with"),
+        ({"num_heads": 0}, "head.num_heads=0"),
+        ({"num_layers": 0}, "head.num_layers=0"),
+        ({"lora_rank": 4}, "head.lora_rank=4: expected 0, or > 0 together with"),
     ],
 )
-def test_bad_head_settings_are_one_line_errors(tiny, cfg, message):
+def test_bad_head_settings_are_refused_by_the_schema(fields, message):
     with pytest.raises(UserError, match=message):
-        MedusaHead.from_target(tiny, "tiny", cfg)
+        MedusaConfig(**fields)

@@ -13,13 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from heads.medusa import TARGET_DIR, MedusaConfig, MedusaHead, load_joint_target
+from conf.schema import DistConfig, LoggingConfig, MedusaConfig, OptimConfig, RootConfig, TargetConfig
+from heads.medusa import TARGET_DIR, MedusaHead, load_joint_target
 from tests.conftest import TINY, run_train_cli, tiny_run_args
-from trainer.config import DistConfig, LoggingConfig, OptimConfig, RootConfig
 from trainer.distributed import build_accelerator
-from trainer.loop import fit, validate
-from trainer.medusa_objective import build_medusa_trainee, greedy_token_drift
-from trainer.target import TargetConfig
+from trainer.loop import fit, validation_metrics
+from trainer.medusa_trainee import build_medusa_trainee, greedy_token_drift
 
 VOCAB, PROMPT, ANSWER = 1024, 8, 24
 
@@ -123,7 +122,7 @@ def train(cfg: RootConfig, target, data) -> tuple[dict, dict, list[float]]:
     torch.manual_seed(0)
     acc = build_accelerator(DistConfig(), cfg.optim, cfg.run_dir)
     trainee = build_medusa_trainee(cfg, target, None)
-    before = validate(acc, trainee, data[1], cfg)
+    before = validation_metrics(acc, trainee, data[1], cfg)
     result = fit(cfg, acc, trainee, data[0], data[1], Path(cfg.run_dir))
     history = json.loads((Path(cfg.run_dir) / "history.json").read_text())
     return before, result, [h["loss"] for h in history if "loss" in h]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.errors import UserError
-from trainer.target import load_target, resolve_target_path
+from conf.errors import UserError
+from data_prep.target import load_target, resolve_target_path
 
 
 def write_gguf(path, arch: str) -> None:

@@ -91,20 +91,45 @@ def test_resume_after_sigkill_matches_uninterrupted(sharp_target, chat_file, tmp
     assert train_losses(killed) == train_losses(straight)
 
 
-@pytest.mark.parametrize(
-    "override, expected",
-    [
-        ("+head=eagel3", "head/eagel3"),
-        ("optim.lr=abc", "optim.lr"),
-        ("optim.no_such_key=1", "no_such_key"),
-        ("data.source=/nonexistent/chats.jsonl", "/nonexistent/chats.jsonl"),
-    ],
-)
-def test_bad_overrides_fail_before_loading(override, expected, tmp_path):
-    args = ["+head=eagle3", f"run_dir={tmp_path}", override]
-    if override.startswith("+head="):
-        args = args[1:]
-    proc = run_train_cli(args, timeout=120)
-    assert proc.returncode != 0
-    assert expected in proc.stderr
-    assert "Loading weights" not in proc.stderr
+# Each bad value of the new-user list, and the rule behind it: one line naming the override,
+# exit 2, before the target is converted or loaded and before any data stage (the cache and the
+# run folder stay untouched), and no Hydra hint after it.
+BAD_OVERRIDES = [
+    ("eval.mode=tre", "eval.mode='tre'"),
+    ("eval.baselines=[x]", "eval.baselines=['x']"),
+    ("logging.wandb=onlin", "logging.wandb='onlin'"),
+    ("export.dtype=bf16", "export.dtype='bf16'"),
+    ("export.formats=[nope]", "export.formats=['nope']"),
+    ("export.formats=[medusa-tgi]", "export.formats=['medusa-tgi']"),
+    ("+head=medusa head.num_heads=0", "head.num_heads=0"),
+    ("optim.lr=-1", "optim.lr=-1"),
+    ("optim.lr=abc", "optim.lr"),
+    ("optim.grad_accum=0", "optim.grad_accum=0"),
+    ("optim.batch_tokens=0", "optim.batch_tokens=0"),
+    ("optim.no_such_key=1", "optim.no_such_key"),
+    ("data.max_samples=-1", "data.max_samples=-1"),
+    ("data.storage_dtype=int4", "data.storage_dtype='int4'"),
+    ("data.regenerate.max_new_tokens=600", "data.regenerate.max_new_tokens=600"),
+    ("dist=zero9", "dist=zero9"),
+    ("+head=eagel3", "head=eagel3"),
+    ("target.dtype=fp32", "target.dtype='fp32'"),
+    ("data.source=/nonexistent/chats.jsonl", "/nonexistent/chats.jsonl"),
+    ("resume=true", "resume=true"),
+]
+
+
+@pytest.mark.parametrize("overrides, expected", BAD_OVERRIDES, ids=[o for o, _ in BAD_OVERRIDES])
+def test_bad_overrides_fail_before_loading(overrides, expected, tmp_path):
+    head = [] if "+head=" in overrides else ["+head=eagle3"]
+    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    args = [*head, *overrides.split(), f"run_dir={run_dir}", "logging.progress=false"]
+    env = {**os.environ, "DRAFTSMITH_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", *args], capture_output=True, text=True, env=env, timeout=120
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+    assert proc.stdout == ""
+    assert not cache.exists(), "the target or the data was touched before the error"
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "summary.json").exists()

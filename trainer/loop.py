@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from conf.errors import UserError
+from conf.files import atomic_write_text
+from conf.schema import OptimConfig, RootConfig
 from trainer.batching import batch_loader, length_grouped_batches, shard_batches
 from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.config import OptimConfig, RootConfig
-from trainer.errors import UserError
 from trainer.logger import RunLogger
 
 HISTORY = "history.json"  # per-step train loss and validation metrics
@@ -69,7 +70,7 @@ def _timed(batches, waited: list[float]):
 
 
 @torch.no_grad()
-def validate(accelerator, trainee, val_ds, cfg: RootConfig) -> dict[str, float]:
+def validation_metrics(accelerator, trainee, val_ds, cfg: RootConfig) -> dict[str, float]:
     model = accelerator.unwrap_model(trainee)
     trainee.eval()
     sums: dict[str, torch.Tensor] = {}
@@ -113,9 +114,7 @@ def read_history(run_dir: Path, upto: int) -> list[dict]:
 
 
 def write_history(run_dir: Path, history: list[dict]) -> None:
-    tmp = run_dir / f".{HISTORY}.tmp"
-    tmp.write_text(json.dumps(history))
-    tmp.replace(run_dir / HISTORY)
+    atomic_write_text(run_dir / HISTORY, json.dumps(history))
 
 
 def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) -> dict:
@@ -187,7 +186,7 @@ def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) 
                 history.append({"step": state.step, "loss": loss})
             last = state.step == total_steps
             if state.step % optim.val_every == 0 or last:
-                metrics = validate(accelerator, trainee, val_ds, cfg)
+                metrics = validation_metrics(accelerator, trainee, val_ds, cfg)
                 logger.log(state.step, metrics, "val")
                 history.append({"step": state.step, "val": metrics})
                 if accelerator.is_main_process:

@@ -15,30 +15,37 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from trainer.config import RootConfig, validate
-from trainer.errors import exit_on_user_error
-from trainer.target import load_target_from_config
+from conf.compose import hydra_main
+from conf.errors import UserError, exit_on_user_error
+from conf.schema import RootConfig, to_root_config
+from data_prep.target import load_target_from_config
+from trainer.checkpoint import latest_checkpoint
 
 
 def build_trainee(cfg: RootConfig, target, data_dir: Path):
     if cfg.head.name == "eagle3":
-        from trainer.eagle3_objective import build_eagle3_trainee
+        from trainer.eagle3_trainee import build_eagle3_trainee
 
         return build_eagle3_trainee(cfg, target, data_dir)
-    from trainer.medusa_objective import build_medusa_trainee
+    from trainer.medusa_trainee import build_medusa_trainee
 
     return build_medusa_trainee(cfg, target, data_dir)
 
 
 def run(cfg: RootConfig) -> dict:
-    from data_prep.prepare import check_data_config, prepare
+    from data_prep.prepare import check_source, prepare
     from data_prep.store import CapturedDataset
     from trainer.distributed import build_accelerator
     from trainer.loop import fit
 
-    check_data_config(cfg)
+    check_source(cfg)
     started = time.perf_counter()
     run_dir = Path(cfg.run_dir)
+    if cfg.resume and latest_checkpoint(run_dir) is None:
+        raise UserError(
+            f"resume=true: no checkpoint under {run_dir}/checkpoints to resume from "
+            "(drop resume=true to start afresh, or point run_dir at the interrupted run)"
+        )
     torch.manual_seed(cfg.seed)
     acc = build_accelerator(cfg.dist, cfg.optim, str(run_dir))
     if cfg.target.device == "auto":
@@ -53,7 +60,7 @@ def run(cfg: RootConfig) -> dict:
     summary = {"run_dir": str(run_dir), "data_dir": str(data_dir), **result}
     if acc.is_main_process:
         if cfg.pipeline.evaluate:
-            from trainer.evaluate import evaluate
+            from trainer.evaluate.run import evaluate
 
             report = evaluate(cfg, result["head_dir"], run_dir / "eval", target=(target, tokenizer))
             summary["eval_dir"] = str(run_dir / "eval")
@@ -89,8 +96,8 @@ def run(cfg: RootConfig) -> dict:
 @hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
 @exit_on_user_error
 def main(dict_cfg: DictConfig) -> None:
-    run(validate(dict_cfg))
+    run(to_root_config(dict_cfg))
 
 
 if __name__ == "__main__":
-    main()
+    hydra_main(main)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from conf.errors import UserError
 from trainer.decoding.tree import (
     DEFAULT_MEDUSA_CHOICES,
     chain_parents,
@@ -22,7 +23,6 @@ from trainer.decoding.tree import (
     with_prefix,
 )
 from trainer.decoding.verify import Sampling
-from trainer.errors import UserError
 
 
 @dataclass(frozen=True)

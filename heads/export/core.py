@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from trainer.errors import UserError
+from conf.errors import UserError
 
 Tensors = dict[str, torch.Tensor]
 

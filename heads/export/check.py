@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig
 
-from heads import export_medusa
-from heads.export_common import cast_weights
-from heads.export_eagle3 import build_head, head_outputs
+from conf.errors import UserError
+from heads.export import medusa as export_medusa
+from heads.export.core import cast_weights
+from heads.export.eagle3 import build_head, head_outputs
 from heads.folder import TargetSpec
 from heads.medusa import MedusaHead
-from trainer.errors import UserError
 
 Tensors = dict[str, torch.Tensor]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.errors import UserError
+from conf.errors import UserError
 
 NO_TOKEN = "set HF_TOKEN or run `hf auth login` with a write token"
 

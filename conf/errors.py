@@ -26,3 +26,9 @@ def exit_on_user_error(fn: Callable[..., T]) -> Callable[..., T]:
             sys.exit(2)
 
     return wrapper
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (library errors run to pages), or its type."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from heads.export_common import Tensors, cast_weights, check_layout, read_folder
-from trainer.errors import UserError
+from conf.errors import UserError
+from heads.export.core import Tensors, cast_weights, check_layout, read_folder
 
 VLLM_WEIGHTS = "model.safetensors"
 TGI_WEIGHTS = "medusa_lm_head.safetensors"

@@ -1,4 +1,4 @@
-"""`python -m trainer.evaluate head=<path> [overrides]`: how much a head speeds up its target.
+"""How much a head speeds up its target (`python -m trainer.evaluate head=<path> [overrides]`).
 
 For every prompt: plain greedy decoding (the baseline and the reference for the lossless check),
 speculative decoding with the head, and optionally transformers' prompt lookup. The head is
@@ -7,15 +7,15 @@ checked against the target before anything is decoded.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from conf.errors import UserError
+from conf.schema import EvalConfig, RootConfig
+from data_prep.target import load_target_from_config
 from heads.folder import head_kind
-from trainer.cli import compose_for_head, split_args
-from trainer.config import RootConfig
 from trainer.decoding import (
     Chain,
     Eagle3Drafter,
@@ -27,11 +27,8 @@ from trainer.decoding import (
 )
 from trainer.decoding.drafters import Shape
 from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
-from trainer.errors import UserError, exit_on_user_error
-from trainer.eval_config import EvalConfig, check_eval_config
-from trainer.eval_report import Record, summarise, write_report
-from trainer.eval_tasks import encode, load_prompts
-from trainer.target import load_target_from_config
+from trainer.evaluate.report import Record, summarise, write_report
+from trainer.evaluate.tasks import encode, load_prompts
 
 
 def resolve_mode(mode: str, kind: str) -> str:
@@ -62,15 +59,10 @@ def load_drafter(head_path: str | Path, model, target_name: str, shapes: list[Sh
     device = model.get_input_embeddings().weight.device
     n_layers = model.config.get_text_config().num_hidden_layers
     if kind == "eagle3":
-        from heads.eagle3 import Eagle3Head
+        from heads.eagle3 import Eagle3Head, resolve_aux_layer_ids
 
         head = Eagle3Head.from_pretrained(head_path, model, target_name)
-        bad = [i for i in head.aux_layer_ids if not 0 <= i <= n_layers]
-        if bad or len(set(head.aux_layer_ids)) != 3:
-            raise UserError(
-                f"head={str(head_path)!r}: aux_layer_ids {head.aux_layer_ids} do not fit the "
-                f"target (expected 3 distinct hidden_states indices in 0..{n_layers})"
-            )
+        resolve_aux_layer_ids(head.aux_layer_ids, n_layers, f"head={str(head_path)!r}: aux_layer_ids")
         return Eagle3Drafter(head.to(device).eval()), model
     if kind == "medusa":
         from heads.medusa import MedusaHead, load_joint_target
@@ -126,7 +118,6 @@ def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target
     it loaded already; None loads `cfg.target`. Returns the eval.json object.
     """
     ev = cfg.eval
-    check_eval_config(ev)
     prompts = load_prompts(ev)
     model, tokenizer = target if target is not None else load_target_from_config(cfg.target)
     mode = resolve_mode(ev.mode, head_kind(head_path))
@@ -175,21 +166,3 @@ def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target
     result = summarise(records, settings)
     write_report(result, out_dir)
     return result
-
-
-@exit_on_user_error
-def main(argv: list[str] | None = None) -> None:
-    own, overrides = split_args(sys.argv[1:] if argv is None else argv, ("head",))
-    head = own.get("head", "")
-    cfg = compose_for_head(head, overrides)
-    out_dir = Path(cfg.eval.out_dir or Path(cfg.run_dir) / "eval")
-    result = evaluate(cfg, head, out_dir)
-    o = result["overall"]
-    print(
-        f"mean acceptance length {o['mean_acceptance_length']}, speedup vs greedy "
-        f"{o['speedup_vs_greedy']}, lossless {result['lossless']}: {out_dir / 'eval.md'}"
-    )
-
-
-if __name__ == "__main__":
-    main()

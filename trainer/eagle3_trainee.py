@@ -1,7 +1,7 @@
 """How an EAGLE-3 head learns: the training-time-test (TTT) unroll against the target's distribution.
 
-`Eagle3Trainee` is the module the trainer wraps (DDP / DeepSpeed call its forward): the trainable
-head plus the frozen target lm_head that turns stored final hidden states into teacher logits.
+`Eagle3Trainee` (a `trainer.trainee.Trainee`) is the trainable head plus the frozen target
+lm_head that turns stored final hidden states into teacher logits.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.eagle3 import Eagle3Head
+from trainer.trainee import shift_left, simulated_acceptance_length, strip_prefix
 
 
 def ttt_attention_mask(positions: torch.Tensor, seq_len: int, step: int) -> torch.Tensor:
@@ -39,23 +40,6 @@ def gather_positions(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     order = torch.sort((~keep).int(), dim=1, stable=True).indices[:, :width]
     valid = torch.arange(width, device=keep.device)[None] < counts[:, None]
     return torch.where(valid, order, 0), valid
-
-
-def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
-    """x[:, t] <- x[:, t+n]; the last n positions get `fill`."""
-    if n == 0:
-        return x
-    pad = torch.full_like(x[:, :n], fill)
-    return torch.cat([x[:, n:], pad], dim=1)
-
-
-def simulated_acceptance_length(acc: list[float]) -> float:
-    """1 + sum_k prod_{j<=k} acc_j: the chain acceptance length these per-step accuracies imply."""
-    total, run = 1.0, 1.0
-    for a in acc:
-        run *= a
-        total += run
-    return total
 
 
 class Eagle3Trainee(nn.Module):
@@ -155,10 +139,6 @@ class Eagle3Trainee(nn.Module):
     def save_pretrained(self, out_dir: str | Path, state: dict | None = None) -> Path:
         head_state = None if state is None else strip_prefix(state, "head.")
         return self.head.save_pretrained(out_dir, state=head_state)
-
-
-def strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def build_eagle3_trainee(cfg, target, data_dir: Path) -> Eagle3Trainee:

