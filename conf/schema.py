@@ -21,6 +21,8 @@ from conf.errors import UserError, first_line
 
 TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
 STORAGE_DTYPES = ("bfloat16", "fp8")
+HIDDEN_STATES = ("offline", "online", "auto")
+REGEN_BACKENDS = ("hf", "vllm")
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
 # Export folder formats by head kind (heads/export reads its layouts under these names).
 EXPORT_FORMATS = {"eagle3": ("eagle3", "speculators"), "medusa": ("medusa-vllm", "medusa-tgi")}
@@ -103,14 +105,24 @@ class RegenerateConfig(_Checked):
     PREFIX: ClassVar[str] = "data.regenerate"
     enabled: bool = True
     max_new_tokens: int = 128
-    batch_size: int = 64
+    batch_size: int = 64  # rows decoded at once (continuous batching keeps them full)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
+    # Answers per prompt, each its own training sample (sampled: needs temperature > 0). The
+    # validation split holds out whole prompts, so no prompt is in both splits.
+    num_samples: int = 1
+    backend: str = "hf"  # hf (draftsmith's engine on the transformers model) | vllm (offline LLM)
 
     def check(self) -> None:
-        self._at_least(1, "max_new_tokens", "batch_size")
+        self._at_least(1, "max_new_tokens", "batch_size", "num_samples")
         self._at_least(0, "temperature")
         self._require("top_p", _probability, "a value in (0, 1]")
+        self._one_of("backend", REGEN_BACKENDS)
+        if self.num_samples > 1 and self.temperature == 0:
+            raise UserError(
+                f"data.regenerate.num_samples={self.num_samples}: greedy answers are all the same; "
+                "set data.regenerate.temperature > 0 (e.g. 0.7) or num_samples=1"
+            )
 
 
 @dataclass
@@ -127,6 +139,12 @@ class DataConfig(_Checked):
     seed: int = 0
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     storage_dtype: str = "bfloat16"  # bfloat16 | fp8 (e4m3 with a scale per token and layer)
+    # Where the head's hidden states come from. offline: captured once into the data folder,
+    # (aux layers + 1) x hidden x 2 bytes per token in bf16 (4.6 KB for SmolLM2, 32 KiB for an
+    # 8B target). online: the frozen target computes them in the training loop, per batch; the
+    # folder keeps ids and masks (~5 bytes per token). auto: online when the captured shards
+    # would take more than half of the free disk under the cache.
+    hidden_states: str = "offline"
     shard_samples: int = 64
     capture_batch_tokens: int = 4096
     # EAGLE-3 only: ids kept in the draft vocabulary (the head's lm_head rows), most frequent
@@ -142,6 +160,7 @@ class DataConfig(_Checked):
         self._at_least(1, "shard_samples", "capture_batch_tokens", "draft_vocab_size")
         self._require("val_fraction", lambda v: 0 <= v < 1, "a value in [0, 1)")
         self._one_of("storage_dtype", STORAGE_DTYPES)
+        self._one_of("hidden_states", HIDDEN_STATES)
         if self.regenerate.enabled and self.regenerate.max_new_tokens >= self.max_length:
             raise UserError(
                 f"data.regenerate.max_new_tokens={self.regenerate.max_new_tokens}: expected 1.."
@@ -303,6 +322,12 @@ class Eagle3Config(_Checked):
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
+    # Layer variants, as vLLM's `llama_eagle3` and speculators name them (false = the original
+    # EAGLE-3 layout): one RMSNorm over the fused [3*Ht] features before fc; the residual taken
+    # after hidden_norm; the post-norm hidden fed back between draft steps (EAGLE 3.1).
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
     # Objective: the test-time-training unroll length and the weight of step k (step_weight**k).
     ttt_length: int = 7
     step_weight: float = 0.8

@@ -5,6 +5,10 @@ One forward per length-grouped batch gives every layer's residual stream
 layers, N = after the final norm). EAGLE-3 keeps three of them concatenated, Medusa the final
 one, Medusa-2 joint training none (it runs the target itself). Storage is bf16, or fp8 e4m3 with
 one scale per token and layer, which halves the bytes at ~2-3 significant bits of loss.
+
+Online training (`data.hidden_states=online`) stores none of it: the training loop runs the same
+forward on each batch (`capture_batch`) and rounds through the storage dtype, so the objective
+gets the very batch it would have read from disk.
 """
 
 from __future__ import annotations
@@ -31,6 +35,16 @@ class CaptureSpec:
     @property
     def needs_forward(self) -> bool:
         return bool(self.aux_layer_ids) or self.final_layer_id is not None
+
+    def groups(self, field: str) -> int:
+        """Layers concatenated in a stored field (fp8 keeps one scale per token and layer)."""
+        return len(self.aux_layer_ids) if field == "aux_hidden" else 1
+
+    def bytes_per_token(self, hidden_size: int) -> int:
+        """Stored hidden-state bytes per token: 2 per value in bf16, 1 plus a float32 scale per
+        layer in fp8 (token ids and masks add 5)."""
+        layers = len(self.aux_layer_ids) + (self.final_layer_id is not None)
+        return layers * (hidden_size + 4 if self.storage_dtype == "fp8" else 2 * hidden_size)
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -78,32 +92,65 @@ def decode(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return tensors[name].float() if scale is None else dequantize_fp8(tensors[name], scale)
 
 
-@torch.inference_mode()
-def forward_hidden(model, batch: list[list[int]], spec: CaptureSpec) -> list[dict]:
-    """One right-padded forward; per sample `aux` [L, 3H] and/or `final` [L, H] in float32."""
+def pad_batch(batch: list[list[int]], device) -> torch.Tensor:
+    """Token ids [B, T], right-padded with 0 to the longest row."""
     width = max(len(ids) for ids in batch)
-    pad = 0
-    ids = torch.tensor([s + [pad] * (width - len(s)) for s in batch], device=model.device)
-    attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in batch], device=model.device)
+    return torch.tensor([s + [0] * (width - len(s)) for s in batch], device=device)
+
+
+def causal_mask(width: int, device) -> torch.Tensor:
+    """Bool [1, 1, T, T], ready-made for the model: the causal mask of right-padded rows.
+
+    Under it no real position attends to a pad, so a padding mask would change nothing there.
+    Handed over as 4D because with a 2D mask (or none) transformers reads the mask (or the
+    position ids) back from the device to choose its attention path: a sync per forward, which
+    online training runs every step. Offline capture uses it too, so both compute alike."""
+    return torch.ones(width, width, dtype=torch.bool, device=device).tril()[None, None]
+
+
+@torch.inference_mode()
+def hidden_states(model, ids: torch.Tensor, spec: CaptureSpec) -> dict[str, torch.Tensor]:
+    """The fields `spec` keeps for right-padded ids [B, T], in the model's dtype on its device:
+    `aux_hidden` [B, T, 3H] and/or `final_hidden` [B, T, H]. The one forward of offline capture
+    and online training."""
     # logits_to_keep=1: the lm_head over the whole vocabulary is not needed here.
     hs = model(
         input_ids=ids,
-        attention_mask=attn,
+        attention_mask=causal_mask(ids.shape[1], ids.device),
         output_hidden_states=True,
         use_cache=False,
         logits_to_keep=1,
     ).hidden_states
-    aux = torch.cat([hs[i] for i in spec.aux_layer_ids], dim=-1) if spec.aux_layer_ids else None
-    final = hs[spec.final_layer_id] if spec.final_layer_id is not None else None
-    out = []
-    for b, s in enumerate(batch):
-        item = {}
-        if aux is not None:
-            item["aux"] = aux[b, : len(s)].float().cpu()
-        if final is not None:
-            item["final"] = final[b, : len(s)].float().cpu()
-        out.append(item)
+    out = {}
+    if spec.aux_layer_ids:
+        out["aux_hidden"] = torch.cat([hs[i] for i in spec.aux_layer_ids], dim=-1)
+    if spec.final_layer_id is not None:
+        out["final_hidden"] = hs[spec.final_layer_id]
     return out
+
+
+def forward_hidden(model, batch: list[list[int]], spec: CaptureSpec) -> list[dict[str, torch.Tensor]]:
+    """One right-padded forward; per sample its fields [L, G*H] in float32 on the CPU."""
+    fields = hidden_states(model, pad_batch(batch, model.device), spec)
+    return [{k: v[b, : len(s)].float().cpu() for k, v in fields.items()} for b, s in enumerate(batch)]
+
+
+def stored(x: torch.Tensor, groups: int, storage_dtype: str) -> torch.Tensor:
+    """`x` [..., G*H] as the offline path reads it back: encoded for storage, decoded to float32."""
+    flat = x.reshape(-1, x.shape[-1])
+    return decode(encode("x", flat, groups, storage_dtype), "x").reshape(x.shape)
+
+
+def capture_batch(model, spec: CaptureSpec, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Online mode's capture: the hidden-state fields of a collated batch on the model's device,
+    exactly as the offline path hands them to the objective (stored through `storage_dtype`,
+    widened to float32, zero on padding as collate pads). The forward runs in inference mode;
+    the rounding outside it, so that the results are ordinary tensors autograd may save."""
+    keep = batch["attention_mask"].bool()[..., None]
+    return {
+        name: torch.where(keep, stored(x, spec.groups(name), spec.storage_dtype), 0)
+        for name, x in hidden_states(model, batch["input_ids"], spec).items()
+    }
 
 
 def capture_shard(
@@ -125,11 +172,23 @@ def capture_shard(
         return tensors
     # Encoded per sample so a shard never holds more than one batch in float32.
     parts: dict[str, list[torch.Tensor]] = {}
-    fields = {"aux": ("aux_hidden", len(spec.aux_layer_ids)), "final": ("final_hidden", 1)}
     for idx in length_batches(lengths, batch_tokens):
         for item in forward_hidden(model, [samples[i].input_ids for i in idx], spec):
-            for key, value in item.items():
-                name, groups = fields[key]
-                for k, v in encode(name, value, groups, spec.storage_dtype).items():
+            for name, value in item.items():
+                for k, v in encode(name, value, spec.groups(name), spec.storage_dtype).items():
                     parts.setdefault(k, []).append(v)
     return tensors | {k: torch.cat(v) for k, v in parts.items()}
+
+
+@torch.inference_mode()
+def bare_forward(model, shards: list[list[Tokenized]], batch_tokens: int, full_logits: bool) -> None:
+    """The target's forward over the capture's batches, keeping nothing: the speed of light that
+    capture and regeneration are measured against (`scripts/bench_capture.py`, `bench_regen.py`).
+    Without `full_logits` it skips the full-vocabulary lm_head, as capture does."""
+    for shard in shards:
+        lengths = [len(t.input_ids) for t in shard]
+        for idx in length_batches(lengths, batch_tokens):
+            ids = pad_batch([shard[i].input_ids for i in idx], model.device)
+            extra = {} if full_logits else {"logits_to_keep": 1}
+            mask = causal_mask(ids.shape[1], ids.device)
+            model(input_ids=ids, attention_mask=mask, use_cache=False, **extra)

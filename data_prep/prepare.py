@@ -2,42 +2,53 @@
 
 Also the Hydra app `python -m data_prep.prepare +head=eagle3` (or `+head=medusa`). The head
 decides what is captured: EAGLE-3 three auxiliary layers and the final one, Medusa the final
-one, Medusa-2 joint training tokens only. Every stage is cached: the finished folder (keyed by
-target, data config and what is captured), the regenerated answers (keyed without
-`max_samples`, so growing the set reuses them) and, inside an unfinished folder, each shard.
+one, Medusa-2 joint training tokens only. With `data.hidden_states=online` nothing is captured:
+the shards hold ids and masks and the training loop runs the target. Every stage is cached: the
+finished folder (keyed by target, data config, what is captured and the mode), the regenerated
+answers (keyed without `max_samples`, so growing the set reuses them) and, inside an unfinished
+folder, each shard. Samples stream from the source through tokenisation to a `TokenSpill` on
+disk, so memory holds a few dozen bytes per sample, not the source.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
+import shutil
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 import hydra
+import torch
 from omegaconf import DictConfig
 
 from conf.compose import hydra_main
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import RootConfig, to_root_config
 from data_prep.capture import LAYER_CONVENTION, CaptureSpec, capture_shard
+from data_prep.regen_vllm import check_vllm_installed
 from data_prep.regenerate import regenerate
 from data_prep.sources import (
     Sample,
+    check_source_exists,
     fingerprint_path,
+    held_out,
     iter_samples,
+    prompt_uid,
     source_fingerprint,
-    source_rows,
-    validation_uids,
+    split_hash,
 )
 from data_prep.store import (
     FORMAT_VERSION,
     MANIFEST,
     SPLITS,
+    TokenSpill,
     check_target,
     finish,
     load_manifest,
@@ -99,33 +110,43 @@ def draft_vocab_size(cfg: RootConfig, vocab_size: int) -> int | None:
 
 
 def check_source(cfg: RootConfig) -> None:
-    """The one data check that needs the outside world (the schema did the rest): a missing local
-    source file is refused here, before any model is loaded."""
-    source_rows(cfg.data)
+    """The data checks that need the outside world (the schema did the rest), before any model is
+    loaded: a missing local source file, and vLLM missing for `data.regenerate.backend=vllm`."""
+    check_source_exists(cfg.data)
+    if cfg.data.regenerate.enabled and cfg.data.regenerate.backend == "vllm":
+        check_vllm_installed()
 
 
-def data_folder(cfg: RootConfig, identity: dict, spec: CaptureSpec, vocab: int | None) -> Path:
-    """`<cache_dir or cache_root()/data>/<key>`; the key covers everything the shards depend on."""
-    base = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else cache_root() / "data"
+def data_base(cfg: RootConfig) -> Path:
+    """`data.cache_dir`, or `cache_root()/data`: where data folders are built."""
+    return Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else cache_root() / "data"
+
+
+def samples_key(cfg: RootConfig, identity: dict) -> dict:
+    """What the tokenised samples depend on: the target, its dtype (regeneration), the source and
+    the data config but its cache folder and `hidden_states` (which only decides what is stored)."""
     data = asdict(cfg.data)
     data.pop("cache_dir")
-    key = _hash(
-        {
-            "format": FORMAT_VERSION,
-            "target": {k: identity[k] for k in ("name_or_path", "revision")},
-            "dtype": str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))),
-            "data": data,
-            "source": source_fingerprint(cfg.data),
-            "capture": asdict(spec),
-            "draft_vocab_size": vocab,
-        }
-    )
-    return base / key
+    data.pop("hidden_states")
+    return {
+        "format": FORMAT_VERSION,
+        "target": {k: identity[k] for k in ("name_or_path", "revision")},
+        "dtype": str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))),
+        "data": data,
+        "source": source_fingerprint(cfg.data),
+    }
+
+
+def data_folder(cfg: RootConfig, identity: dict, spec: CaptureSpec, vocab: int | None, mode: str) -> Path:
+    """`data_base/<key>`; the key covers everything the shards depend on. An online folder holds
+    no hidden states, so its key differs (offline keys stay those of folders built before the
+    mode existed, which are reused)."""
+    key = samples_key(cfg, identity) | {"capture": asdict(spec), "draft_vocab_size": vocab}
+    return data_base(cfg) / _hash(key | ({"hidden_states": mode} if mode == "online" else {}))
 
 
 def regen_cache_file(cfg: RootConfig, identity: dict) -> Path:
     """Keyed by everything an answer depends on, but not by max_samples or capture settings."""
-    base = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else cache_root() / "data"
     d = cfg.data
     key = _hash(
         {
@@ -133,15 +154,17 @@ def regen_cache_file(cfg: RootConfig, identity: dict) -> Path:
             "source": source_fingerprint(d),
             "max_length": d.max_length,
             "max_turns": d.max_turns,
-            "regenerate": asdict(d.regenerate),
+            # Answers do not depend on how many rows decode together (tests/test_regen_engine.py).
+            "regenerate": {k: v for k, v in asdict(d.regenerate).items() if k != "batch_size"},
         }
     )
-    return base / "regenerated" / f"{key}.jsonl"
+    return data_base(cfg) / "regenerated" / f"{key}.jsonl"
 
 
-def select_samples(cfg: RootConfig, tok, stats: Counter) -> list[Sample]:
-    """The first `max_samples` usable samples; with regeneration, whose first prompt leaves room
-    for a whole answer within max_length (so no generation is wasted on truncated text)."""
+def select_samples(cfg: RootConfig, tok, stats: Counter) -> Iterator[Sample]:
+    """The first `max_samples` usable samples, lazily (the source is read as far as they take);
+    with regeneration, those whose first prompt leaves room for a whole answer within max_length
+    (so no generation is wasted on truncated text)."""
     d = cfg.data
     samples = iter_samples(d, stats)
     if d.regenerate.enabled:
@@ -154,20 +177,26 @@ def select_samples(cfg: RootConfig, tok, stats: Counter) -> list[Sample]:
             return ok
 
         samples = filter(fits, samples)
-    return list(itertools.islice(samples, d.max_samples or None))
+    return itertools.islice(samples, d.max_samples or None)
 
 
-def tokenize_all(samples: list[Sample], tok, max_length: int, stats: Counter) -> dict:
-    """uid -> Tokenized; samples with nothing to learn (no assistant token left) are dropped."""
-    out = {}
+def iter_tokenized(
+    samples: Iterable[Sample], tok, max_length: int, stats: Counter
+) -> Iterator[tuple[str, Tokenized]]:
+    """(uid, Tokenized) per sample, each tokenised once; samples with nothing to learn (no
+    assistant token left) are dropped."""
     for s in samples:
         t = tokenize_conversation(tok, s.messages, max_length)
         stats["truncated"] += t.truncated
         if not any(t.loss_mask):
             stats["skipped_no_assistant_token"] += 1
             continue
-        out[s.uid] = t
-    return out
+        yield s.uid, t
+
+
+def tokenize_all(samples: Iterable[Sample], tok, max_length: int, stats: Counter) -> dict[str, Tokenized]:
+    """uid -> Tokenized, in memory: for benchmarks over a few samples (`prepare` streams)."""
+    return dict(iter_tokenized(samples, tok, max_length, stats))
 
 
 def _progress(cfg: RootConfig):
@@ -184,13 +213,18 @@ def _summary(manifest: dict, folder: Path, reused: bool) -> str:
     tokens = sum(s["tokens"] for s in splits.values())
     nbytes = sum(sh["bytes"] for s in splits.values() for sh in s["shards"])
     vocab = manifest.get("draft_vocab")
+    mode = manifest.get("hidden_states", "offline")
     parts = [
         f"data: {samples} samples ("
         + ", ".join(f"{k} {v['samples']}" for k, v in splits.items())
         + f"), {tokens} tokens",
         f"{nbytes / max(tokens, 1):.0f} bytes/token",
-        "reused" if reused else f"capture {manifest['capture_tokens_per_s']:.0f} tokens/s",
+        f"hidden states {mode}",
     ]
+    if reused:
+        parts.append("reused")
+    elif "capture_tokens_per_s" in manifest:
+        parts.append(f"capture {manifest['capture_tokens_per_s']:.0f} tokens/s")
     stats = manifest["stats"]
     if not reused and stats.get("regenerated_tokens"):
         rate = stats["regenerated_tokens"] / max(stats["regenerate_seconds"], 1e-9)
@@ -204,11 +238,65 @@ def _summary(manifest: dict, folder: Path, reused: bool) -> str:
     return ", ".join(parts) + f" -> {folder}"
 
 
+def spill_samples(
+    cfg: RootConfig,
+    tok,
+    target_model: Callable[[], object],
+    identity: dict,
+    spill: TokenSpill,
+    stats: Counter,
+    progress,
+) -> None:
+    """Stream the selected samples (regenerated, when enabled) into `spill`, each tokenised once.
+    Regeneration holds its prompts in memory; without it nothing but the spill's index does."""
+    d = cfg.data
+    samples: Iterable[Sample] = select_samples(cfg, tok, stats)
+    if d.regenerate.enabled:
+        samples = regenerate(
+            list(samples),
+            target_model(),
+            tok,
+            d.regenerate,
+            d.max_length,
+            regen_cache_file(cfg, identity),
+            stats,
+            progress,
+            target_path=resolve_target_path(cfg.target.name_or_path),
+        )
+    # A context manager, so that a bad row's error starts on a line of its own, not after the bar.
+    with progress(unit="sample", desc="tokenize") if progress else contextlib.nullcontext() as bar:
+        for uid, t in iter_tokenized(samples, tok, d.max_length, stats):
+            spill.append(uid, t, split_hash(prompt_uid(uid), d.seed))
+            if bar is not None:
+                bar.update(1)
+    spill.close()
+    if not len(spill):
+        raise UserError(
+            f"data.source={d.source!r}: no usable sample (counts: {dict(stats)}); expected "
+            "conversations with an assistant turn that fits in data.max_length"
+        )
+
+
+def choose_hidden_states(spec: CaptureSpec, tokens: int, hidden_size: int, base: Path) -> str:
+    """`data.hidden_states=auto`: online when the captured shards would take more than half of the
+    free disk under the cache (the rest is for checkpoints, exports and other runs). One line
+    says which and why."""
+    per_token = spec.bytes_per_token(hidden_size)
+    need, free = tokens * per_token, shutil.disk_usage(base).free
+    mode = "online" if need > free / 2 else "offline"
+    print(
+        f"data.hidden_states=auto: {mode} (captured hidden states would take {need / 2**30:.2f} GiB "
+        f"= {tokens} tokens x {per_token} bytes, {'more than' if mode == 'online' else 'within'} "
+        f"half of the {free / 2**30:.1f} GiB free under {base})"
+    )
+    return mode
+
+
 def prepare(cfg: RootConfig, target=None) -> Path:
     """Build (or reuse) the data folder for `cfg` and return it.
 
     `target` may be an already loaded `(model, tokenizer)` pair of `cfg.target`, so a caller that
-    holds the target does not load it twice.
+    holds the target does not load it twice; otherwise it is loaded only if a stage needs it.
     """
     check_source(cfg)
     d = cfg.data
@@ -228,102 +316,105 @@ def prepare(cfg: RootConfig, target=None) -> Path:
     identity = target_identity(cfg, tok, model_config)
     spec = capture_spec(cfg, identity["num_hidden_layers"])
     vocab_k = draft_vocab_size(cfg, identity["vocab_size"])
-    folder = data_folder(cfg, identity, spec, vocab_k)
-    if (folder / MANIFEST).exists():
-        manifest = load_manifest(folder)
-        check_target(manifest, identity, f"data folder {str(folder)!r}")
-        print(_summary(manifest, folder, reused=True))
-        return folder
+    # auto reuses a folder of either mode: the choice was made when it was built.
+    modes = ("offline", "online") if d.hidden_states == "auto" else (d.hidden_states,)
+    for mode in modes:
+        folder = data_folder(cfg, identity, spec, vocab_k, mode)
+        if (folder / MANIFEST).exists():
+            manifest = load_manifest(folder)
+            check_target(manifest, identity, f"data folder {str(folder)!r}")
+            if d.hidden_states == "auto":
+                print(f"data.hidden_states=auto: {mode} (its data folder is built already)")
+            print(_summary(manifest, folder, reused=True))
+            return folder
+
+    def target_model():
+        nonlocal model
+        if model is None:
+            model, _ = load_target_from_config(cfg.target)
+        return model
 
     stats: Counter = Counter()
-    samples = select_samples(cfg, tok, stats)
-    needs_model = d.regenerate.enabled or spec.needs_forward
-    if model is None and needs_model:
-        model, _ = load_target_from_config(cfg.target)
     progress = _progress(cfg)
-    if d.regenerate.enabled:
-        samples = regenerate(
-            samples,
-            model,
-            tok,
-            d.regenerate,
-            d.max_length,
-            regen_cache_file(cfg, identity),
-            stats,
-            progress,
+    spill_dir = data_base(cfg) / f".spill-{_hash(samples_key(cfg, identity))}"
+    shutil.rmtree(spill_dir, ignore_errors=True)  # what a killed run left
+    try:
+        spill = TokenSpill(spill_dir)
+        spill_samples(cfg, tok, target_model, identity, spill, stats, progress)
+        mode = (
+            modes[0]
+            if len(modes) == 1
+            else choose_hidden_states(spec, spill.tokens, identity["hidden_size"], data_base(cfg))
         )
-    tokenized = tokenize_all(samples, tok, d.max_length, stats)
-    if not tokenized:
-        raise UserError(
-            f"data.source={d.source!r}: no usable sample (counts: {dict(stats)}); expected "
-            "conversations with an assistant turn that fits in data.max_length"
-        )
-    val = validation_uids(list(tokenized), d.seed, d.val_fraction)
-    splits = {
-        "train": [u for u in tokenized if u not in val],
-        "validation": [u for u in tokenized if u in val],
-    }
-    # Length-sorted shards: the capture batches of each shard then waste little padding.
-    for uids in splits.values():
-        uids.sort(key=lambda u: (len(tokenized[u].input_ids), u))
-    plan = {
-        "folder": folder.name,
-        "splits": {k: _hash([(u, tokenized[u].input_ids) for u in v]) for k, v in splits.items()},
-    }
-    partial = open_partial(folder, plan)
+        folder = data_folder(cfg, identity, spec, vocab_k, mode)
+        # Online shards hold what Medusa-2's do: tokens only.
+        stored = spec if mode == "offline" else CaptureSpec((), None, spec.storage_dtype)
+        held = held_out(spill.split_hashes(), d.val_fraction)
+        every = torch.arange(len(spill))
+        # Length-sorted shards: the capture batches of each shard then waste little padding.
+        order = {"train": spill.by_length(every[~held]), "validation": spill.by_length(every[held])}
+        plan = {"folder": folder.name, "splits": {k: spill.digest(v) for k, v in order.items()}}
+        partial = open_partial(folder, plan)
 
-    manifest: dict = {
-        "format_version": FORMAT_VERSION,
-        "target": identity,
-        "layer_convention": LAYER_CONVENTION,
-        "aux_layer_ids": list(spec.aux_layer_ids),
-        "final_layer_id": spec.final_layer_id,
-        "storage_dtype": spec.storage_dtype,
-        "max_length": d.max_length,
-        "data": asdict(d),
-        "splits": {},
-        "draft_vocab": None,
-    }
+        manifest: dict = {
+            "format_version": FORMAT_VERSION,
+            "target": identity,
+            "layer_convention": LAYER_CONVENTION,
+            "hidden_states": mode,
+            "aux_layer_ids": list(spec.aux_layer_ids),
+            "final_layer_id": spec.final_layer_id,
+            "storage_dtype": spec.storage_dtype,
+            "max_length": d.max_length,
+            "data": asdict(d),
+            "splits": {},
+            "draft_vocab": None,
+        }
+        counts = torch.zeros(identity["vocab_size"], dtype=torch.int64)
+        desc = "capture" if stored.needs_forward else "write"
+        bar = progress(total=spill.tokens, unit="tok", desc=desc) if progress else None
+        timing = {"tokens": 0, "seconds": 0.0}
+
+        def chunks(split: str) -> Iterator[list[Tokenized]]:
+            """The split's shards, read back from the spill one at a time."""
+            indices = order[split]
+            for i in range(0, len(indices), d.shard_samples):
+                chunk = spill.read(indices[i : i + d.shard_samples].tolist())
+                if split == "train" and vocab_k:
+                    counts.add_(count_masked_tokens(chunk, identity["vocab_size"]))
+                yield chunk
+
+        def make_shard(chunk: list[Tokenized]):
+            start = time.perf_counter()
+            capturing = target_model() if stored.needs_forward else None
+            tensors = capture_shard(capturing, chunk, stored, d.capture_batch_tokens)
+            timing["seconds"] += time.perf_counter() - start
+            timing["tokens"] += sum(len(t.input_ids) for t in chunk)
+            return tensors
+
+        def on_shard(record: dict) -> None:
+            if bar is not None:
+                bar.update(record["tokens"])
+                if timing["seconds"]:
+                    bar.set_postfix(tok_s=f"{timing['tokens'] / timing['seconds']:.0f}")
+
+        for split in SPLITS:
+            records = write_split(partial, split, chunks(split), make_shard, on_shard)
+            manifest["splits"][split] = {
+                "samples": sum(r["samples"] for r in records),
+                "tokens": sum(r["tokens"] for r in records),
+                "masked_tokens": sum(r["masked_tokens"] for r in records),
+                "shards": records,
+            }
+        if bar is not None:
+            bar.close()
+    finally:
+        shutil.rmtree(spill_dir, ignore_errors=True)
     if vocab_k:
-        counts = count_masked_tokens([tokenized[u] for u in splits["train"]], identity["vocab_size"])
         d2t, t2d = build_draft_vocab(counts, vocab_k)
         save_draft_vocab(partial, d2t, t2d, counts)
-        manifest["draft_vocab"] = {
-            "file": VOCAB_FILE,
-            "size": d2t.numel(),
-            "coverage": coverage(counts, t2d),
-        }
-
-    total_tokens = sum(len(t.input_ids) for t in tokenized.values())
-    bar = progress(total=total_tokens, unit="tok", desc="capture") if progress else None
-    timing = {"tokens": 0, "seconds": 0.0}
-
-    def make_shard(chunk: list[Tokenized]):
-        start = time.perf_counter()
-        tensors = capture_shard(model, chunk, spec, d.capture_batch_tokens)
-        timing["seconds"] += time.perf_counter() - start
-        timing["tokens"] += sum(len(t.input_ids) for t in chunk)
-        return tensors
-
-    def on_shard(record: dict) -> None:
-        if bar is not None:
-            bar.update(record["tokens"])
-            if timing["seconds"]:
-                bar.set_postfix(tok_s=f"{timing['tokens'] / timing['seconds']:.0f}")
-
-    for split in SPLITS:
-        items = [tokenized[u] for u in splits[split]]
-        chunks = [items[i : i + d.shard_samples] for i in range(0, len(items), d.shard_samples)]
-        records = write_split(partial, split, chunks, make_shard, on_shard)
-        manifest["splits"][split] = {
-            "samples": sum(r["samples"] for r in records),
-            "tokens": sum(r["tokens"] for r in records),
-            "masked_tokens": sum(r["masked_tokens"] for r in records),
-            "shards": records,
-        }
-    if bar is not None:
-        bar.close()
-    manifest["capture_tokens_per_s"] = timing["tokens"] / max(timing["seconds"], 1e-9)
+        manifest["draft_vocab"] = {"file": VOCAB_FILE, "size": d2t.numel(), "coverage": coverage(counts, t2d)}
+    if stored.needs_forward:
+        manifest["capture_tokens_per_s"] = timing["tokens"] / max(timing["seconds"], 1e-9)
     manifest["stats"] = dict(stats)
     finish(partial, folder, manifest)
     print(_summary(manifest, folder, reused=False))

@@ -1,9 +1,9 @@
 """Replace assistant turns with the target's own answers, so the head learns what it will draft.
 
-Generation is the slowest stage on a CPU, so it is batched (left padding, prompts grouped by
-length) and resumable: every finished conversation is appended to a JSONL cache, and a rerun
-skips the ids already there. Multi-turn conversations are answered turn by turn, each turn seeing
-the target's earlier answers.
+Generation was the slowest stage of data prep, so it runs on `regen_engine` (continuous batching
+over a static KV cache) or on vLLM, and it is resumable: every finished conversation is appended
+to a JSONL cache, and a rerun skips the ids already there. Multi-turn conversations are answered
+turn by turn, each turn seeing the target's earlier answers.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from conf.schema import RegenerateConfig
-from data_prep.sources import Message, Sample
+from data_prep.regen_engine import generate
+from data_prep.sources import Message, Sample, answer_uid
+from data_prep.target import eos_token_ids
 from data_prep.template import prompt_ids
 
 
@@ -61,31 +61,29 @@ def read_cache(path: Path) -> dict[str, list[Message]]:
     return done
 
 
-def generate_batch(model, tok, prompts: list[list[int]], cfg: RegenerateConfig, seed: int) -> list:
-    """Left-padded batched generation; returns each prompt's new token ids up to (not incl.) EOS."""
-    width = max(len(p) for p in prompts)
-    pad = tok.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
-    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    eos = model.generation_config.eos_token_id
-    eos = {eos} if isinstance(eos, int) else set(eos or [tok.eos_token_id])
-    sampling = cfg.temperature > 0
-    extra = dict(temperature=cfg.temperature, top_p=cfg.top_p) if sampling else {}
-    torch.manual_seed(seed)
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=attn,
+def turn_seed(uid: str, turn: int) -> int:
+    """A sampled answer's seed: a function of the sample and its turn only, so that the answer
+    does not depend on which other prompts shared its batch or on how often the run was resumed."""
+    return int(hashlib.sha256(f"{uid}:{turn}".encode()).hexdigest()[:8], 16)
+
+
+def answer_all(model, prompts: list[list[int]], cfg: RegenerateConfig, eos: set[int], seeds: list[int],
+               on_finish: Callable[[int, list[int]], None], target_path: str | None = None) -> None:
+    """Generate every prompt's answer with the configured backend, calling `on_finish(i, ids)`."""
+    common = dict(
         max_new_tokens=cfg.max_new_tokens,
-        do_sample=sampling,
-        pad_token_id=pad,
-        eos_token_id=sorted(eos),
-        **extra,
+        eos_token_ids=eos,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        seeds=seeds,
     )
-    answers = []
-    for row in out[:, width:].tolist():
-        end = next((i for i, t in enumerate(row) if t in eos), len(row))
-        answers.append(row[:end])
-    return answers
+    if cfg.backend == "vllm":
+        from data_prep.regen_vllm import vllm_generate
+
+        for i, ids in enumerate(vllm_generate(target_path, prompts, dtype=model.dtype, **common)):
+            on_finish(i, ids)
+        return
+    generate(model, prompts, batch_size=cfg.batch_size, on_finish=on_finish, **common)
 
 
 def regenerate(
@@ -97,20 +95,26 @@ def regenerate(
     cache_file: Path,
     stats: Counter,
     progress: Callable | None = None,
+    target_path: str | None = None,
 ) -> list[Sample]:
-    """Every sample with target-written answers, in input order; reuses and extends `cache_file`.
+    """Every sample with target-written answers (`cfg.num_samples` per prompt, each its own sample
+    with uid `answer_uid(uid, k)`), in input order; reuses and extends `cache_file`.
 
     A turn is answered only when its prompt leaves room for `max_new_tokens` within
     `max_length`; later turns of that conversation are dropped (they would be truncated away).
+    Conversations are written to the cache as they finish, so a killed run loses only the ones
+    in flight. `target_path` is the target's folder, for the vLLM backend.
     """
     done = read_cache(cache_file)
+    wanted = [Sample(answer_uid(s.uid, k), s.messages) for s in samples for k in range(cfg.num_samples)]
     todo = []
-    for s in samples:
+    for s in wanted:
         if s.uid not in done:
             system = [m for m in s.messages[:1] if m["role"] == "system"]
             todo.append(_Pending(s, system, [m for m in s.messages if m["role"] == "user"]))
-    stats["regenerated_from_cache"] += len(samples) - len(todo)
+    stats["regenerated_from_cache"] += len(wanted) - len(todo)
     budget = max_length - cfg.max_new_tokens
+    eos = eos_token_ids(model, tok)
     bar = progress(total=None, unit="tok", desc="regenerate") if progress and todo else None
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     started, new_tokens = time.perf_counter(), 0
@@ -123,7 +127,7 @@ def regenerate(
             out.write(json.dumps({"uid": p.sample.uid, "messages": done[p.sample.uid]}) + "\n")
             out.flush()
 
-        while todo:
+        while todo:  # one round per turn: each round answers every conversation's next turn
             ready = []
             for p in todo:
                 ids = prompt_ids(tok, p.prompt())
@@ -131,26 +135,28 @@ def regenerate(
                     finish(p)
                 else:
                     ready.append((len(ids), p.sample.uid, ids, p))
-            ready.sort(key=lambda r: (r[0], r[1]))
-            todo = []
-            for i in range(0, len(ready), cfg.batch_size):
-                batch = ready[i : i + cfg.batch_size]
-                seed = int(hashlib.sha256(batch[0][1].encode()).hexdigest()[:8], 16)
-                outs = generate_batch(model, tok, [r[2] for r in batch], cfg, seed)
-                for (_, _, _, p), new in zip(batch, outs):
-                    p.answers.append(tok.decode(new, skip_special_tokens=True).strip())
-                    new_tokens += len(new)
-                    stats["answers_cut_at_max_new_tokens"] += len(new) == cfg.max_new_tokens
-                    if len(p.answers) < len(p.users):
-                        todo.append(p)
-                    else:
-                        finish(p)
+            ready.sort(key=lambda r: (r[0], r[1]))  # similar lengths prefill together
+            pending, todo = [r[3] for r in ready], []
+
+            def answered(i: int, new: list[int], pending=pending, todo=todo) -> None:
+                nonlocal new_tokens
+                p = pending[i]
+                p.answers.append(tok.decode(new, skip_special_tokens=True).strip())
+                new_tokens += len(new)
+                stats["answers_cut_at_max_new_tokens"] += len(new) == cfg.max_new_tokens
+                if len(p.answers) < len(p.users):
+                    todo.append(p)
+                else:
+                    finish(p)
                 if bar is not None:
-                    bar.update(sum(len(o) for o in outs))
+                    bar.update(len(new))
                     bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - started):.1f}")
+
+            seeds = [turn_seed(p.sample.uid, len(p.answers)) for p in pending]
+            answer_all(model, [r[2] for r in ready], cfg, eos, seeds, answered, target_path)
     if bar is not None:
         bar.close()
     stats["regenerated_tokens"] += new_tokens
     stats["regenerate_seconds"] += round(time.perf_counter() - started, 2)
-    stats["skipped_prompt_too_long"] += sum(1 for s in samples if not done[s.uid])
-    return [Sample(s.uid, done[s.uid]) for s in samples if done[s.uid]]
+    stats["skipped_prompt_too_long"] += sum(1 for s in wanted if not done[s.uid])
+    return [Sample(s.uid, done[s.uid]) for s in wanted if done[s.uid]]

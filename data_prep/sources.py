@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from conf.errors import UserError, first_line
 from conf.files import atomic_write, package_file
 from conf.schema import DataConfig
@@ -36,6 +38,9 @@ ROLES = {
 }
 
 Message = dict[str, str]
+# Separates a prompt's uid from its answer number (`data.regenerate.num_samples`); source uids are
+# line or row numbers, so they never contain it.
+ANSWER_SEP = "~"
 
 
 @dataclass
@@ -94,11 +99,15 @@ def sharegpt_jsonl() -> Path:
 
 def iter_jsonl(path: Path) -> Iterator[tuple[str, str, object]]:
     """(uid, where, row) per non-blank line: uid is the line number, where is `file:line`."""
-    with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:  # bytes, so that a bad byte is reported with its line
+        for line_no, raw in enumerate(fh, 1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise UserError(f"{where}: not UTF-8 text (byte {err.start} of the line)") from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 yield str(line_no), where, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as err:
@@ -109,6 +118,9 @@ def iter_json_file(path: Path) -> Iterator[tuple[str, str, object]]:
     """(uid, where, row) per element of a JSON array file; uid is the element index."""
     try:
         rows = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[: err.start].count(b"\n") + 1
+        raise UserError(f"{path}:{line}: not UTF-8 text") from None
     except json.JSONDecodeError as err:
         raise UserError(f"{path}:{err.lineno}: malformed JSON ({err.msg} at column {err.colno})") from None
     if not isinstance(rows, list):
@@ -118,7 +130,9 @@ def iter_json_file(path: Path) -> Iterator[tuple[str, str, object]]:
 
 
 def iter_dataset(name: str, split: str) -> Iterator[tuple[str, str, object]]:
-    """Rows of a `datasets` dataset: a `save_to_disk` folder, a local data folder or a Hub name."""
+    """Rows of a `datasets` dataset, streamed: a `save_to_disk` folder is memory-mapped Arrow,
+    anything else (a local data folder of JSONL/Parquet files, a Hub name) is opened with
+    `streaming=True`, so no Arrow copy of the whole source is built before the first row."""
     import datasets
 
     path = Path(name).expanduser()
@@ -127,7 +141,7 @@ def iter_dataset(name: str, split: str) -> Iterator[tuple[str, str, object]]:
             ds = datasets.load_from_disk(str(path))
             ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
         else:
-            ds = datasets.load_dataset(name, split=split)
+            ds = datasets.load_dataset(name, split=split, streaming=True)
     except (FileNotFoundError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError) as e:
         raise UserError(
             f"data.source={name!r} (data.split={split!r}): cannot load it as a JSONL file or a "
@@ -137,15 +151,27 @@ def iter_dataset(name: str, split: str) -> Iterator[tuple[str, str, object]]:
         yield str(i), f"{name}[{split}] row {i}", row
 
 
+FILE_READERS = {".jsonl": iter_jsonl, ".json": iter_json_file}
+
+
+def check_source_exists(cfg: DataConfig) -> None:
+    """Refuse a source that is not there, cheaply (nothing is read or converted): the packaged
+    set's package, a local file. A `datasets` name is only known once `datasets` loads it."""
+    if cfg.source == "sharegpt":
+        sharegpt_file()
+        return
+    path = Path(cfg.source).expanduser()
+    if path.suffix in FILE_READERS and not path.is_file():
+        raise UserError(f"data.source={cfg.source!r}: no such file")
+
+
 def source_rows(cfg: DataConfig) -> Iterator[tuple[str, str, object]]:
+    check_source_exists(cfg)
     if cfg.source == "sharegpt":
         return iter_jsonl(sharegpt_jsonl())
     path = Path(cfg.source).expanduser()
-    readers = {".jsonl": iter_jsonl, ".json": iter_json_file}
-    if path.suffix in readers:
-        if not path.is_file():
-            raise UserError(f"data.source={cfg.source!r}: no such file")
-        return readers[path.suffix](path)
+    if path.suffix in FILE_READERS:
+        return FILE_READERS[path.suffix](path)
     return iter_dataset(cfg.source, cfg.split)
 
 
@@ -261,10 +287,28 @@ def split_hash(uid: str, seed: int) -> float:
     return int.from_bytes(h[:8], "big") / 2**64
 
 
+def answer_uid(uid: str, k: int) -> str:
+    """The sample uid of a prompt's k-th regenerated answer (k = 0 keeps the prompt's uid)."""
+    return uid if k == 0 else f"{uid}{ANSWER_SEP}{k}"
+
+
+def prompt_uid(uid: str) -> str:
+    return uid.split(ANSWER_SEP, 1)[0]
+
+
+def held_out(hashes: torch.Tensor, val_fraction: float) -> torch.Tensor:
+    """Bool [n]: which samples go to validation, given each one's prompt split hash: those
+    under `val_fraction`, or when none is, the prompt with the lowest hash (a fraction > 0
+    always gets one prompt); none when the fraction is 0 or there is a single prompt. Hashing
+    the prompt, not the sample, keeps every answer to one prompt in one split: a validation
+    prompt whose sibling answer was trained on would flatter the head."""
+    if val_fraction <= 0 or len(hashes) == 0 or hashes.min() == hashes.max():
+        return torch.zeros(len(hashes), dtype=torch.bool)
+    held = hashes < val_fraction
+    return held if held.any() else hashes == hashes.min()
+
+
 def validation_uids(uids: list[str], seed: int, val_fraction: float) -> set[str]:
-    """Samples whose hash falls under `val_fraction`; at least one when the fraction is > 0."""
-    if val_fraction <= 0 or len(uids) < 2:
-        return set()
-    ranked = sorted(uids, key=lambda u: split_hash(u, seed))
-    picked = {u for u in ranked if split_hash(u, seed) < val_fraction}
-    return picked or {ranked[0]}
+    """The uids `held_out` puts in validation."""
+    hashes = torch.tensor([split_hash(prompt_uid(u), seed) for u in uids], dtype=torch.float64)
+    return {u for u, held in zip(uids, held_out(hashes, val_fraction).tolist()) if held}

@@ -1,7 +1,8 @@
 """The captured-data folder: sharded safetensors, a manifest, and the Dataset the trainer reads.
 
 Layout: `<folder>/manifest.json`, `<folder>/<split>/shard-00000.safetensors`, ...
-A folder is built as `<folder>.partial` and renamed when its manifest is written, so a folder
+Samples reach it through a `TokenSpill`, so that a source of any size is sharded from disk. A
+folder is built as `<folder>.partial` and renamed when its manifest is written, so a folder
 with a manifest is always complete. Inside the partial folder each shard is written to a temp
 name and renamed, so every shard file present is complete: a killed run resumes after the last
 one, and because shards are a pure function of their samples the result is byte-identical.
@@ -13,7 +14,9 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from array import array
+from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -22,7 +25,8 @@ from safetensors.torch import save_file
 
 from conf.errors import UserError
 from conf.files import atomic_write
-from data_prep.capture import decode
+from data_prep.capture import CaptureSpec, capture_batch, decode
+from data_prep.template import Tokenized
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -59,7 +63,7 @@ def open_partial(folder: Path, plan: dict) -> Path:
 def write_split(
     partial: Path,
     split: str,
-    chunks: Sequence[list],
+    chunks: Iterable[list],
     make_shard: Callable[[list], dict[str, torch.Tensor]],
     on_shard: Callable[[dict], None] | None = None,
 ) -> list[dict]:
@@ -88,6 +92,71 @@ def write_split(
         if on_shard is not None:
             on_shard(record | {"fresh": fresh})
     return records
+
+
+class TokenSpill:
+    """Tokenized samples spilled to disk as they stream in, to be sharded once all are seen.
+
+    Shards are length-sorted, and the validation split and the draft vocabulary are decided
+    over the whole set, so `prepare` sees every sample before it writes a shard; a source of
+    any size must still not sit in memory. Ids (int32) and masks (a byte each) go to two flat
+    files in arrival order; memory keeps 36 bytes per sample: where its tokens start, how many,
+    its prompt's split hash and a digest of its uid and tokens (for the build plan).
+    """
+
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True)
+        self.files = (folder / "input_ids.bin", folder / "loss_mask.bin")
+        self._writers = [open(p, "wb") for p in self.files]
+        self.starts, self.lengths = array("q"), array("i")
+        self.hashes, self.digests = array("d"), bytearray()
+        self.tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def append(self, uid: str, t: Tokenized, split_hash: float) -> None:
+        ids, mask = array("i", t.input_ids).tobytes(), bytes(t.loss_mask)
+        for out, data in zip(self._writers, (ids, mask)):
+            out.write(data)
+        self.digests += hashlib.sha256(uid.encode() + b"\0" + ids + mask).digest()[:16]
+        self.starts.append(self.tokens)
+        self.lengths.append(len(t.input_ids))
+        self.hashes.append(split_hash)
+        self.tokens += len(t.input_ids)
+
+    def close(self) -> None:
+        """Done appending: flush the files for `read`."""
+        for out in self._writers:
+            out.close()
+
+    def split_hashes(self) -> torch.Tensor:
+        """Float64 [n]: each sample's prompt split hash (`data_prep.sources.held_out` reads them)."""
+        return torch.frombuffer(self.hashes, dtype=torch.float64).clone()
+
+    def by_length(self, indices: torch.Tensor) -> torch.Tensor:
+        """`indices` sorted by sample length, ties in arrival order: a function of the source
+        alone, so a resumed build shards exactly as an uninterrupted one."""
+        lengths = torch.frombuffer(self.lengths, dtype=torch.int32)[indices]
+        return indices[torch.argsort(lengths, stable=True)]
+
+    def digest(self, indices: torch.Tensor) -> str:
+        """Identity of these samples in this order (the build plan of one split)."""
+        h = hashlib.sha256()
+        for i in indices.tolist():
+            h.update(self.digests[16 * i : 16 * i + 16])
+        return h.hexdigest()[:16]
+
+    def read(self, indices: list[int]) -> list[Tokenized]:
+        out = []
+        with open(self.files[0], "rb") as ids_file, open(self.files[1], "rb") as mask_file:
+            for i in indices:
+                start, n = self.starts[i], self.lengths[i]
+                ids_file.seek(4 * start)
+                mask_file.seek(start)
+                ids = array("i", ids_file.read(4 * n)).tolist()
+                out.append(Tokenized(ids, list(map(bool, mask_file.read(n))), False))
+        return out
 
 
 def finish(partial: Path, folder: Path, manifest: dict) -> None:
@@ -125,6 +194,17 @@ def check_target(manifest: dict, target: dict, where: str) -> None:
             f"but the given target {target['name_or_path']!r} differs: {'; '.join(diffs)} "
             "(delete the folder or set data.cache_dir to rebuild)"
         )
+
+
+def online_capture(manifest: dict, model) -> Callable[[dict], dict] | None:
+    """For a folder prepared with `data.hidden_states=online`: the per-batch capture the training
+    loop runs with `model` (the target), computing the hidden states the folder does not hold.
+    None when the folder holds them, or when the head reads none (Medusa-2)."""
+    m = manifest
+    spec = CaptureSpec(tuple(m["aux_layer_ids"]), m["final_layer_id"], m["storage_dtype"])
+    if manifest.get("hidden_states") != "online" or not spec.needs_forward:
+        return None
+    return partial(capture_batch, model, spec)
 
 
 class CapturedDataset(torch.utils.data.Dataset):

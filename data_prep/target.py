@@ -203,3 +203,12 @@ def tokenizer_hash(tok) -> str:
     """Identity of a tokenizer's vocabulary, so data captured with one is never reused with another."""
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every id that ends an answer: the tokenizer's EOS and the generation config's (chat models
+    often list several, e.g. <|eot_id|> and <|end_of_text|>)."""
+    ids = {tokenizer.eos_token_id}
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(extra) if isinstance(extra, list) else {extra}
+    return {i for i in ids if i is not None}

@@ -21,11 +21,9 @@ VOCAB_FILE = "draft_vocab.safetensors"
 
 def count_masked_tokens(samples: Iterable, vocab_size: int) -> torch.Tensor:
     """Frequency [V] of each target id under the loss mask (what the head will have to draft)."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for s in samples:
-        ids = torch.tensor(s.input_ids, dtype=torch.int64)[torch.tensor(s.loss_mask, dtype=torch.bool)]
-        counts += torch.bincount(ids, minlength=vocab_size)
-    return counts
+    # One bincount for all: a [V] count per sample cost ~1 ms each, as much as tokenising it.
+    ids = [t for s in samples for t, m in zip(s.input_ids, s.loss_mask) if m]
+    return torch.bincount(torch.tensor(ids, dtype=torch.int64), minlength=vocab_size)
 
 
 def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,9 @@
 """The EAGLE-3 draft head: fc fusion of three target layers, one decoder layer, a reduced-vocab lm_head.
 
 The layout (names, the 2H attention input, where the norms sit) follows what the serving engines
-load (vLLM `llama_eagle3`, SGLang, TRT-LLM), so that export is a renaming and nothing else.
+load (vLLM `llama_eagle3`, SGLang, TRT-LLM), so that export is a renaming and nothing else. The
+layer variants in `NORM_FLAGS` are vLLM's and speculators' own flags, with their placement and
+tensor names (`input_norm.weight`), so a head trained with them is served as it was trained.
 One `step` serves training (the TTT unroll passes earlier steps' K/V as `past`) and decoding
 (the decoder passes its KV cache as `past`): the caller owns the mask, so both see one code path.
 """
@@ -26,6 +28,19 @@ from conf.schema import Eagle3Config
 from heads.folder import TargetSpec, load_head, save_head
 
 KV = tuple[torch.Tensor, torch.Tensor]
+
+# The layer variants the head implements, spelled as vLLM 0.32 `llama_eagle3` and speculators read
+# them from a head's config (all false = the original EAGLE-3 layout):
+#   norm_before_fc: one RMSNorm over the concatenated [n_aux * Ht] features before fc (`input_norm`);
+#   norm_before_residual: the decoder layer's residual is hidden_norm(feature), not the raw feature;
+#   norm_output: the hidden fed back to the next draft step is the final norm's output.
+NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
+
+
+def norm_flags(config: LlamaConfig | dict) -> dict[str, bool]:
+    """The head's layer variants; a head saved before they existed has them all off."""
+    values = config if isinstance(config, dict) else vars(config)
+    return {k: bool(values.get(k, False)) for k in NORM_FLAGS}
 
 
 def resolve_aux_layer_ids(
@@ -70,6 +85,7 @@ def draft_layer_config(target_config, cfg: Eagle3Config, draft_vocab_size: int) 
         draft_vocab_size=min(draft_vocab_size, t.vocab_size),
         target_hidden_size=t.hidden_size,
         aux_layer_ids=aux,
+        **{k: getattr(cfg, k) for k in NORM_FLAGS},
     )
 
 
@@ -122,6 +138,7 @@ class Eagle3DecoderLayer(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
+        self.norm_before_residual = norm_flags(config)["norm_before_residual"]
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = Eagle3Attention(config)
@@ -129,8 +146,10 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, embeds, hidden, cos, sin, mask, past):
-        residual = hidden  # the engines' default: residual is the un-normalised feature
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        # The engines' default keeps the un-normalised feature as the residual.
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         attn, kv = self.self_attn(x, cos, sin, mask, past)
         hidden = residual + attn
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -147,8 +166,12 @@ class Eagle3Head(nn.Module):
         self.config, self.target = config, target
         h, v, vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
         self.aux_layer_ids: list[int] = list(config.aux_layer_ids)
+        flags = norm_flags(config)
+        self.norm_output = flags["norm_output"]
         self.embed_tokens = nn.Embedding(v, h).requires_grad_(False)
-        self.fc = nn.Linear(len(self.aux_layer_ids) * config.target_hidden_size, h, bias=False)
+        fused = len(self.aux_layer_ids) * config.target_hidden_size
+        self.input_norm = LlamaRMSNorm(fused, eps=config.rms_norm_eps) if flags["norm_before_fc"] else None
+        self.fc = nn.Linear(fused, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(h, vd, bias=False)
@@ -189,6 +212,8 @@ class Eagle3Head(nn.Module):
     # ---- compute ------------------------------------------------------------------------
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """[..., 3*Ht] target features (ascending layer ids) -> [..., H] draft feature."""
+        if self.input_norm is not None:
+            aux_hidden = self.input_norm(aux_hidden)
         return self.fc(aux_hidden)
 
     def layer(
@@ -199,13 +224,19 @@ class Eagle3Head(nn.Module):
         mask: torch.Tensor | None = None,
         past: KV | None = None,
     ) -> tuple[torch.Tensor, KV]:
-        """The decoder layer alone: training computes logits only where a loss needs them."""
+        """The decoder layer alone: training computes logits only where a loss needs them.
+
+        Returns the hidden state the next draft step reads (normed by the final norm with
+        `norm_output`, as vLLM feeds it back) and this call's rotated K/V."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         cos, sin = self.rotary(hidden, position_ids)
-        return self.midlayer(embeds, hidden, cos, sin, mask, past)
+        out, kv = self.midlayer(embeds, hidden, cos, sin, mask, past)
+        return (self.norm(out) if self.norm_output else out), kv
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        """Draft-vocab logits of a hidden state as `layer` returns it (already normed with
+        `norm_output`: the engines norm once either way)."""
+        return self.lm_head(hidden if self.norm_output else self.norm(hidden))
 
     def step(
         self,
@@ -217,10 +248,11 @@ class Eagle3Head(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, KV]:
         """One draft forward over T new positions.
 
-        hidden [B,T,H]: fused target feature (first step) or the head's own pre-norm output.
+        hidden [B,T,H]: fused target feature (first step) or the hidden a previous step returned.
         input_ids [B,T]: the token that follows each position. mask: bool [B|1,1,T,P+T] with
         True = may attend, P the past length; None means plain causal without a past.
-        Returns (pre-norm hidden to feed back, draft-vocab logits, this call's rotated K/V).
+        Returns (hidden to feed back: pre-norm, or post-norm with `norm_output`; draft-vocab
+        logits; this call's rotated K/V).
         """
         out, kv = self.layer(hidden, input_ids, position_ids, mask, past)
         return out, self.logits(out), kv

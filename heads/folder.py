@@ -7,16 +7,19 @@ against the wrong target is recorded and checked in one place.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from conf.compose import compose_root
 from conf.errors import UserError, first_line
 from conf.files import atomic_dir, commit_dir, read_json
-from conf.schema import RootConfig
+from conf.schema import HEAD_CONFIGS, RootConfig
 
 CONFIG_NAME = "draftsmith_head.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -62,47 +65,81 @@ def save_head(
     return out
 
 
+@contextmanager
+def _weights_file(path: Path, what: str) -> Iterator[None]:
+    """Turn a missing, cut-off or foreign safetensors file into one line naming it (safetensors
+    raises its own error type, with a message that does not say which file)."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise UserError(f"{what}: {path} does not exist") from None
+    except (SafetensorError, OSError) as err:
+        raise UserError(
+            f"{what}: {path} is not a readable safetensors file ({first_line(err)})"
+        ) from None
+
+
+def read_weights(path: Path, what: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (a head's or an export's), or one line naming it."""
+    with _weights_file(path, what):
+        return load_file(path)
+
+
+def check_weights(path: Path, what: str) -> None:
+    """Read only the header, which also proves the file is not cut off: a cheap check that lets
+    commands refuse a broken head before they load a target."""
+    with _weights_file(path, what), safe_open(path, "pt"):
+        pass
+
+
 def read_head_meta(path: str | Path) -> dict:
     """`draftsmith_head.json` of a head folder: {kind, target, config}, or one line naming the
-    folder and what is wrong (missing, cut off, not UTF-8, fields missing)."""
+    file and what is wrong (missing, cut off, not UTF-8, fields missing or malformed), so that no
+    caller trips over a half-written or hand-edited file later."""
+    where = f"head={str(path)!r}"
     meta_file = Path(path) / CONFIG_NAME
     if not meta_file.exists():
-        raise UserError(f"head={str(path)!r}: no {CONFIG_NAME} there (not a draftsmith head folder)")
-    meta = read_json(meta_file, f"head={str(path)!r}")
+        raise UserError(f"{where}: no {CONFIG_NAME} there (not a draftsmith head folder)")
+    meta = read_json(meta_file, where)
     missing = [k for k in ("kind", "target", "config") if k not in meta]
     if missing:
-        raise UserError(f"head={str(path)!r}: {meta_file} lacks {', '.join(missing)}")
+        raise UserError(f"{where}: {meta_file} lacks {', '.join(missing)}")
+    if not isinstance(meta["kind"], str) or meta["kind"] not in HEAD_CONFIGS:
+        raise UserError(
+            f"{where}: {meta_file} has kind {meta['kind']!r}, expected one of {', '.join(HEAD_CONFIGS)}"
+        )
+    spec_fields = sorted(f.name for f in fields(TargetSpec))
+    if not isinstance(meta["target"], dict) or sorted(meta["target"]) != spec_fields:
+        raise UserError(f"{where}: {meta_file}: 'target' must hold exactly {', '.join(spec_fields)}")
+    if not isinstance(meta["config"], dict):
+        raise UserError(f"{where}: {meta_file}: 'config' must be an object")
     return meta
 
 
 def load_head(path: str | Path, kind: str) -> tuple[dict, TargetSpec, dict[str, torch.Tensor]]:
+    """(config, target fingerprint, tensors) of a saved head of `kind`, or one line naming the
+    file that is missing, cut off or of another kind."""
     meta = read_head_meta(path)
     if meta["kind"] != kind:
         raise UserError(f"head={str(path)!r}: a {meta['kind']!r} head, expected {kind!r}")
-    weights = Path(path) / WEIGHTS_NAME
-    try:
-        tensors = load_file(weights)
-    except FileNotFoundError:
-        raise UserError(f"head={str(path)!r}: {weights} is missing") from None
-    except Exception as err:  # safetensors raises its own error type for a cut-off file
-        raise UserError(f"head={str(path)!r}: {weights} is not a readable safetensors file "
-                        f"({first_line(err)})") from None
-    try:
-        target = TargetSpec(**meta["target"])
-    except TypeError:
-        raise UserError(f"head={str(path)!r}: {CONFIG_NAME} has a malformed 'target' entry") from None
-    return meta["config"], target, tensors
+    tensors = read_weights(Path(path) / WEIGHTS_NAME, f"head={str(path)!r}")
+    return meta["config"], TargetSpec(**meta["target"]), tensors
 
 
 def head_kind(path: str | Path) -> str:
+    """The kind of a saved head ("eagle3", "medusa"), from its checked metadata."""
     return read_head_meta(path)["kind"]
 
 
 def compose_for_head(head_path: str, overrides: list[str]) -> RootConfig:
-    """The root config for an existing head: its kind, and its target unless overridden."""
+    """The root config for an existing head: its kind, and its target unless overridden.
+
+    The head folder is checked first (metadata and the weights' header), so a broken head is one
+    line before any command built on this loads a target."""
     if not head_path:
         raise UserError("head=<path> is required (a folder written by trainer.train)")
     meta = read_head_meta(head_path)
+    check_weights(Path(head_path) / WEIGHTS_NAME, f"head={head_path!r}")
     extra = [f"+head={meta['kind']}"]
     if not any(o.startswith("target.name_or_path=") for o in overrides):
         extra.append(f"target.name_or_path={meta['target']['name_or_path']}")

@@ -23,23 +23,10 @@ import torch
 from hydra import compose, initialize_config_module
 
 from conf.schema import to_root_config
-from data_prep.capture import capture_shard, length_batches
+from data_prep.capture import bare_forward, capture_shard
 from data_prep.prepare import capture_spec, select_samples, tokenize_all
 from data_prep.store import open_partial, write_split
 from data_prep.target import load_target_from_config
-
-
-@torch.inference_mode()
-def bare_forward(model, shards, batch_tokens: int, full_logits: bool) -> None:
-    for shard in shards:
-        lengths = [len(t.input_ids) for t in shard]
-        for idx in length_batches(lengths, batch_tokens):
-            batch = [shard[i].input_ids for i in idx]
-            width = max(map(len, batch))
-            ids = torch.tensor([s + [0] * (width - len(s)) for s in batch])
-            attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in batch])
-            extra = {} if full_logits else {"logits_to_keep": 1}
-            model(input_ids=ids, attention_mask=attn, use_cache=False, **extra)
 
 
 def main() -> None:

@@ -21,12 +21,17 @@ import torch
 
 from conf.compose import split_args
 from conf.errors import UserError, exit_on_user_error
-from data_prep.target import load_target_from_config
+from data_prep.target import eos_token_ids, load_target_from_config
 from heads.folder import compose_for_head
 from trainer.decoding import greedy_generate, prompt_lookup_generate, speculative_generate
 from trainer.evaluate.report import Record, task_metrics
-from trainer.evaluate.run import draft_shape, eos_token_ids, greedy_verdict, load_drafter
-from trainer.evaluate.tasks import encode, load_prompts
+from trainer.evaluate.run import (
+    draft_shape,
+    eval_sampling,
+    greedy_verdict,
+    load_drafter,
+)
+from trainer.evaluate.tasks import encode_all, load_prompts
 
 
 def fastest(runs):
@@ -49,7 +54,7 @@ def main(argv: list[str]) -> None:
     drafter, verifier = load_drafter(own["head"], model, cfg.target.name_or_path,
                                      list(shapes.values()))
     eos = eos_token_ids(verifier, tokenizer)
-    generator = torch.Generator().manual_seed(cfg.seed)
+    sampling = eval_sampling(cfg)
     n = ev.max_new_tokens
 
     methods = {
@@ -58,12 +63,11 @@ def main(argv: list[str]) -> None:
             verifier, ids, n, eos, ev.prompt_lookup_num_tokens),
         **{
             mode: lambda ids, shape=shape: speculative_generate(
-                verifier, drafter, ids, n, shape, ev.temperature, ev.top_p, eos, generator,
-                ev.draft_sampling)
+                verifier, drafter, ids, n, shape, sampling, eos)
             for mode, shape in shapes.items()
         },
     }
-    encoded = [(task, encode(tokenizer, p)) for task, ps in prompts.items() for p in ps]
+    encoded = encode_all(tokenizer, prompts)
     for run in methods.values():  # warm-up, not measured
         run(encoded[0][1][:32])
     records: dict[str, list[Record]] = {"chain": [], "tree": []}
@@ -76,8 +80,7 @@ def main(argv: list[str]) -> None:
         for mode in records:
             verdict = greedy_verdict(verifier, ids, best["greedy"].tokens, best[mode].tokens)
             records[mode].append(Record(task, best[mode].stats, best["greedy"].stats,
-                                        best["prompt_lookup"].stats, verdict != "mismatch",
-                                        verdict == "tie"))
+                                        best["prompt_lookup"].stats, verdict))
 
     chain, tree = task_metrics(records["chain"]), task_metrics(records["tree"])
     line = {
@@ -112,8 +115,7 @@ def main(argv: list[str]) -> None:
                 longest * chain["greedy_ms_per_token"] / step_ms, 3
             ),
         }
-    greedy_mode = ev.temperature == 0
-    line["lossless"] = chain["lossless"] and tree["lossless"] if greedy_mode else None
+    line["lossless"] = chain["lossless"] and tree["lossless"] if sampling.greedy else None
     line["numerical_ties"] = chain["numerical_ties"] + tree["numerical_ties"]
     print(json.dumps(line))
 

@@ -21,7 +21,7 @@ from collections import Counter
 import torch
 
 from conf.compose import compose_root
-from conf.schema import DataConfig
+from conf.schema import DataConfig, RootConfig
 from data_prep.sources import iter_samples
 from data_prep.target import load_target_from_config
 from heads.eagle3 import Eagle3Head
@@ -30,9 +30,11 @@ from trainer.eagle3_trainee import Eagle3Trainee
 from trainer.medusa_trainee import build_medusa_trainee
 
 
-def real_batch(
-    model, tok, data_cfg: DataConfig, rows: int, seq_len: int, labelled: float
+def real_tokens(
+    tok, data_cfg: DataConfig, rows: int, seq_len: int, labelled: float
 ) -> dict[str, torch.Tensor]:
+    """`rows` chat-templated conversations of `data_cfg.source` cut to `seq_len` tokens (CPU
+    `input_ids`, `loss_mask`), the last `labelled` fraction of each row labelled."""
     data_cfg.regenerate.enabled = False  # the source's answers as they are: enough for timing
     texts = []
     for sample in iter_samples(data_cfg, Counter()):
@@ -41,15 +43,13 @@ def real_batch(
             texts.append(ids[:seq_len])
         if len(texts) == rows:
             break
-    ids = torch.tensor(texts, device=model.device)
-    with torch.no_grad():
-        hs = model(ids, output_hidden_states=True).hidden_states
+    ids = torch.tensor(texts)
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[:, : round(seq_len * (1 - labelled))] = False
-    return {"input_ids": ids, "loss_mask": mask, "hidden_states": hs}
+    return {"input_ids": ids, "loss_mask": mask}
 
 
-def eagle3_setup(cfg, model, batch: dict) -> tuple[torch.nn.Module, dict]:
+def eagle3_trainee(cfg, model) -> tuple[torch.nn.Module, dict]:
     vocab = model.config.vocab_size
     draft = min(cfg.data.draft_vocab_size, vocab)
     d2t = torch.zeros(draft, dtype=torch.long)  # the lowest ids: cost depends only on the size
@@ -59,35 +59,48 @@ def eagle3_setup(cfg, model, batch: dict) -> tuple[torch.nn.Module, dict]:
     trainee = Eagle3Trainee(
         head, model.get_output_embeddings().weight, cfg.head.ttt_length, cfg.head.step_weight
     )
-    hs = batch.pop("hidden_states")
-    batch["aux_hidden"] = torch.cat([hs[i] for i in head.aux_layer_ids], -1).float()
-    batch["final_hidden"] = hs[-1].float()
     return trainee, {"ttt_length": cfg.head.ttt_length, "draft_vocab_size": draft}
 
 
-def medusa_setup(cfg, model, batch: dict) -> tuple[torch.nn.Module, dict]:
+def medusa_trainee(cfg, model) -> tuple[torch.nn.Module, dict]:
     trainee = build_medusa_trainee(cfg, model, None)
-    batch["final_hidden"] = batch.pop("hidden_states")[-1].float()  # Medusa-1's input
-    batch["attention_mask"] = torch.ones_like(batch["input_ids"])  # Medusa-2's
     fields = {"num_heads": cfg.head.num_heads, "joint": cfg.head.joint, "lora_rank": cfg.head.lora_rank}
     return trainee, fields
 
 
-def main(argv: list[str]) -> None:
-    labelled = 1.0
+TRAINEES = {"eagle3": eagle3_trainee, "medusa": medusa_trainee}
+
+
+def parse(argv: list[str], labelled: float = 1.0) -> tuple[RootConfig, float]:
+    """(config, labelled fraction) from `[--labelled F] [+head=...] [key=value ...]`; EAGLE-3
+    unless a head is named."""
     if "--labelled" in argv:
         i = argv.index("--labelled")
         labelled, argv = float(argv[i + 1]), argv[:i] + argv[i + 2 :]
     if not any(a.startswith("+head=") for a in argv):
         argv = ["+head=eagle3", *argv]
-    cfg = compose_root(argv)
-    model, tok = load_target_from_config(cfg.target)
+    return compose_root(argv), labelled
+
+
+def batch_shape(cfg: RootConfig) -> tuple[int, int]:
+    """(rows, seq_len) of one `optim.batch_tokens` batch, rows of at most 512 tokens."""
     seq_len = min(512, cfg.optim.batch_tokens)
-    rows = max(1, cfg.optim.batch_tokens // seq_len)
-    batch = real_batch(model, tok, cfg.data, rows, seq_len, labelled)
-    setup = eagle3_setup if cfg.head.name == "eagle3" else medusa_setup
-    trainee, fields = setup(cfg, model, batch)
+    return max(1, cfg.optim.batch_tokens // seq_len), seq_len
+
+
+def main(argv: list[str]) -> None:
+    cfg, labelled = parse(argv)
+    model, tok = load_target_from_config(cfg.target)
+    batch = real_tokens(tok, cfg.data, *batch_shape(cfg), labelled)
+    batch = {k: v.to(model.device) for k, v in batch.items()}
+    trainee, fields = TRAINEES[cfg.head.name](cfg, model)
+    with torch.no_grad():  # captured as training will see them (Medusa-2 reads none)
+        hs = model(batch["input_ids"], output_hidden_states=True).hidden_states
+    if cfg.head.name == "eagle3":
+        batch["aux_hidden"] = torch.cat([hs[i] for i in trainee.head.aux_layer_ids], -1).float()
+    batch["final_hidden"] = hs[-1].float()
     trainee.to(model.device)
+    batch |= trainee.batch_index(batch)  # what the loader adds on the CPU; here once, untimed
     params = [p for p in trainee.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     use_bf16 = mixed_precision(cfg.dist) == "bf16"

@@ -55,7 +55,7 @@ def ours(export_dir: str, target: str, n_prompts: int, max_tokens: int, k: int) 
     import torch
 
     from conf.schema import EvalConfig
-    from data_prep.target import load_target, resolve_target_path
+    from data_prep.target import eos_token_ids, load_target, resolve_target_path
     from heads.export import detect_format, load_export
     from heads.folder import TargetSpec
     from trainer.decoding import (
@@ -65,7 +65,6 @@ def ours(export_dir: str, target: str, n_prompts: int, max_tokens: int, k: int) 
         greedy_generate,
         speculative_generate,
     )
-    from trainer.evaluate.run import eos_token_ids
     from trainer.evaluate.tasks import encode, load_prompts
 
     torch.manual_seed(0)
@@ -85,7 +84,7 @@ def ours(export_dir: str, target: str, n_prompts: int, max_tokens: int, k: int) 
     per_pos = [0] * k
     spec_tokens, greedy_tokens = [], []
     for x in ids:
-        run = speculative_generate(model, drafter, x, max_tokens, Chain(k), 0.0, 1.0, eos)
+        run = speculative_generate(model, drafter, x, max_tokens, Chain(k), eos_ids=eos)
         drafts, accepted = drafts + run.stats.drafts, accepted + run.stats.accepted_tokens
         for i, n in enumerate(run.stats.accepted_per_position):
             per_pos[i] += n

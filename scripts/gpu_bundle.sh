@@ -24,7 +24,7 @@ pack() {
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
     rm -rf .gpu && mkdir -p .gpu/1 .gpu/2
-    gguf=$("$PY" -c 'from trainer.target import alias_gguf; print(alias_gguf("smollm2-135m-instruct"))')
+    gguf=$("$PY" -c 'from data_prep.target import alias_gguf; print(alias_gguf("smollm2-135m-instruct"))')
     # Pure-Python packages at the versions installed here, with their dist-info (the evaluator
     # finds its prompt files through importlib.metadata).
     local pins=()

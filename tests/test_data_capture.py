@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conf.errors import UserError
+from conf.schema import DataConfig
 from data_prep.capture import (
     CaptureSpec,
     capture_shard,
@@ -85,4 +86,4 @@ def test_medusa_final_only_and_joint_tokens_only(tiny):
 
 def test_unknown_storage_dtype_is_a_user_error():
     with pytest.raises(UserError, match="data.storage_dtype='fp4'"):
-        CaptureSpec((1, 2, 3), 8, "fp4")
+        DataConfig(storage_dtype="fp4")

@@ -6,9 +6,10 @@ from collections import Counter
 
 import pytest
 
+from conf.errors import UserError
 from conf.schema import RegenerateConfig
 from data_prep.regenerate import read_cache, regenerate
-from data_prep.sources import Sample
+from data_prep.sources import Sample, answer_uid, prompt_uid, validation_uids
 from data_prep.target import load_target
 from data_prep.template import prompt_ids
 
@@ -75,3 +76,30 @@ def test_batched_left_padded_generation_and_length_budget(tiny, tmp_path):
     sampled = RegenerateConfig(max_new_tokens=3, batch_size=2, temperature=0.8, top_p=0.9)
     out = regenerate(SAMPLES[:1], model, tok, sampled, 512, tmp_path / "s.jsonl", Counter())
     assert out[0].messages[-1]["role"] == "assistant"
+
+
+def test_n_answers_per_prompt_are_samples_seeded_by_uid_and_split_by_prompt(tiny, tmp_path):
+    model, tok = tiny
+    cfg = RegenerateConfig(max_new_tokens=8, batch_size=3, temperature=1.0, num_samples=3)
+    out = regenerate(SAMPLES, model, tok, cfg, 512, tmp_path / "n.jsonl", Counter())
+    uids = [s.uid for s in out]
+    assert uids[:3] == ["0", "0~1", "0~2"] and len(uids) == 12
+    answers = {s.uid: s.messages[-1]["content"] for s in out}
+    assert len({answers["3"], answers["3~1"], answers["3~2"]}) > 1, "n answers should differ"
+    # Each answer is a function of its uid alone: another batch size and another set of
+    # prompts give the same text.
+    alone = regenerate(
+        SAMPLES[3:], model, tok, RegenerateConfig(**{**vars(cfg), "batch_size": 1}), 512,
+        tmp_path / "alone.jsonl", Counter(),
+    )
+    assert [s.messages[-1]["content"] for s in alone] == [answers["3"], answers["3~1"], answers["3~2"]]
+    # Validation holds out whole prompts: no prompt has answers in both splits.
+    many = [answer_uid(str(i), k) for i in range(200) for k in range(3)]
+    val = validation_uids(many, seed=0, val_fraction=0.1)
+    assert 0 < len(val) < len(many) and len(val) % 3 == 0
+    assert {prompt_uid(u) for u in val}.isdisjoint({prompt_uid(u) for u in many if u not in val})
+
+
+def test_num_samples_above_one_needs_sampling():
+    with pytest.raises(UserError, match="data.regenerate.num_samples=2: greedy answers are all the same"):
+        RegenerateConfig(num_samples=2)

@@ -135,6 +135,18 @@ def test_json_array_file(tmp_path):
         list(iter_samples(cfg_for(str(path)), Counter()))
 
 
+def test_non_utf8_sources_name_file_and_line(tmp_path):
+    good = json.dumps(SHAREGPT_ROW).encode()
+    jsonl = tmp_path / "chats.jsonl"
+    jsonl.write_bytes(good + b"\n" + good + b"\n" + good.replace(b"hello", b"h\xe9llo") + b"\n")
+    with pytest.raises(UserError, match=r"chats.jsonl:3: not UTF-8 text"):
+        list(iter_samples(cfg_for(str(jsonl)), Counter()))
+    array = tmp_path / "chats.json"
+    array.write_bytes(b"[\n" + good + b",\n" + good.replace(b"hello", b"h\xe9llo") + b"\n]")
+    with pytest.raises(UserError, match=r"chats.json:3: not UTF-8 text"):
+        list(iter_samples(cfg_for(str(array)), Counter()))
+
+
 def test_missing_jsonl_and_bad_dataset_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="data.source=.*no such file"):
         list(iter_samples(cfg_for(str(tmp_path / "nope.jsonl")), Counter()))

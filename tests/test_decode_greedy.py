@@ -26,7 +26,7 @@ from trainer.decoding import (
     greedy_generate,
     speculative_generate,
 )
-from trainer.decoding.target_cache import TargetCache
+from trainer.decoding.kv_cache import TargetKV
 
 NEW = 24
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -111,16 +111,15 @@ def test_tree_verification_matches_plain_forwards(target, prompts):
     prefix = prompts[1]
     parents = [-1, 0, 0, 1, 1, 2]
     tokens = torch.tensor([7, 8, 9, 10, 11, 12])
-    runner = TargetCache(target, [])
-    runner.forward(prefix)
-    runner.keep(list(range(prefix.numel())))
-    logits, _ = runner.forward(tokens, parents)
+    kv = TargetKV(target, [])
+    kv.prefill(prefix)
+    logits, _ = kv.forward(tokens, parents)
     for node in range(len(parents)):
         seq = torch.cat([prefix, tokens[path_to(parents, node)]])
         plain = target(seq[None]).logits[0, -1]
         torch.testing.assert_close(logits[node], plain, atol=1e-4, rtol=1e-4)
-    runner.keep([0, 2, 5])
-    nxt, _ = runner.forward(torch.tensor([13]))
+    kv.keep([0, 2, 5])
+    nxt, _ = kv.forward(torch.tensor([13]))
     seq = torch.cat([prefix, tokens[[0, 2, 5]], torch.tensor([13])])
     torch.testing.assert_close(nxt[0], target(seq[None]).logits[0, -1], atol=1e-4, rtol=1e-4)
 

@@ -14,7 +14,7 @@ from decode_helpers import (
 )
 from test_decode_rules import chi_square_pvalue
 
-from trainer.decoding import Chain, Eagle3Drafter, Tree, speculative_generate
+from trainer.decoding import Chain, Eagle3Drafter, Sampling, Tree, speculative_generate
 from trainer.decoding.verify import warp
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -52,12 +52,11 @@ def test_speculative_sampling_matches_the_target_law(target, shape, draft_sampli
     # Sampled drafts come from a reduced-vocabulary head (even ids): q lives on half the tokens.
     reduced = V // 2 if draft_sampling else None
     drafter = Eagle3Drafter(random_eagle3_head(target, draft_vocab=reduced, seed=2))
-    g = torch.Generator().manual_seed(0)
+    sampling = Sampling(TEMPERATURE, TOP_P, torch.Generator().manual_seed(0), draft_sampling)
     counts = torch.zeros(V**3)
     accepted = 0
     for _ in range(DRAWS):
-        out = speculative_generate(target, drafter, PROMPT, 3, shape, TEMPERATURE, TOP_P,
-                                   generator=g, draft_sampling=draft_sampling)
+        out = speculative_generate(target, drafter, PROMPT, 3, shape, sampling)
         a, b, c = out.tokens
         counts[(a * V + b) * V + c] += 1
         accepted += out.stats.accepted_tokens

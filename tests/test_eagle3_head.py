@@ -9,7 +9,7 @@ import torch
 from conf.errors import UserError
 from conf.schema import Eagle3Config
 from data_prep.target import load_target
-from heads.eagle3 import Eagle3Head
+from heads.eagle3 import Eagle3Head, norm_flags
 from tests.conftest import build_tiny_target
 from trainer.eagle3_trainee import Eagle3Trainee, ttt_attention_mask
 from trainer.trainee import simulated_acceptance_length
@@ -50,9 +50,13 @@ def test_ttt_mask_by_hand():
     assert m == [[1, 1, 0, 1, 0], [1, 1, 1, 0, 1]]
 
 
-def test_ttt_unroll_equals_chain_decoding(tiny):
-    """Step k of training at position t == the k-th chained draft step after verifying 0..t."""
+@pytest.mark.parametrize("variants", [False, True], ids=["original", "norm-variants"])
+def test_ttt_unroll_equals_chain_decoding(tiny, tiny_llama_dir, variants):
+    """Step k of training at position t == the k-th chained draft step after verifying 0..t
+    (with the norm variants too: the state fed back is the same in both)."""
     model, head = tiny
+    if variants:
+        head = variant_of(head, model, tiny_llama_dir, **dict.fromkeys(ALL_OFF, True))
     torch.manual_seed(1)
     ids = torch.randint(0, 3000, (1, 12))
     aux, _ = aux_features(model, head, ids)
@@ -125,3 +129,113 @@ def test_refuses_other_target(tiny, tmp_path, smol_tokenizer):
     other, _ = load_target(str(other_dir))
     with pytest.raises(UserError, match="num_hidden_layers 8 != 6"):
         Eagle3Head.from_pretrained(tmp_path / "h", other, str(other_dir))
+
+
+# ---- layer variants (vLLM `llama_eagle3` / speculators flags) --------------------------------
+
+
+def variant_of(base: Eagle3Head, model, target_dir, **flags) -> Eagle3Head:
+    """`base` with some norm flags on: every shared weight copied, the added input_norm off 1.0
+    (a weight of ones would hide a misplaced norm's scale)."""
+    d2t, t2d = identity_vocab(model.config.vocab_size, 3000)
+    head = Eagle3Head.from_target(model, str(target_dir), Eagle3Config(**flags), d2t, t2d)
+    missing, unexpected = head.load_state_dict(base.state_dict(), strict=False)
+    assert unexpected == [] and missing == (["input_norm.weight"] if head.input_norm is not None else [])
+    if head.input_norm is not None:
+        with torch.no_grad():
+            head.input_norm.weight.uniform_(0.5, 1.5)
+    return head.eval()
+
+
+def reference_chain(head: Eagle3Head, aux, ids, flags: dict[str, bool]):
+    """Fuse, one draft step over every position, then one chained step on the last: written out
+    from vLLM 0.32 `llama_eagle3.py` (which sub-module sits where for each flag), using the head's
+    own sub-modules so that the comparison is exact. Returns [fused feature, step 0's fed-back
+    hidden, its logits, step 1's fed-back hidden, its logits]."""
+    m, t = head.midlayer, ids.shape[1] - 1
+    feat = head.fc(head.input_norm(aux) if flags["norm_before_fc"] else aux)  # combine_hidden_states
+
+    def layer(hidden, tokens, pos, past):
+        cos, sin = head.rotary(hidden, pos)
+        normed = m.hidden_norm(hidden)
+        residual = normed if flags["norm_before_residual"] else hidden  # _norm_before_residual
+        x = torch.cat([m.input_layernorm(head.embed_tokens(tokens)), normed], dim=-1)
+        attn, kv = m.self_attn(x, cos, sin, None, past)
+        h = residual + attn
+        h = h + m.mlp(m.post_attention_layernorm(h))
+        post = head.norm(h)  # logits always read the normed state
+        return (post if flags["norm_output"] else h), head.lm_head(post), kv  # aux_output
+
+    h0, l0, kv = layer(feat, ids[:, 1:], torch.arange(t)[None], None)
+    h1, l1, _ = layer(h0[:, -1:], ids[:, -1:], torch.tensor([[t]]), kv)
+    return [feat, h0, l0, h1, l1]
+
+
+def head_chain(head: Eagle3Head, aux, ids):
+    """The same through the head's own API, as the decoder drives it."""
+    t = ids.shape[1] - 1
+    feat = head.fuse(aux)
+    h0, l0, kv = head.step(feat, ids[:, 1:], torch.arange(t)[None])
+    h1, l1, _ = head.step(h0[:, -1:], ids[:, -1:], torch.tensor([[t]]), None, kv)
+    return [feat, h0, l0, h1, l1]
+
+
+ALL_OFF = dict.fromkeys(("norm_before_fc", "norm_before_residual", "norm_output"), False)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{}, {"norm_before_fc": True}, {"norm_before_residual": True}, {"norm_output": True},
+     dict.fromkeys(ALL_OFF, True)],
+    ids=["off", "norm_before_fc", "norm_before_residual", "norm_output", "all"],
+)
+def test_each_norm_sits_where_vllm_puts_it(tiny, tiny_llama_dir, flags):
+    """Per flag: the head equals the engine's placement exactly, and differs from the flag-off head
+    exactly in the outputs that flag reaches (fc input / residual / the state fed back)."""
+    model, base = tiny
+    head = variant_of(base, model, tiny_llama_dir, **flags)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 3000, (1, 9))
+    aux, _ = aux_features(model, head, ids[:, :-1])
+    with torch.no_grad():
+        got, want = head_chain(head, aux, ids), reference_chain(head, aux, ids, ALL_OFF | flags)
+        off = head_chain(base.eval(), aux, ids)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    (feat, h0, l0, _, l1), (feat_off, h0_off, l0_off, _, l1_off) = got, off
+    assert torch.equal(feat, feat_off) != flags.get("norm_before_fc", False)
+    # Step 0's logits move with anything before the final norm; norm_output alone keeps them.
+    changes_step0 = flags.get("norm_before_fc", False) or flags.get("norm_before_residual", False)
+    assert torch.equal(l0, l0_off) != changes_step0
+    assert torch.equal(h0, h0_off) != (changes_step0 or flags.get("norm_output", False))
+    if flags == {"norm_output": True}:  # the same layer, only the fed-back state is normed
+        assert torch.equal(h0, base.norm(h0_off))
+    assert torch.equal(l1, l1_off) == (flags == {})
+
+
+def test_flags_off_adds_no_tensor(tiny):
+    """The default head is the original layout: no input_norm, the same tensors as before."""
+    _, head = tiny
+    assert head.input_norm is None and not any("input_norm" in k for k in head.state_dict())
+
+
+def test_norm_variant_folder_round_trip(tiny, tmp_path, tiny_llama_dir):
+    model, base = tiny
+    head = variant_of(base, model, tiny_llama_dir, **dict.fromkeys(ALL_OFF, True))
+    head.save_pretrained(tmp_path / "h")
+    again = Eagle3Head.from_pretrained(tmp_path / "h", model, str(tiny_llama_dir))
+    assert norm_flags(again.config) == dict.fromkeys(ALL_OFF, True)
+    assert torch.equal(again.input_norm.weight, head.input_norm.weight)
+    aux, _ = aux_features(model, head, torch.randint(0, 3000, (1, 8)))
+    ids = torch.randint(0, 3000, (1, 9))
+    with torch.no_grad():
+        pairs = zip(head_chain(again, aux, ids), head_chain(head, aux, ids), strict=True)
+        assert all(torch.equal(g, w) for g, w in pairs)
+
+
+def test_norm_flags_refuse_non_bool_before_anything_loads():
+    from conf.compose import compose_root
+
+    assert compose_root(["+head=eagle3", "head.norm_output=true"]).head.norm_output is True
+    for flag in ALL_OFF:
+        with pytest.raises(UserError, match=f"{flag}: Value 'maybe' is not a valid bool"):
+            compose_root(["+head=eagle3", f"head.{flag}=maybe"])

@@ -3,6 +3,7 @@ heads or settings that do not fit before anything is decoded."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -25,7 +26,9 @@ from data_prep.target import load_target
 from heads.eagle3 import Eagle3Head
 from heads.folder import CONFIG_NAME
 from heads.medusa import MedusaHead
-from trainer.decoding import greedy_generate
+from trainer.decoding import DecodeStats, greedy_generate
+from trainer.evaluate.progress import EvalProgress
+from trainer.evaluate.report import Record, fmt
 from trainer.evaluate.run import evaluate, greedy_verdict, resolve_mode
 from trainer.evaluate.tasks import load_prompts, user_prompts
 
@@ -79,6 +82,50 @@ def test_evaluate_writes_the_report(tiny, tiny_llama_dir, eagle_dir, tmp_path):
     assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_evaluate_shows_progress_in_logs(tiny, tiny_llama_dir, eagle_dir, tmp_path, capsys):
+    # capsys' stderr is no terminal, as in CI or a log file: plain lines, no bar.
+    result = evaluate(config("eagle3", tiny_llama_dir), eagle_dir, tmp_path, target=tiny)
+    o = result["overall"]
+    assert capsys.readouterr().err.splitlines() == [
+        f"eval: 2/2 prompts, {fmt(o['spec_tokens_per_s'])} tokens/s, "
+        f"mean acceptance length {fmt(o['mean_acceptance_length'])}"
+    ]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def show_prompts(progress: EvalProgress, n: int) -> None:
+    """n prompts of 10 tokens in 1 s, 4 drafts each; prompt i accepts i drafted tokens."""
+    records = []
+    for i in range(n):
+        spec = DecodeStats(new_tokens=10, total_s=1.0, drafts=4, accepted_tokens=i)
+        records.append(Record("t", spec, DecodeStats(), None, "same"))
+        progress.show(records)
+    progress.close()
+
+
+@pytest.mark.parametrize("stream, bars", [(io.StringIO(), True), (Terminal(), False)],
+                         ids=["not-a-terminal", "progress-off"])
+def test_progress_without_bars_prints_a_line_every_few_prompts(stream, bars):
+    show_prompts(EvalProgress(7, bars, stream, every=3), 7)
+    assert stream.getvalue().splitlines() == [
+        "eval: 3/7 prompts, 10.000 tokens/s, mean acceptance length 1.250",  # 1 + 3 / 12
+        "eval: 6/7 prompts, 10.000 tokens/s, mean acceptance length 1.625",  # 1 + 15 / 24
+        "eval: 7/7 prompts, 10.000 tokens/s, mean acceptance length 1.750",  # 1 + 21 / 28
+    ]
+
+
+def test_progress_on_a_terminal_is_a_bar_over_prompts():
+    stream = Terminal()
+    show_prompts(EvalProgress(7, True, stream, every=3), 7)
+    shown = stream.getvalue()
+    assert "7/7" in shown and "tok/s=10.000, mean acc len=1.750" in shown
+    assert "eval: 3/7 prompts" not in shown
+
+
 def test_medusa_head_in_tree_mode(tiny, tiny_llama_dir, tmp_path):
     head = MedusaHead.from_target(tiny[0], str(tiny_llama_dir), MedusaConfig(num_heads=3))
     folder = head.save_pretrained(tmp_path / "medusa")
@@ -110,7 +157,7 @@ def test_aux_layer_ids_outside_the_target_are_refused(tiny, tiny_llama_dir, eagl
     meta = json.loads((bad / CONFIG_NAME).read_text())
     meta["config"]["aux_layer_ids"] = [2, 4, 12]
     (bad / CONFIG_NAME).write_text(json.dumps(meta))
-    with pytest.raises(UserError, match=r"aux_layer_ids \[2, 4, 12\] do not fit"):
+    with pytest.raises(UserError, match=r"aux_layer_ids=\[2, 4, 12\]: expected 3 distinct ids in 0\.\.8"):
         evaluate(config("eagle3", tiny_llama_dir), bad, tmp_path / "eval", target=tiny)
 
 
@@ -138,7 +185,7 @@ def test_greedy_verdict_tells_rounding_ties_from_mismatches():
         ("eval.mode=beam", "eval.mode='beam'"),
         ("eval.num_speculative_tokens=0", "eval.num_speculative_tokens=0"),
         ("eval.top_p=0", "eval.top_p=0"),
-        ("eval.baselines=[greedy,medusa]", "eval.baselines=\\['medusa'\\]"),
+        ("eval.baselines=[greedy,medusa]", "eval.baselines=\\['greedy', 'medusa'\\]: expected a subset"),
         ("eval.tasks=[mmlu]", "eval.tasks=\\['mmlu'\\]: unknown task"),
     ],
 )
@@ -179,6 +226,7 @@ def test_command_line(tiny_llama_dir, eagle_dir, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "lossless True" in proc.stdout
+    assert "eval: 1/1 prompts, " in proc.stderr  # a log file shows progress too
     assert json.loads((tmp_path / "out" / "eval.json").read_text())["tasks"].keys() == {"gsm8k"}
     proc = subprocess.run([*cmd[:3], f"head={tmp_path}"], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=600)

@@ -16,11 +16,10 @@ import huggingface_hub
 import pytest
 import torch
 
-from conf.errors import UserError
 from conf.schema import Eagle3Config
 from data_prep.target import load_target
 from heads.eagle3 import Eagle3Head
-from heads.export import export_with_report
+from heads.export import export_head
 
 FAKE_TOKEN = "hf_draftsmithTestToken0123"
 
@@ -95,7 +94,7 @@ def head_dir(tiny_llama_dir, tmp_path_factory):
 
 def test_push_uploads_every_file_and_never_prints_the_token(head_dir, tmp_path, fake_hub, capfd):
     hub = fake_hub(FakeHub(), FAKE_TOKEN)
-    out, result = export_with_report(
+    out, result = export_head(
         head_dir, "speculators", tmp_path / "out", push_to_hub="me/smol-eagle3"
     )
     assert result["pushed"] == "https://huggingface.co/me/smol-eagle3/commit/0123abc"
@@ -109,8 +108,32 @@ def test_push_uploads_every_file_and_never_prints_the_token(head_dir, tmp_path, 
     assert FAKE_TOKEN not in printed.out + printed.err
 
 
-def test_push_without_a_token_is_a_user_error(head_dir, tmp_path, fake_hub, capfd):
-    fake_hub(FakeHub(), None)
-    with pytest.raises(UserError, match="push_to_hub=me/smol-eagle3: .*HF_TOKEN"):
-        export_with_report(head_dir, "eagle3", tmp_path / "out", push_to_hub="me/smol-eagle3")
-    assert (tmp_path / "out" / "config.json").exists()  # the export itself stands
+def unreachable(request: httpx2.Request) -> httpx2.Response:
+    raise httpx2.ConnectError("[Errno -3] Temporary failure in name resolution", request=request)
+
+
+@pytest.mark.parametrize(
+    "make_hub,token,reason",
+    [
+        (FakeHub, None, "no Hugging Face token; set HF_TOKEN"),
+        (lambda: unreachable, FAKE_TOKEN, "cannot reach the Hub ([Errno -3] Temporary failure"),
+    ],
+    ids=["no-token", "no-network"],
+)
+def test_cli_push_failure_is_one_line_and_keeps_the_export(
+    head_dir, tmp_path, fake_hub, capsys, make_hub, token, reason
+):
+    from heads.export.__main__ import main
+
+    hub = fake_hub(make_hub(), token)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as done:
+        main([f"head={head_dir}", "format=eagle3", f"out={out}", "push_to_hub=me/smol-eagle3"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: push_to_hub=me/smol-eagle3: {reason}"), err
+    assert err.count("\n") == 1 and f"the export in {out} is kept" in err
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert not list(tmp_path.glob(".out.tmp-*"))
+    if token is None:
+        assert hub.requests == []  # refused without a round trip to the Hub

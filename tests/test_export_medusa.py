@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from conf.errors import UserError
 from conf.schema import MedusaConfig
 from data_prep.target import load_target
-from heads.export import detect_format, export_with_report, formats_for, load_export
+from heads.export import detect_format, export_head, formats_for, load_export
 from heads.export.check import KINDS
 from heads.export.medusa import read_tgi, read_vllm
 from heads.folder import load_head, save_head
@@ -65,7 +65,7 @@ def head_dir(request, tiny_target, tiny_llama_dir, tmp_path_factory) -> Path:
 
 
 def test_vllm_layout_names_and_config(head_dir, tmp_path):
-    out, _ = export_with_report(head_dir, "medusa-vllm", tmp_path / "v")
+    out, _ = export_head(head_dir, "medusa-vllm", tmp_path / "v")
     cfg, _, _ = load_head(head_dir, "medusa")
     assert set(load_file(out / "model.safetensors")) == vllm_names(cfg["fc_bias"])
     top = json.loads((out / "config.json").read_text())
@@ -78,7 +78,7 @@ def test_vllm_layout_names_and_config(head_dir, tmp_path):
 
 
 def test_tgi_layout_names_and_config(head_dir, tmp_path):
-    out, _ = export_with_report(head_dir, "medusa-tgi", tmp_path / "t")
+    out, _ = export_head(head_dir, "medusa-tgi", tmp_path / "t")
     cfg, _, _ = load_head(head_dir, "medusa")
     tensors = load_file(out / "medusa_lm_head.safetensors")
     assert set(tensors) == TGI_NAMES  # TGI always loads the bias: zeros when the head has none
@@ -97,7 +97,7 @@ def test_tgi_layout_names_and_config(head_dir, tmp_path):
 
 @pytest.mark.parametrize("fmt,reader", [("medusa-vllm", read_vllm), ("medusa-tgi", read_tgi)])
 def test_round_trip_gives_identical_logits(head_dir, tmp_path, tiny_target, fmt, reader):
-    out, report = export_with_report(head_dir, fmt, tmp_path / fmt, dtype="float32")
+    out, report = export_head(head_dir, fmt, tmp_path / fmt, dtype="float32")
     assert report["outputs_identical"] and report["max_abs_diff_vs_trained_float32"] == 0.0
     trained = MedusaHead.from_pretrained(head_dir, tiny_target, "tiny").eval()
     reloaded = load_export(out, tiny_target, "tiny")
@@ -108,16 +108,16 @@ def test_round_trip_gives_identical_logits(head_dir, tmp_path, tiny_target, fmt,
 
 
 def test_card_serves_with_num_heads_tokens(head_dir, tmp_path):
-    out = export_with_report(head_dir, "medusa-vllm", tmp_path / "v", num_speculative_tokens=7)[0]
+    out, _ = export_head(head_dir, "medusa-vllm", tmp_path / "v", num_speculative_tokens=7)
     card = (out / "README.md").read_text()
     assert f'"num_speculative_tokens": {HEADS}' in card and "- medusa" in card
-    tgi = export_with_report(head_dir, "medusa-tgi", tmp_path / "t")[0]
+    tgi = export_head(head_dir, "medusa-tgi", tmp_path / "t")[0]
     assert f"--speculate {HEADS}" in (tgi / "README.md").read_text()
 
 
 def test_tgi_reader_refuses_nonzero_padding_bias(tiny_target, tiny_llama_dir, tmp_path):
     head = make_head(tiny_target, str(tiny_llama_dir), tmp_path / "h", fc_bias=False)
-    out, _ = export_with_report(head, "medusa-tgi", tmp_path / "t")
+    out, _ = export_head(head, "medusa-tgi", tmp_path / "t")
     tensors = load_file(out / "medusa_lm_head.safetensors")
     tensors["0.0.linear.bias"] = tensors["0.0.linear.bias"] + 1
     save_file(tensors, out / "medusa_lm_head.safetensors")
@@ -128,7 +128,7 @@ def test_tgi_reader_refuses_nonzero_padding_bias(tiny_target, tiny_llama_dir, tm
 def test_vllm_reader_refuses_a_misnamed_tensor(tiny_target, tiny_llama_dir, tmp_path):
     """vLLM itself would drop `medusa_head.0...` silently and serve an untrained block."""
     head = make_head(tiny_target, str(tiny_llama_dir), tmp_path / "h", fc_bias=True)
-    out, _ = export_with_report(head, "medusa-vllm", tmp_path / "v")
+    out, _ = export_head(head, "medusa-vllm", tmp_path / "v")
     tensors = load_file(out / "model.safetensors")
     tensors["medusa_head.0.layers.0.weight"] = tensors.pop("blocks.0.layers.0.weight")
     save_file(tensors, out / "model.safetensors")
@@ -143,12 +143,13 @@ def test_medusa2_head_is_refused(tiny_target, tiny_llama_dir, tmp_path):
     cfg, spec, tensors = load_head(head, "medusa")
     save_head(tmp_path / "joint", "medusa", {**cfg, "target_update": "lora"}, spec, tensors)
     with pytest.raises(UserError, match="Medusa-2 head"):
-        export_with_report(tmp_path / "joint", "medusa-vllm", tmp_path / "x")
+        export_head(tmp_path / "joint", "medusa-vllm", tmp_path / "x")
 
 
 def test_eagle3_format_refuses_a_medusa_head(head_dir, tmp_path):
-    with pytest.raises(UserError, match="format=eagle3: exports eagle3 heads"):
-        export_with_report(head_dir, "eagle3", tmp_path / "x")
+    with pytest.raises(UserError, match="a 'medusa' head, expected 'eagle3'"):
+        export_head(head_dir, "eagle3", tmp_path / "x")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_default_formats_follow_the_head_kind(head_dir):

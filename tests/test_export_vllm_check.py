@@ -46,7 +46,7 @@ def test_ours_side_decodes_the_exported_weights(check_vllm, tiny_llama_dir, tmp_
         torch.zeros(v, dtype=torch.long),
         torch.ones(v, dtype=torch.bool),
     )
-    out = export_head(head.save_pretrained(tmp_path / "head"), "speculators", tmp_path / "x")
+    out, _ = export_head(head.save_pretrained(tmp_path / "head"), "speculators", tmp_path / "x")
     ref = check_vllm.ours(str(out), str(tiny_llama_dir), n_prompts=2, max_tokens=8, k=3)
     assert ref["format"] == "speculators" and ref["method"] == "eagle3"
     assert ref["target_dir"] == str(tiny_llama_dir) and len(ref["prompt_token_ids"]) == 2

@@ -64,8 +64,10 @@ def test_two_cpu_processes_agree(sharp_target, chat_file, tmp_path, dist):
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_matches_uninterrupted(sharp_target, chat_file, tmp_path):
-    extra = ("optim.max_steps=12", "optim.save_every=3", "optim.val_every=100")
+@pytest.mark.parametrize("hidden_states", ["offline", "online"])
+def test_resume_after_sigkill_matches_uninterrupted(sharp_target, chat_file, tmp_path, hidden_states):
+    steps = ("optim.max_steps=12", "optim.save_every=3", "optim.val_every=100")
+    extra = (*steps, f"data.hidden_states={hidden_states}")
     straight = tmp_path / "straight"
     assert run_train_cli(train_args(sharp_target, chat_file, straight, *extra)).returncode == 0
 
@@ -81,6 +83,7 @@ def test_resume_after_sigkill_matches_uninterrupted(sharp_target, chat_file, tmp
     assert not (killed / "summary.json").exists(), "the run finished before it could be killed"
     resumed = run_train_cli(train_args(sharp_target, chat_file, killed, *extra, "resume=true"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "lr_scheduler.step()" not in resumed.stderr  # the schedule replay stays quiet
 
     final = "checkpoints/step-0000012/model.safetensors"
     a, b = load_file(straight / final), load_file(killed / final)
@@ -109,6 +112,7 @@ BAD_OVERRIDES = [
     ("optim.no_such_key=1", "optim.no_such_key"),
     ("data.max_samples=-1", "data.max_samples=-1"),
     ("data.storage_dtype=int4", "data.storage_dtype='int4'"),
+    ("data.hidden_states=onlin", "data.hidden_states='onlin'"),
     ("data.regenerate.max_new_tokens=600", "data.regenerate.max_new_tokens=600"),
     ("dist=zero9", "dist=zero9"),
     ("+head=eagel3", "head=eagel3"),

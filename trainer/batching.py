@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+
+from trainer.trainee import Batch, BatchIndex
 
 
 def length_grouped_batches(
@@ -36,19 +40,31 @@ def shard_batches(batches: list[list[int]], rank: int, world: int) -> list[list[
     return batches[rank:usable:world]
 
 
-def batch_loader(ds, batches: list[list[int]], workers: int, pin_memory: bool):
+def batch_loader(
+    ds,
+    batches: list[list[int]],
+    workers: int,
+    pin_memory: bool,
+    index: BatchIndex | None = None,
+):
     """Collated batches in `batches` order, read by `workers` processes (0: in this one), so that
-    on a GPU host reading and padding the next batches can overlap the current step."""
+    on a GPU host reading and padding the next batches can overlap the current step. `index` (a
+    trainee's `batch_index`) adds its fields to each batch there too, before pinning."""
     return torch.utils.data.DataLoader(
-        ds, batch_sampler=batches, collate_fn=collate, num_workers=workers, pin_memory=pin_memory
+        ds,
+        batch_sampler=batches,
+        collate_fn=partial(collate, index=index),
+        num_workers=workers,
+        pin_memory=pin_memory,
     )
 
 
-def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def collate(samples: list[Batch], index: BatchIndex | None = None) -> Batch:
     """Right-pad to the longest sample: causal attention keeps real positions unaffected and
-    the loss mask is False on padding."""
+    the loss mask is False on padding. Then `index`'s fields, computed here on the CPU, where
+    reading the mask costs no wait for a device."""
     longest = max(s["input_ids"].shape[0] for s in samples)
-    out: dict[str, torch.Tensor] = {}
+    out: Batch = {}
     for key in samples[0]:
         first = samples[0][key]
         padded = first.new_zeros((len(samples), longest, *first.shape[1:]))
@@ -58,4 +74,4 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     out["attention_mask"] = torch.zeros(len(samples), longest, dtype=torch.long)
     for row, s in enumerate(samples):
         out["attention_mask"][row, : s["input_ids"].shape[0]] = 1
-    return out
+    return out if index is None else out | index(out)

@@ -6,6 +6,8 @@ lm_head that turns stored final hidden states into teacher logits.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -13,7 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.eagle3 import Eagle3Head
-from trainer.trainee import shift_left, simulated_acceptance_length, strip_prefix
+from trainer.trainee import (
+    LABEL_INDEX,
+    Batch,
+    indexed,
+    label_index,
+    shift_left,
+    simulated_acceptance_length,
+    strip_prefix,
+)
 
 
 def ttt_attention_mask(positions: torch.Tensor, seq_len: int, step: int) -> torch.Tensor:
@@ -34,12 +44,40 @@ def ttt_attention_mask(positions: torch.Tensor, seq_len: int, step: int) -> torc
 
 def gather_positions(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Bool [B,T] -> (positions [B,S] in ascending order, padded with 0; valid [B,S]), S = the
-    largest per-row count."""
+    largest per-row count (read from `keep`: run it on the CPU, see `ttt_batch_index`)."""
     counts = keep.sum(1)
     width = max(1, int(counts.max()))
     order = torch.sort((~keep).int(), dim=1, stable=True).indices[:, :width]
     valid = torch.arange(width, device=keep.device)[None] < counts[:, None]
     return torch.where(valid, order, 0), valid
+
+
+def ttt_batch_index(batch: Batch, ttt_length: int) -> Batch:
+    """`Eagle3Trainee.batch_index`: where each of the N labels is read at each unroll step.
+
+    Label j at flat position (row, u) is predicted at step k from position u-2-k, if that is
+    >= 0. Adds `label_index` [N]; `ttt_positions`, `ttt_valid` [B,S]: the positions the later
+    steps run (`gather_positions` of those any later step predicts a label from); `ttt_rows`
+    [K,N]: label j's row among step k's flattened hidden states (0 where it has none there).
+    """
+    mask = batch["loss_mask"]
+    labels = label_index(mask)
+    later = torch.zeros_like(mask)
+    for k in range(1, ttt_length):
+        later |= shift_left(mask, 2 + k, False)
+    positions, valid = gather_positions(later)
+    # Where each position sits among its row's gathered ones (garbage, clamped, where it is none).
+    column = (later.long().cumsum(1) - 1).flatten()
+    row_start = labels // mask.shape[1] * positions.shape[1]
+    rows = [(labels - 2).clamp(min=0)]  # step 0 runs every position
+    for k in range(1, ttt_length):
+        rows.append(row_start + column[(labels - 2 - k).clamp(min=0)].clamp(min=0))
+    return {
+        LABEL_INDEX: labels,
+        "ttt_positions": positions,
+        "ttt_valid": valid,
+        "ttt_rows": torch.stack(rows),
+    }
 
 
 class Eagle3Trainee(nn.Module):
@@ -49,6 +87,7 @@ class Eagle3Trainee(nn.Module):
         super().__init__()
         self.head = head
         self.ttt_length, self.step_weight = ttt_length, step_weight
+        self.batch_index = partial(ttt_batch_index, ttt_length=ttt_length)
         self.register_buffer("lm_head_weight", target_lm_head.detach().float(), persistent=False)
         # target id -> draft id (or -1): the draft vocabulary is sorted, so a cumulative count.
         t2d = head.t2d
@@ -69,22 +108,34 @@ class Eagle3Trainee(nn.Module):
             probs.append(F.softmax(logits[:, draft_ids], dim=-1))
         return torch.cat(probs), torch.cat(tops)
 
-    def unroll(self, aux_hidden: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor | None = None):
-        """Yield (k, pre-norm hidden [B,S,H], positions [B,S], valid [B,S]) for each TTT step.
+    def unroll(
+        self, aux_hidden: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Yield (k, fed-back hidden [B,S,H], positions [B,S], valid [B,S]) for each TTT step.
 
         Position t reads token t+1+k and predicts token t+2+k; step k>0 feeds back the head's own
         hidden state from step k-1. Step 0 runs every position (all are keys of the context);
         later steps run only the positions in `keep` (default all), since a later step's row
         depends on nothing but its own branch: on chat data this skips the unlabelled prompt.
         """
+        return self.unroll_gathered(aux_hidden, ids, None if keep is None else gather_positions(keep))
+
+    def unroll_gathered(
+        self,
+        aux_hidden: torch.Tensor,
+        ids: torch.Tensor,
+        later: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """`unroll` with the later steps' (positions, valid) already gathered, as the batch
+        loader does on the CPU: counting them here would sync."""
         b, t = ids.shape
         hidden = self.head.fuse(aux_hidden.to(self.head.fc.weight.dtype))
         pos = torch.arange(t, device=ids.device).expand(b, t)
         valid = torch.ones_like(pos, dtype=torch.bool)
         past = None
         for k in range(self.ttt_length):
-            if k == 1 and keep is not None:
-                pos, valid = gather_positions(keep)
+            if k == 1 and later is not None:
+                pos, valid = later
                 hidden = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
             attn = ttt_attention_mask(pos, t, k)
             tokens = shift_left(ids, 1 + k, 0).gather(1, pos)
@@ -96,32 +147,31 @@ class Eagle3Trainee(nn.Module):
         """Loss and metric sums for one batch. Metric sums are per unroll step:
         `correct[k]`/`total[k]` = draft top-1 == target top-1 at label positions.
 
-        Logits (draft and teacher) are computed only at rows a loss reads: the label mask of
-        assistant tokens usually leaves out the prompt, and the vocab projections dominate."""
-        ids, mask = batch["input_ids"], batch["loss_mask"]
-        # The token predicted at (step k, position t) is t+2+k; its target distribution is the
-        # one the target computed at position p = t+1+k, which is needed iff mask[p+1].
-        needs_teacher = shift_left(mask, 1, False)
-        teacher_p, teacher_top = self.teacher(batch["final_hidden"][needs_teacher])
-        teacher_row = torch.full_like(ids, -1)
-        teacher_row[needs_teacher] = torch.arange(len(teacher_top), device=ids.device)
+        Logits (draft and teacher) are computed only at the N labelled rows (`ttt_batch_index`):
+        the label mask of assistant tokens usually leaves out the prompt, and the vocab
+        projections dominate. Every step computes all N, at fixed shapes, and masks out those it
+        has no prediction for (u < 2+k) or whose target token is outside the draft vocabulary."""
+        batch = indexed(batch, self.batch_index)
+        ids, labels, rows = batch["input_ids"], batch[LABEL_INDEX], batch["ttt_rows"]
+        position = labels % ids.shape[1]
+        # The target's distribution for the token at u is the one it computed at u-1.
+        final = batch["final_hidden"].flatten(0, 1).index_select(0, (labels - 1).clamp(min=0))
+        teacher_p, teacher_top = self.teacher(final)
+        inside = teacher_top >= 0  # the target's choice is inside the draft vocabulary
         loss = teacher_p.new_zeros(())
         correct = teacher_p.new_zeros(self.ttt_length)
         total = teacher_p.new_zeros(self.ttt_length)
-        later = torch.zeros_like(mask)
-        for k in range(1, self.ttt_length):
-            later |= shift_left(mask, 2 + k, False)
-        for k, hidden, pos, valid in self.unroll(batch["aux_hidden"], ids, later):
-            labelled = shift_left(mask, 2 + k, False).gather(1, pos) & valid
-            rows = shift_left(teacher_row, 1 + k, -1).gather(1, pos)[labelled]
-            top = teacher_top[rows]
-            keep = top >= 0  # the target's choice is inside the draft vocabulary
-            logits = self.head.logits(hidden[labelled][keep]).float()
-            ce = -(teacher_p[rows[keep]] * F.log_softmax(logits, dim=-1)).sum(-1)
-            loss = loss + self.step_weight**k * ce.sum() / max(1, len(ce))
+        later = (batch["ttt_positions"], batch["ttt_valid"])
+        for k, hidden, _, _ in self.unroll_gathered(batch["aux_hidden"], ids, later):
+            labelled = position >= 2 + k
+            counted = labelled & inside
+            logits = self.head.logits(hidden.flatten(0, 1).index_select(0, rows[k])).float()
+            ce = -(teacher_p * F.log_softmax(logits, dim=-1)).sum(-1)
+            mean_ce = torch.where(counted, ce, 0).sum() / counted.sum().clamp(min=1)
+            loss = loss + self.step_weight**k * mean_ce
             with torch.no_grad():
-                correct[k] = (logits.argmax(-1) == top[keep]).sum()
-                total[k] = len(rows)
+                correct[k] = (counted & (logits.argmax(-1) == teacher_top)).sum()
+                total[k] = labelled.sum()
         return {"loss": loss, "correct": correct, "total": total}
 
     @staticmethod

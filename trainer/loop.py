@@ -1,16 +1,28 @@
 """The one training loop every head kind shares.
 
 A trainee is an nn.Module whose forward(batch) returns {"loss", metric sums...}, with
-`summarize(sums) -> {..., "score"}` (higher is better), `param_groups(lr, wd)` and
-`save_pretrained(dir, state=None)`. The loop knows nothing else about heads.
+`summarize(sums) -> {..., "score"}` (higher is better), `param_groups(lr, wd)`,
+`save_pretrained(dir, state=None)` and `batch_index` (see `trainer.trainee.Trainee`). The loop
+knows nothing else about heads.
+
+Online (`data.hidden_states=online`) the loop also holds a `capture`: the frozen target's
+per-batch forward (`data_prep.store.online_capture`), run on each batch's ids before the
+objective, in training and validation. It lives outside the wrapped module, so DDP and ZeRO never
+see it, the optimizer never holds it and checkpoints never save it: each rank keeps its replica.
+
+A training step reads nothing back from the device: on a GPU each read (`.item()`, a shape that
+depends on values) waits for every kernel queued before it, and the GPU idles until the next
+ones are launched. Values are read at logging and validation steps only.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,8 +34,10 @@ from conf.schema import OptimConfig, RootConfig
 from trainer.batching import batch_loader, length_grouped_batches, shard_batches
 from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.logger import RunLogger
+from trainer.trainee import Batch, BatchIndex
 
 HISTORY = "history.json"  # per-step train loss and validation metrics
+Capture = Callable[[Batch], Batch]  # a device batch -> the hidden-state fields it lacks
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float):
@@ -46,14 +60,18 @@ def _batches(ds, optim: OptimConfig, seed: int, epoch: int, rank: int, world: in
     return shard_batches(all_batches, rank, world)
 
 
-def _to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
-    """Hidden states travel as stored (bf16) and widen to float32 on the device."""
+def device_batch(batch: Batch, device, capture: Capture | None = None) -> Batch:
+    """A loader batch as the objective reads it, on the device: stored hidden states travel as
+    stored (bf16) and widen to float32 there; online, `capture` computes them from the ids."""
     moved = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    return {k: v.float() if v.is_floating_point() else v for k, v in moved.items()}
+    moved = {k: v.float() if v.is_floating_point() else v for k, v in moved.items()}
+    return moved if capture is None else moved | capture(moved)
 
 
-def _loader(ds, batches: list[list[int]], optim: OptimConfig, device: torch.device):
-    return batch_loader(ds, batches, optim.loader_workers, pin_memory=device.type == "cuda")
+def _loader(
+    ds, batches: list[list[int]], optim: OptimConfig, device: torch.device, index: BatchIndex
+):
+    return batch_loader(ds, batches, optim.loader_workers, device.type == "cuda", index)
 
 
 def _timed(batches, waited: list[float]):
@@ -70,15 +88,17 @@ def _timed(batches, waited: list[float]):
 
 
 @torch.no_grad()
-def validation_metrics(accelerator, trainee, val_ds, cfg: RootConfig) -> dict[str, float]:
+def validation_metrics(
+    accelerator, trainee, val_ds, cfg: RootConfig, capture: Capture | None = None
+) -> dict[str, float]:
     model = accelerator.unwrap_model(trainee)
     trainee.eval()
     sums: dict[str, torch.Tensor] = {}
     batches = _batches(
         val_ds, cfg.optim, cfg.seed, 0, accelerator.process_index, accelerator.num_processes
     )
-    for batch in _loader(val_ds, batches, cfg.optim, accelerator.device):
-        out = trainee(_to_device(batch, accelerator.device))
+    for batch in _loader(val_ds, batches, cfg.optim, accelerator.device, model.batch_index):
+        out = trainee(device_batch(batch, accelerator.device, capture))
         for k, v in out.items():
             v = v.detach().float().reshape(-1)
             sums[k] = sums[k] + v if k in sums else v
@@ -117,8 +137,35 @@ def write_history(run_dir: Path, history: list[dict]) -> None:
     atomic_write_text(run_dir / HISTORY, json.dumps(history))
 
 
-def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) -> dict:
-    """Train, validating every `val_every` steps; the best head (by `score`) goes to run_dir/head."""
+def train_step(
+    accelerator,
+    trainee,
+    opt,
+    params: list[torch.nn.Parameter],
+    grad_clip: float,
+    batch: Batch,
+    capture: Capture | None = None,
+) -> torch.Tensor:
+    """One micro-batch from the loader: to the device (through `capture` online), forward,
+    backward and, at the end of an accumulation, clip and step. Returns the loss as a device
+    tensor, for logging steps to read: nothing here reads the device (tests/test_sync_free.py
+    and tests/test_online.py count), not even the gradient norm."""
+    batch = device_batch(batch, accelerator.device, capture)
+    with accelerator.accumulate(trainee):
+        out = trainee(batch)
+        accelerator.backward(out["loss"])
+        if accelerator.sync_gradients:
+            accelerator.clip_grad_norm_(params, grad_clip)
+        opt.step()
+        opt.zero_grad()
+    return out["loss"].detach()
+
+
+def fit(
+    cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path, capture: Capture | None = None
+) -> dict:
+    """Train, validating every `val_every` steps; the best head (by `score`) goes to run_dir/head.
+    `capture`: online mode's per-batch target forward (None: the data holds the hidden states)."""
     optim = cfg.optim
     rank, world = accelerator.process_index, accelerator.num_processes
     steps_per_epoch = len(_batches(train_ds, optim, cfg.seed, 0, rank, world)) // optim.grad_accum
@@ -127,14 +174,15 @@ def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) 
     opt = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, optim.warmup_ratio))
     trainee, opt = accelerator.prepare(trainee, opt)
+    index = accelerator.unwrap_model(trainee).batch_index
     state = TrainState()
     ckpt = latest_checkpoint(run_dir) if cfg.resume else None
     if ckpt is not None:
         state = load_checkpoint(accelerator, ckpt)
         # The schedule is a function of the step: replay it rather than unpickle it. torch warns
-        # that no optimizer step preceded these; here that is the point.
+        # that no optimizer step preceded these; here that is the point. (`message` is a regex.)
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             for _ in range(state.step):
                 sched.step()
     logger = RunLogger(cfg.logging, run_dir, accelerator.is_main_process, {})
@@ -159,34 +207,27 @@ def fit(cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path) 
     while state.step < total_steps:
         batches = _batches(train_ds, optim, cfg.seed, state.epoch, rank, world)
         # A resumed epoch starts at the batch it stopped before.
-        loader = _loader(train_ds, batches[state.batch_in_epoch :], optim, accelerator.device)
+        loader = _loader(train_ds, batches[state.batch_in_epoch :], optim, accelerator.device, index)
         for batch in _timed(loader, waited):
             if state.step >= total_steps:
                 break
-            batch = _to_device(batch, accelerator.device)
-            with accelerator.accumulate(trainee):
-                out = trainee(batch)
-                accelerator.backward(out["loss"])
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(params, optim.grad_clip)
-                opt.step()
-                opt.zero_grad()
+            tokens += int(batch["attention_mask"].sum()) * world  # still on the CPU: no sync
+            last_loss = train_step(accelerator, trainee, opt, params, optim.grad_clip, batch, capture)
             state.batch_in_epoch += 1
-            tokens += int(batch["attention_mask"].sum()) * world
             if not accelerator.sync_gradients:
                 continue
             sched.step()
             state.step += 1
             bar.update(1)
             if state.step % cfg.logging.log_every == 0 or state.step == total_steps:
-                loss = accelerator.reduce(out["loss"].detach(), reduction="mean").item()
+                loss = accelerator.reduce(last_loss, reduction="mean").item()
                 rate = tokens / (time.perf_counter() - t0)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
                 logger.log(state.step, {"loss": loss, "lr": sched.get_last_lr()[0]}, "train")
                 history.append({"step": state.step, "loss": loss})
             last = state.step == total_steps
             if state.step % optim.val_every == 0 or last:
-                metrics = validation_metrics(accelerator, trainee, val_ds, cfg)
+                metrics = validation_metrics(accelerator, trainee, val_ds, cfg, capture)
                 logger.log(state.step, metrics, "val")
                 history.append({"step": state.step, "val": metrics})
                 if accelerator.is_main_process:

@@ -24,7 +24,15 @@ from conf.errors import UserError
 from conf.files import atomic_dir, commit_dir
 from conf.schema import MedusaConfig
 from heads.medusa import TARGET_DIR, MedusaHead
-from trainer.trainee import shift_left, simulated_acceptance_length, strip_prefix
+from trainer.trainee import (
+    LABEL_INDEX,
+    indexed,
+    label_batch_index,
+    label_index,
+    shift_left,
+    simulated_acceptance_length,
+    strip_prefix,
+)
 
 LOSS_CHUNK = 1024  # rows per logits chunk: 1024 x 49152 float32 = 192 MiB
 KEEP_LOGITS_BYTES = 512 * 2**20  # per call; 2730 rows of SmolLM2's vocabulary
@@ -39,32 +47,48 @@ def offset_labels(
     return shift_left(input_ids, offset, 0), shift_left(loss_mask, offset, False)
 
 
+def offset_rows(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, labelled: torch.Tensor, offset: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, targets, counted) [N] for predicting `offset` tokens ahead at the N labelled
+    positions `labelled` (a batch's `label_index`): flat row u-offset predicts the token at u.
+    The rows of labels too close to their sequence's start are kept, clamped into range, and
+    not `counted`, so that N, a shape the host knows, is every head's row count."""
+    ids, trained = offset_labels(input_ids, loss_mask, offset)
+    rows = (labelled - offset).clamp(min=0)
+    counted = trained.flatten().index_select(0, rows) & (labelled >= offset)
+    return rows, ids.flatten().index_select(0, rows), counted
+
+
 def _chunk_terms(
     project: nn.Module,
     teacher_project: nn.Module | None,
     count_hits: bool,
     hidden: torch.Tensor,
     labels: torch.Tensor,
+    counted: torch.Tensor,
     teacher_hidden: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss sum, top-1 hits, top-5 hits) of one chunk of rows.
+    """(loss sum, top-1 hits, top-5 hits) over the `counted` rows of one chunk.
 
     The loss is CE to `labels`, or with a teacher KL(teacher || student), the self-distillation
     term whose minimum keeps the student's distribution where the teacher's was; hits are then
     counted against the teacher's argmax (agreement) instead of the labels."""
     logp = F.log_softmax(project(hidden).float(), dim=-1)
     if teacher_hidden is None:
-        loss = -logp.gather(-1, labels[:, None]).sum()
+        row_loss = -logp.gather(-1, labels[:, None]).squeeze(-1)
         reference = labels
     else:
         with torch.no_grad():
             teacher_logp = F.log_softmax(teacher_project(teacher_hidden).float(), dim=-1)
-        loss = (teacher_logp.exp() * (teacher_logp - logp)).sum()
+        row_loss = (teacher_logp.exp() * (teacher_logp - logp)).sum(-1)
         reference = teacher_logp.argmax(-1)
+    loss = torch.where(counted, row_loss, 0).sum()
     if not count_hits:
         return loss, labels.new_zeros(()), labels.new_zeros(())
     with torch.no_grad():
         hit = logp.topk(min(5, logp.shape[-1]), dim=-1).indices == reference[:, None]
+        hit &= counted[:, None]
         return loss, hit[:, 0].sum(), hit.any(-1).sum()
 
 
@@ -76,8 +100,10 @@ def token_loss(
     teacher_hidden: torch.Tensor | None = None,
     chunk: int = LOSS_CHUNK,
     keep_bytes: int = KEEP_LOGITS_BYTES,
+    counted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Summed loss and hit counts of `project(hidden)` (a Linear) over [N, H] rows.
+    """Summed loss and hit counts of `project(hidden)` (a Linear) over the `counted` [N] rows
+    (default all) of [N, H]: the others are computed, then zeroed.
 
     With gradients on (training), the logits stay for backward when N x vocab float32 fits in
     `keep_bytes`; otherwise each chunk of rows runs under checkpointing (logits recomputed in
@@ -92,11 +118,13 @@ def token_loss(
         chunk = max(1, hidden.shape[0])
     elif training:
         run = partial(checkpoint, terms, use_reentrant=False)
+    if counted is None:
+        counted = torch.ones_like(labels, dtype=torch.bool)
     totals = [hidden.new_zeros(()), labels.new_zeros(()), labels.new_zeros(())]
     for start in range(0, max(1, hidden.shape[0]), chunk):
         part = slice(start, start + chunk)
         teacher_part = None if teacher_hidden is None else teacher_hidden[part]
-        for i, value in enumerate(run(hidden[part], labels[part], teacher_part)):
+        for i, value in enumerate(run(hidden[part], labels[part], counted[part], teacher_part)):
             totals[i] = totals[i] + value
     return totals[0], totals[1], totals[2]
 
@@ -107,17 +135,21 @@ def head_losses(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     head_weight: float,
+    labelled: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """sum_k head_weight**k * mean CE of head k at its labelled positions, and per-head sums
     (`head_ce`, `head_top1`, `head_top5`, `head_total`, each [num_heads]) for validation (the
-    hit counts are zeros when gradients are on, see `token_loss`)."""
+    hit counts are zeros when gradients are on, see `token_loss`). `labelled`: the batch's
+    `label_index`, or None to find the labelled positions in `loss_mask` here (a sync on a GPU)."""
+    labelled = label_index(loss_mask) if labelled is None else labelled
+    hidden = final_hidden.flatten(0, 1)
     stats = final_hidden.new_zeros(4, head.num_heads)
     loss = final_hidden.new_zeros(())
     for k in range(head.num_heads):
-        labels, valid = offset_labels(input_ids, loss_mask, 2 + k)
-        rows = head.blocks[k](final_hidden[valid].to(head.lm_heads[k].weight.dtype))
-        ce, top1, top5 = token_loss(head.lm_heads[k], rows, labels[valid])
-        n = valid.sum()
+        rows, targets, counted = offset_rows(input_ids, loss_mask, labelled, 2 + k)
+        block_out = head.blocks[k](hidden.index_select(0, rows).to(head.lm_heads[k].weight.dtype))
+        ce, top1, top5 = token_loss(head.lm_heads[k], block_out, targets, counted=counted)
+        n = counted.sum()
         loss = loss + head_weight**k * ce / n.clamp(min=1)
         stats[:, k] = torch.stack([ce.detach(), top1.to(ce), top5.to(ce), n.to(ce)])
     names = ("head_ce", "head_top1", "head_top5", "head_total")
@@ -142,6 +174,8 @@ def summarize_heads(sums: dict[str, torch.Tensor]) -> dict[str, float]:
 class MedusaTrainee(nn.Module):
     """Medusa-1: trainable heads on the frozen target's captured final hidden states."""
 
+    batch_index = staticmethod(label_batch_index)
+
     def __init__(self, head: MedusaHead, head_weight: float):
         super().__init__()
         self.head, self.head_weight = head, head_weight
@@ -152,8 +186,9 @@ class MedusaTrainee(nn.Module):
                 "data: batches carry no final_hidden (tokens-only data is for head.joint=true); "
                 "prepare the data with +head=medusa head.joint=false"
             )
-        ids, mask = batch["input_ids"], batch["loss_mask"]
-        loss, sums = head_losses(self.head, batch["final_hidden"], ids, mask, self.head_weight)
+        batch = indexed(batch, self.batch_index)
+        ids, mask, labelled = batch["input_ids"], batch["loss_mask"], batch[LABEL_INDEX]
+        loss, sums = head_losses(self.head, batch["final_hidden"], ids, mask, self.head_weight, labelled)
         return {"loss": loss, **sums}
 
     summarize = staticmethod(summarize_heads)
@@ -193,6 +228,8 @@ class JointMedusaTrainee(nn.Module):
     and saved states must not carry a frozen second copy.
     """
 
+    batch_index = staticmethod(label_batch_index)
+
     def __init__(self, head: MedusaHead, target, cfg: MedusaConfig, grad_accum: int = 1):
         super().__init__()
         self.head = head
@@ -204,28 +241,35 @@ class JointMedusaTrainee(nn.Module):
         self.register_buffer("batches_seen", torch.zeros((), dtype=torch.long))
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        ids, mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
-        hidden = self.target.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
-        labels, valid = offset_labels(ids, mask, 1)
+        """Batches are right-padded, so under the causal mask no real position attends to a pad:
+        the decoders run without the attention mask, which transformers would read back (a
+        sync) to decide whether SDPA may run as plain causal attention."""
+        batch = indexed(batch, self.batch_index)
+        ids, mask, labelled = batch["input_ids"], batch["loss_mask"], batch[LABEL_INDEX]
+        hidden = self.target.get_decoder()(input_ids=ids).last_hidden_state
+        rows, targets, counted = offset_rows(ids, mask, labelled, 1)
         teacher_project = teacher_rows = None
         if self.teacher is not None:
             with torch.no_grad():
-                decoder = self.teacher.get_decoder()
-                teacher_rows = decoder(input_ids=ids, attention_mask=attn).last_hidden_state[valid]
+                teacher_hidden = self.teacher.get_decoder()(input_ids=ids).last_hidden_state
+                teacher_rows = teacher_hidden.flatten(0, 1).index_select(0, rows)
             teacher_project = self.teacher.get_output_embeddings()
         lm_sum, lm_top1, _ = token_loss(
             self.target.get_output_embeddings(),
-            hidden[valid],
-            labels[valid],
+            hidden.flatten(0, 1).index_select(0, rows),
+            targets,
             teacher_project,
             teacher_rows,
+            counted=counted,
         )
-        n = valid.sum()
+        n = counted.sum()
         if self.training:
             self.batches_seen += 1
-        warming = self.batches_seen.item() <= self.warmup_batches
-        head_input = hidden.detach() if warming else hidden
-        head_loss, sums = head_losses(self.head, head_input, ids, mask, self.cfg.head_weight)
+        # Decided on the device, as reading the count back would sync: while warming up, the
+        # head loss reaches the target with a zero gradient.
+        warming = self.batches_seen <= self.warmup_batches
+        head_input = torch.where(warming, hidden.detach(), hidden)
+        head_loss, sums = head_losses(self.head, head_input, ids, mask, self.cfg.head_weight, labelled)
         loss = lm_sum / n.clamp(min=1) + self.cfg.joint_head_loss_scale * head_loss
         lm = torch.stack([lm_sum.detach(), lm_top1.to(lm_sum.dtype), n.to(lm_sum.dtype)])
         return {"loss": loss, "lm": lm, **sums}

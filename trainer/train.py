@@ -1,7 +1,9 @@
 """The main job: `python -m trainer.train +head=eagle3` (or `+head=medusa`).
 
 prepare data (if its cache is missing) -> train -> evaluate -> export, then say where all went.
-Every rank runs this file; only rank 0 prepares data, evaluates, exports and prints.
+Every rank runs this file and holds its own target (online it computes the hidden states of the
+rank's batches); rank 0 prepares data first, evaluates, exports and prints. Several nodes work
+alike, over a shared file system or each with its own copy of the data (see `prepare_data`).
 """
 
 from __future__ import annotations
@@ -32,13 +34,28 @@ def build_trainee(cfg: RootConfig, target, data_dir: Path):
     return build_medusa_trainee(cfg, target, data_dir)
 
 
+def prepare_data(cfg: RootConfig, acc, target) -> Path:
+    """The data folder on every rank, built once per file system: global rank 0 first; then the
+    first rank of each other node reuses it (a shared file system) or builds its own copy
+    (node-local disks, from the same config the same bytes); then every other rank reuses its
+    node's. A barrier closes each turn."""
+    from data_prep.prepare import prepare
+
+    turn = 0 if acc.is_main_process else 1 if acc.is_local_main_process else 2
+    folder = None
+    for now in range(3):
+        if now == turn:
+            folder = prepare(cfg, target=target)
+        acc.wait_for_everyone()
+    return folder
+
+
 def run(cfg: RootConfig) -> dict:
-    from data_prep.prepare import check_source, prepare
-    from data_prep.store import CapturedDataset
+    from data_prep.prepare import check_source
+    from data_prep.store import CapturedDataset, load_manifest, online_capture
     from trainer.distributed import build_accelerator
     from trainer.loop import fit
 
-    check_source(cfg)
     started = time.perf_counter()
     run_dir = Path(cfg.run_dir)
     if cfg.resume and latest_checkpoint(run_dir) is None:
@@ -46,18 +63,25 @@ def run(cfg: RootConfig) -> dict:
             f"resume=true: no checkpoint under {run_dir}/checkpoints to resume from "
             "(drop resume=true to start afresh, or point run_dir at the interrupted run)"
         )
+    check_source(cfg)
     torch.manual_seed(cfg.seed)
     acc = build_accelerator(cfg.dist, cfg.optim, str(run_dir))
     if cfg.target.device == "auto":
         cfg.target.device = str(acc.device)
     target, tokenizer = load_target_from_config(cfg.target)
-    with acc.main_process_first():
-        data_dir = prepare(cfg, target=(target, tokenizer))  # rank 0 first; the others reuse it
+    data_dir = prepare_data(cfg, acc, (target, tokenizer))
+    manifest = load_manifest(data_dir)
     train_ds = CapturedDataset(data_dir, "train")
     val_ds = CapturedDataset(data_dir, "validation")
     trainee = build_trainee(cfg, target, data_dir)
-    result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir)
-    summary = {"run_dir": str(run_dir), "data_dir": str(data_dir), **result}
+    result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, online_capture(manifest, target))
+    summary = {
+        "run_dir": str(run_dir),
+        "data_dir": str(data_dir),
+        "hidden_states": manifest.get("hidden_states", "offline"),
+        "data_tokens": sum(s["tokens"] for s in manifest["splits"].values()),
+        **result,
+    }
     if acc.is_main_process:
         if cfg.pipeline.evaluate:
             from trainer.evaluate.run import evaluate
@@ -81,7 +105,7 @@ def run(cfg: RootConfig) -> dict:
                         dtype=cfg.export.dtype,
                         num_speculative_tokens=cfg.eval.num_speculative_tokens,
                         license=cfg.export.license,
-                    )
+                    )[0]
                 )
                 for fmt in formats_for(result["head_dir"], cfg.export.formats)
             ]

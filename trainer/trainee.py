@@ -7,13 +7,25 @@ a new head kind is a new trainee module and nothing in the loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
+LABEL_INDEX = "label_index"  # the batch field `label_batch_index` adds
+
+Batch = dict[str, torch.Tensor]
+BatchIndex = Callable[[Batch], Batch]
+
 
 class Trainee(Protocol):
+    batch_index: BatchIndex
+    """Index tensors forward reads in place of boolean masks (at least `label_batch_index`'s),
+    which the batch loader computes from each collated batch while it is still on the CPU: their
+    shapes carry every data-dependent width, so that a step never has to read the device back to
+    learn one. A module-level function or a partial of one, since loader workers may be spawned."""
+
     def __call__(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A batch -> {"loss": scalar, <metric>: summable tensors}; the loop all-reduces the
         sums over ranks and validation batches before `summarize` turns them into rates."""
@@ -39,6 +51,24 @@ def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
         return x
     pad = torch.full_like(x[:, :n], fill)
     return torch.cat([x[:, n:], pad], dim=1)
+
+
+def label_index(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Flat indices (row * T + position), ascending, of the labelled positions of a [B,T] mask.
+    How many there are is data: `nonzero` waits for the mask's values, cheap on the CPU, a sync
+    on a GPU."""
+    return loss_mask.flatten().nonzero().squeeze(1)
+
+
+def label_batch_index(batch: Batch) -> Batch:
+    """The `batch_index` of a trainee that needs the labelled positions only."""
+    return {LABEL_INDEX: label_index(batch["loss_mask"])}
+
+
+def indexed(batch: Batch, index: BatchIndex) -> Batch:
+    """`batch` with the fields `index` computes, unless the batch loader added them already:
+    for batches made elsewhere (a direct call, a benchmark), which then pay the syncs here."""
+    return batch if LABEL_INDEX in batch else {**batch, **index(batch)}
 
 
 def simulated_acceptance_length(acc: list[float]) -> float:

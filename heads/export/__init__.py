@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from conf.errors import UserError
 from conf.files import atomic_dir, commit_dir, read_json
+from conf.schema import EXPORT_DTYPES, EXPORT_FORMATS
 from heads.export import eagle3 as e3
 from heads.export import medusa as em
 from heads.export.card import CardFacts, hub_id, render
@@ -28,7 +29,9 @@ from heads.export.core import cast_weights
 from heads.folder import TargetSpec, head_kind, load_head
 
 Tensors = dict[str, torch.Tensor]
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
+# The head kind each format holds, from the schema's list (the one place format names live).
+FORMAT_KINDS = {fmt: kind for kind, fmts in EXPORT_FORMATS.items() for fmt in fmts}
 
 
 @dataclass(frozen=True)
@@ -41,55 +44,43 @@ class ExportContext:
     verifier_architectures: list[str]
 
 
+def _cast(tensors: Tensors, cfg: dict, dtype: torch.dtype) -> Tensors:
+    return cast_weights(tensors, dtype)
+
+
 @dataclass(frozen=True)
 class Layout:
-    kind: str  # the head kind this format holds
+    """How one format (a key of FORMAT_KINDS) writes and reads a head."""
+
     weights_file: str
     config: Callable[[dict, ExportContext], dict]
-    tensors: Callable[[Tensors, dict, torch.dtype], Tensors]
     read: Callable[[Path], tuple[dict, Tensors]]  # our strict loader for the format
+    tensors: Callable[[Tensors, dict, torch.dtype], Tensors] = _cast  # our names -> the format's
 
 
 LAYOUTS: dict[str, Layout] = {
-    "eagle3": Layout(
-        "eagle3",
-        e3.WEIGHTS_FILE,
-        lambda cfg, ctx: e3.native_config(cfg, ctx.dtype),
-        lambda tensors, cfg, dtype: cast_weights(tensors, dtype),
-        e3.read_native,
-    ),
+    "eagle3": Layout(e3.WEIGHTS_FILE, lambda cfg, ctx: e3.native_config(cfg, ctx.dtype), e3.read_native),
     "speculators": Layout(
-        "eagle3",
         e3.WEIGHTS_FILE,
         lambda cfg, ctx: e3.speculators_config(
             cfg, ctx.dtype, ctx.num_speculative_tokens, ctx.verifier, ctx.verifier_architectures
         ),
-        lambda tensors, cfg, dtype: e3.speculators_tensors(tensors, dtype),
         e3.read_speculators,
+        lambda tensors, cfg, dtype: e3.speculators_tensors(tensors, dtype),
     ),
-    "medusa-vllm": Layout(
-        "medusa",
-        em.VLLM_WEIGHTS,
-        lambda cfg, ctx: em.vllm_config(cfg, ctx.dtype),
-        lambda tensors, cfg, dtype: cast_weights(tensors, dtype),
-        em.read_vllm,
-    ),
+    "medusa-vllm": Layout(em.VLLM_WEIGHTS, lambda cfg, ctx: em.vllm_config(cfg, ctx.dtype), em.read_vllm),
     "medusa-tgi": Layout(
-        "medusa",
         em.TGI_WEIGHTS,
         lambda cfg, ctx: em.tgi_config(cfg, ctx.dtype, ctx.verifier),
-        em.tgi_tensors,
         em.read_tgi,
+        em.tgi_tensors,
     ),
 }
 
 
 def formats_for(head_path: str | Path, formats: list[str] | None) -> list[str]:
     """The formats to write for a head: those asked for, or every one that holds its kind."""
-    if formats:
-        return list(formats)
-    kind = head_kind(head_path)
-    return [fmt for fmt, layout in LAYOUTS.items() if layout.kind == kind]
+    return list(formats or EXPORT_FORMATS[head_kind(head_path)])
 
 
 def run_data_config(head_path: Path) -> dict | None:
@@ -119,7 +110,15 @@ def _write(folder: Path, layout: Layout, config: dict, tensors: Tensors) -> None
     save_file(tensors, folder / layout.weights_file, metadata={"format": "pt"})
 
 
-def export_with_report(
+def check_out_dir(out: Path) -> None:
+    """Refuse an `out` that is, or lies under, an existing file, before anything is written (the
+    temporary folder beside it would be left behind when the rename fails)."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"out={str(out)!r}: {existing} is a file; expected a folder to export into")
+
+
+def export_head(
     head_path: str | Path,
     fmt: str,
     out_dir: str | Path,
@@ -130,17 +129,14 @@ def export_with_report(
     num_speculative_tokens: int = 3,
     license: str = "apache-2.0",
 ) -> tuple[Path, dict]:
-    """`export_head`, also returning what the self-check compared."""
-    if fmt not in LAYOUTS:
-        raise UserError(f"format={fmt!r}: expected one of {', '.join(LAYOUTS)}")
-    if dtype not in DTYPES:
-        raise UserError(f"export.dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
-    layout, head_path, out = LAYOUTS[fmt], Path(head_path), Path(out_dir)
-    kind = head_kind(head_path)
-    if kind != layout.kind:
-        raise UserError(
-            f"format={fmt}: exports {layout.kind} heads, head={str(head_path)!r} is {kind}"
-        )
+    """Write `head_path` (a draftsmith head folder) to `out_dir` in format `fmt`, self-checked.
+
+    Returns the folder and the report printed by the CLI (format, out, what the self-check
+    compared, and the Hub commit with `push_to_hub`). `fmt` and `dtype` are taken as checked:
+    `export.formats` / `export.dtype` by the config schema, the CLI's own `format=` by the CLI.
+    """
+    layout, kind, head_path, out = LAYOUTS[fmt], FORMAT_KINDS[fmt], Path(head_path), Path(out_dir)
+    check_out_dir(out)
     src_cfg, spec, src_tensors = load_head(head_path, kind)
     if kind == "medusa":  # every head drafts one token; vLLM sets num_heads from this number
         num_speculative_tokens = src_cfg["num_heads"]
@@ -170,12 +166,13 @@ def export_with_report(
             layer_ids=e3.engine_layer_ids(src_cfg["aux_layer_ids"]) if fmt == "eagle3" else {},
             eval_report=report,
             data=run_data_config(head_path),
+            notes=e3.serving_notes(src_cfg, fmt) if kind == "eagle3" else [],
         )
         (tmp / "README.md").write_text(render(facts))
+        commit_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    commit_dir(tmp, out)
     result = {"format": fmt, "out": str(out), **check}
     if push_to_hub:
         from heads.export.hub import push_folder
@@ -202,33 +199,7 @@ def detect_format(folder: str | Path) -> str:
 def load_export(folder: str | Path, target_model, target_name: str) -> torch.nn.Module:
     """An exported folder back as a draftsmith head module (our own loader for its format), e.g.
     to evaluate exactly what an engine will serve."""
-    layout = LAYOUTS[detect_format(folder)]
-    cfg, tensors = layout.read(Path(folder))
+    fmt = detect_format(folder)
+    cfg, tensors = LAYOUTS[fmt].read(Path(folder))
     spec = TargetSpec.from_model(target_model, target_name)
-    return KINDS[layout.kind].build(cfg, spec, tensors, target_model)
-
-
-def export_head(
-    head_path: str | Path,
-    fmt: str,
-    out_dir: str | Path,
-    target_model=None,
-    eval_json: str | Path | None = None,
-    push_to_hub: str | None = None,
-    dtype: str = "bfloat16",
-    num_speculative_tokens: int = 3,
-    license: str = "apache-2.0",
-) -> Path:
-    """Write `head_path` (a draftsmith head folder) to `out_dir` in format `fmt`, self-checked."""
-    out, _ = export_with_report(
-        head_path,
-        fmt,
-        out_dir,
-        target_model=target_model,
-        eval_json=eval_json,
-        push_to_hub=push_to_hub,
-        dtype=dtype,
-        num_speculative_tokens=num_speculative_tokens,
-        license=license,
-    )
-    return out
+    return KINDS[FORMAT_KINDS[fmt]].build(cfg, spec, tensors, target_model)

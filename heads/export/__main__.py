@@ -8,7 +8,8 @@ from pathlib import Path
 
 from conf.compose import split_args
 from conf.errors import UserError, exit_on_user_error
-from heads.export import export_with_report, formats_for
+from conf.schema import EXPORT_FORMATS
+from heads.export import export_head, formats_for
 from heads.folder import compose_for_head
 
 OWN_KEYS = ("head", "format", "out", "eval", "push_to_hub")
@@ -19,7 +20,14 @@ def main(argv: list[str] | None = None) -> None:
     own, overrides = split_args(sys.argv[1:] if argv is None else argv, OWN_KEYS)
     head = own.get("head", "")
     cfg = compose_for_head(head, overrides)
-    formats = formats_for(head, own["format"].split(",") if own.get("format") else cfg.export.formats)
+    asked = own["format"].split(",") if own.get("format") else None
+    kind_formats = EXPORT_FORMATS[cfg.head.name]
+    if asked and not set(asked) <= set(kind_formats):  # format= is ours, not a schema field
+        raise UserError(
+            f"format={own['format']}: expected one of {', '.join(kind_formats)} "
+            f"(the formats of {cfg.head.name} heads)"
+        )
+    formats = formats_for(head, asked or cfg.export.formats)
     push = own.get("push_to_hub") or cfg.export.push_to_hub
     if push and len(formats) > 1:
         raise UserError(f"push_to_hub={push}: one repo holds one format; add format=<one of them>")
@@ -29,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     eval_json = own.get("eval") or (default_eval if default_eval.exists() else None)
     for fmt in formats:
         out = root if own.get("out") and len(formats) == 1 else root / fmt
-        _, result = export_with_report(
+        _, result = export_head(
             head,
             fmt,
             out,

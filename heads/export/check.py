@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaConfig
 
 from conf.errors import UserError
+from heads.eagle3 import norm_flags
 from heads.export import medusa as export_medusa
 from heads.export.core import cast_weights
 from heads.export.eagle3 import build_head, head_outputs
@@ -73,7 +74,11 @@ def _eagle3_fields(cfg: dict) -> dict:
         "rms_norm_eps max_position_embeddings vocab_size rope_parameters draft_vocab_size "
         "target_hidden_size"
     ).split()
-    return {k: getattr(c, k) for k in keys} | {"aux_layer_ids": sorted(cfg["aux_layer_ids"])}
+    return (
+        {k: getattr(c, k) for k in keys}
+        | {"aux_layer_ids": sorted(cfg["aux_layer_ids"])}
+        | norm_flags(cfg)
+    )
 
 
 def _build_medusa(cfg: dict, spec: TargetSpec, tensors: Tensors, target_model) -> MedusaHead:

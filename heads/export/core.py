@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from conf.errors import UserError
+from conf.files import read_json
+from heads.folder import read_weights
 
 Tensors = dict[str, torch.Tensor]
 
@@ -19,9 +19,9 @@ def cast_weights(tensors: Tensors, dtype: torch.dtype) -> Tensors:
 
 
 def read_folder(folder: Path, weights: str) -> tuple[dict, Tensors]:
-    if not (folder / "config.json").exists() or not (folder / weights).exists():
-        raise UserError(f"{folder}: expected config.json and {weights}")
-    return json.loads((folder / "config.json").read_text()), load_file(folder / weights)
+    """An export folder's config.json and weights file, or one line naming the one that is
+    missing, cut off or not UTF-8 (engine checks and evaluations read folders copied around)."""
+    return read_json(folder / "config.json", "export"), read_weights(folder / weights, "export")
 
 
 def check_layout(tensors: Tensors, expected: dict[str, tuple[int, ...]], where: str) -> None:

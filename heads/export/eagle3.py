@@ -8,7 +8,10 @@ one convention (HF `hidden_states` index) and translates only here, in `engine_l
 
 Both layouts carry the same tensors; only the decoder layer's prefix differs (`midlayer.` vs
 `layers.0.`). Reading a folder back is strict: an unknown or missing name is an error, because
-engine loaders may drop a misnamed tensor without a word.
+engine loaders may drop a misnamed tensor without a word. The layer-variant flags are written
+explicitly in every config and read back the same way: an engine fills a missing one with its own
+default (vLLM's speculators path: `norm_before_residual` true) and drops `input_norm.weight`
+when `norm_before_fc` is off, so a flag that is not written is a head served differently.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from transformers import LlamaConfig
 
 from conf.errors import UserError
-from heads.eagle3 import Eagle3Head
+from heads.eagle3 import NORM_FLAGS, Eagle3Head, norm_flags
 from heads.export.core import cast_weights, check_layout, read_folder
 from heads.folder import TargetSpec
 
@@ -85,19 +88,52 @@ def layer_fields(cfg: dict) -> dict:
     }
 
 
-# Variants of the layer that our head does not have; vLLM's speculators path defaults
-# norm_before_residual to True when the key is missing, so all are always written.
-VARIANT_FLAGS = {
-    "norm_before_residual": False,
-    "norm_before_fc": False,
-    "fc_norm": False,
-    "norm_output": False,
-}
+# The engines' variant our head does not compute (one RMSNorm per aux layer before fc): always
+# written false, never accepted true.
+UNSUPPORTED_FLAGS = ("fc_norm",)
+
+
+def variant_flags(cfg: dict) -> dict[str, bool]:
+    """Every layer-variant flag vLLM reads, as the head computes them (all always written)."""
+    return {**norm_flags(cfg), **dict.fromkeys(UNSUPPORTED_FLAGS, False)}
+
+
+def read_variant_flags(top: dict, where: str) -> dict[str, bool]:
+    """The head's flags from an exported config; refuse one missing or not a bool (an engine would
+    apply its own default) or an unsupported variant switched on (the head does not compute it)."""
+    flags = {k: top.get(k) for k in (*NORM_FLAGS, *UNSUPPORTED_FLAGS)}
+    bad = {k: v for k, v in flags.items() if not isinstance(v, bool)}
+    if bad:
+        raise UserError(f"{where}: layer variant flags {bad} must each be written as true or false")
+    on = [k for k in UNSUPPORTED_FLAGS if flags.pop(k)]
+    if on:
+        raise UserError(f"{where}: layer variants {on} are not what a draftsmith head computes")
+    return flags
+
+
+def serving_notes(cfg: dict, fmt: str) -> list[str]:
+    """Model-card lines for engines that would serve this head's layer variants wrongly.
+
+    Read off their loaders: SGLang `llama_eagle3.py` reads none of the flags and skips an unknown
+    `input_norm.weight`; TensorRT-LLM `modeling_speculative.py` reads `eagle_config.norm_before_fc`
+    and `norm_output` but not `norm_before_residual`. vLLM reads all three in both formats."""
+    on = [k for k, v in norm_flags(cfg).items() if v]
+    if fmt != "eagle3" or not on:
+        return []
+    ignored = ["SGLang reads none of these flags"]
+    if "norm_before_residual" in on:
+        ignored.append("TensorRT-LLM does not read norm_before_residual")
+    return [
+        f"Trained with the layer variants {', '.join(on)}: serve it with vLLM. "
+        f"{'; '.join(ignored)}: it would draft with another layer than the one trained "
+        "(lower acceptance, no error)."
+    ]
 
 
 def native_config(cfg: dict, dtype: str) -> dict:
     """config.json of the native layout (vLLM, SGLang and TensorRT-LLM read it)."""
     ids = engine_layer_ids(cfg["aux_layer_ids"])
+    flags = variant_flags(cfg)
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         **layer_fields(cfg),
@@ -105,11 +141,13 @@ def native_config(cfg: dict, dtype: str) -> dict:
         "target_hidden_size": cfg["target_hidden_size"],
         # vLLM reads the top-level list before eagle_config; SGLang reads only eagle_config.
         "eagle_aux_hidden_state_layer_ids": ids["vllm"],
+        # vLLM reads norm_before_fc here before the top level; TensorRT-LLM reads it only here.
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": ids["sglang"],
             "use_aux_hidden_state": True,
+            "norm_before_fc": flags["norm_before_fc"],
         },
-        **VARIANT_FLAGS,
+        **flags,
         "torch_dtype": dtype,
     }
 
@@ -127,7 +165,7 @@ def speculators_config(
         "draft_vocab_size": cfg["draft_vocab_size"],
         "target_hidden_size": cfg["target_hidden_size"],
         "eagle_aux_hidden_state_layer_ids": sorted(cfg["aux_layer_ids"]),
-        **VARIANT_FLAGS,
+        **variant_flags(cfg),
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [
@@ -158,8 +196,11 @@ def expected_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         cfg["intermediate_size"],
     )
     p = OUR_LAYER_PREFIX
+    fused = len(cfg["aux_layer_ids"]) * cfg["target_hidden_size"]
+    input_norm = {"input_norm.weight": (fused,)} if norm_flags(cfg)["norm_before_fc"] else {}
     return {
-        "fc.weight": (h, len(cfg["aux_layer_ids"]) * cfg["target_hidden_size"]),
+        **input_norm,
+        "fc.weight": (h, fused),
         f"{p}self_attn.q_proj.weight": (q, 2 * h),
         f"{p}self_attn.k_proj.weight": (kv, 2 * h),
         f"{p}self_attn.v_proj.weight": (kv, 2 * h),
@@ -188,7 +229,7 @@ def speculators_tensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype) ->
     return rename_layer(cast_weights(tensors, dtype), OUR_LAYER_PREFIX, SPECULATORS_LAYER_PREFIX)
 
 
-def _head_config(layer: dict, top: dict, aux_layer_ids: list[int]) -> dict:
+def _head_config(layer: dict, top: dict, aux_layer_ids: list[int], flags: dict[str, bool]) -> dict:
     """Our draft LlamaConfig kwargs rebuilt from an exported config (legacy rope keys included)."""
     keys = (
         "hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim "
@@ -204,13 +245,8 @@ def _head_config(layer: dict, top: dict, aux_layer_ids: list[int]) -> dict:
         "draft_vocab_size": top["draft_vocab_size"],
         "target_hidden_size": top["target_hidden_size"],
         "aux_layer_ids": aux_layer_ids,
+        **flags,
     }
-
-
-def _check_flags(top: dict, where: str) -> None:
-    differ = {k: top.get(k) for k, v in VARIANT_FLAGS.items() if top.get(k) is not v}
-    if differ:
-        raise UserError(f"{where}: layer variants {differ} are not what this head computes")
 
 
 def read_native(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -221,8 +257,14 @@ def read_native(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     sglang = top.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
     if sglang != engine_layer_ids(ids)["sglang"]:
         raise UserError(f"{where}: eagle_config ids {sglang} are not the vLLM ids {ids} minus one")
-    _check_flags(top, where)
-    cfg = _head_config(top, top, ids)
+    flags = read_variant_flags(top, where)
+    nested = top["eagle_config"].get("norm_before_fc")
+    if nested is not flags["norm_before_fc"]:
+        raise UserError(
+            f"{where}: eagle_config.norm_before_fc={nested} but norm_before_fc="
+            f"{flags['norm_before_fc']}; vLLM and TensorRT-LLM read the eagle_config one"
+        )
+    cfg = _head_config(top, top, ids, flags)
     check_tensor_names(tensors, cfg, where)
     return cfg, tensors
 
@@ -233,13 +275,13 @@ def read_speculators(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     where = f"speculators export {folder}"
     if top.get("speculators_model_type") != "eagle3":
         raise UserError(f"{where}: speculators_model_type is not eagle3")
-    _check_flags(top, where)
+    flags = read_variant_flags(top, where)
     foreign = [k for k in tensors if k.startswith(OUR_LAYER_PREFIX)]
     if foreign:
         raise UserError(f"{where}: {foreign[0]} uses the native prefix, expected layers.0.")
     tensors = rename_layer(tensors, SPECULATORS_LAYER_PREFIX, OUR_LAYER_PREFIX)
     cfg = _head_config(
-        top["transformer_layer_config"], top, top["eagle_aux_hidden_state_layer_ids"]
+        top["transformer_layer_config"], top, top["eagle_aux_hidden_state_layer_ids"], flags
     )
     check_tensor_names(tensors, cfg, where)
     return cfg, tensors
@@ -270,4 +312,4 @@ def head_outputs(head: Eagle3Head, seed: int = 0) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         fused = head.fuse(aux)
         hidden, logits, _ = head.step(fused, ids, torch.arange(t).unsqueeze(0))
-    return {"fused": fused, "prenorm_hidden": hidden, "draft_logits": logits}
+    return {"fused": fused, "fed_back_hidden": hidden, "draft_logits": logits}

@@ -10,8 +10,10 @@ from trainer.decoding.drafters import (
     OracleDrafter,
     Tree,
 )
+from trainer.decoding.verify import GREEDY, Sampling
 
 __all__ = [
+    "GREEDY",
     "Chain",
     "DecodeStats",
     "Draft",
@@ -19,6 +21,7 @@ __all__ = [
     "Generation",
     "MedusaDrafter",
     "OracleDrafter",
+    "Sampling",
     "Tree",
     "greedy_generate",
     "prompt_lookup_generate",

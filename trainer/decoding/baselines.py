@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from trainer.decoding.decoder import DecodeStats, Generation, clock, extend
-from trainer.decoding.target_cache import TargetCache
+from trainer.decoding.kv_cache import TargetKV
 
 
 @torch.no_grad()
@@ -16,20 +16,19 @@ def greedy_generate(
     """Plain greedy decoding: one target forward per token."""
     prompt = input_ids.reshape(-1).cpu()
     eos, stats = set(eos_ids), DecodeStats()
-    runner = TargetCache(target, [])
-    start = clock(runner.device)
-    logits, _ = runner.forward(prompt, last_only=True)
-    runner.keep(list(range(prompt.numel())))
+    kv = TargetKV(target, [])
+    start = clock(kv.device)
+    logits, _ = kv.prefill(prompt)
     out: list[int] = []
     done = extend(out, [int(logits[-1].argmax())], max_new_tokens, eos)
-    stats.prefill_s = clock(runner.device) - start
+    stats.prefill_s = clock(kv.device) - start
     stats.target_forwards = 1
     while not done:
-        logits, _ = runner.forward(torch.tensor(out[-1:]))
-        runner.keep([0])
+        logits, _ = kv.forward(torch.tensor(out[-1:]))
+        kv.keep([0])
         stats.target_forwards += 1
         done = extend(out, [int(logits[-1].argmax())], max_new_tokens, eos)
-    stats.total_s = clock(runner.device) - start
+    stats.total_s = clock(kv.device) - start
     stats.verify_s = stats.total_s - stats.prefill_s
     stats.new_tokens = len(out)
     return Generation(out, stats)

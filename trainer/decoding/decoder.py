@@ -1,6 +1,6 @@
 """The decoding loop: draft, verify with one target forward, keep what the rule accepts.
 
-Batch 1, any transformers causal LM. The same `TargetCache` serves speculative decoding and the
+Batch 1, any transformers causal LM. The same `TargetKV` serves speculative decoding and the
 plain greedy baseline (`baselines.py`), so their speed is compared on equal code.
 """
 
@@ -12,15 +12,15 @@ from dataclasses import dataclass, field
 import torch
 
 from trainer.decoding.drafters import Chain, Draft, Shape
-from trainer.decoding.target_cache import TargetCache
+from trainer.decoding.kv_cache import TargetKV
 from trainer.decoding.tree import tree_depths
 from trainer.decoding.verify import (
+    GREEDY,
     Sampling,
     greedy_accept_chain,
     greedy_accept_tree,
     rejection_sample_chain,
     rejection_sample_tree,
-    warp,
 )
 
 
@@ -53,7 +53,6 @@ class Generation:
 
 
 DEFAULT_SHAPE = Chain(3)
-GREEDY = Sampling()
 
 
 def clock(device: torch.device) -> float:
@@ -80,13 +79,11 @@ def _accept(
     if draft.parents is not None:
         if sampling.greedy:
             return greedy_accept_tree(tokens, draft.parents, logits.argmax(-1).cpu())
-        p = warp(logits, sampling.temperature, sampling.top_p)
-        return rejection_sample_tree(tokens, draft.parents, p, sampling.generator)
+        return rejection_sample_tree(tokens, draft.parents, sampling.probs(logits), sampling.generator)
     if sampling.greedy:
         n, nxt = greedy_accept_chain(draft.tokens, logits.argmax(-1).cpu())
     else:
-        p = warp(logits, sampling.temperature, sampling.top_p)
-        n, nxt = rejection_sample_chain(draft.tokens, p, draft.q, sampling.generator)
+        n, nxt = rejection_sample_chain(draft.tokens, sampling.probs(logits), draft.q, sampling.generator)
     return list(range(n + 1)), nxt
 
 
@@ -97,53 +94,44 @@ def speculative_generate(
     input_ids: torch.Tensor,
     max_new_tokens: int,
     shape: Shape = DEFAULT_SHAPE,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    sampling: Sampling = GREEDY,
     eos_ids: tuple[int, ...] | set[int] = (),
-    generator: torch.Generator | None = None,
-    draft_sampling: bool = False,
 ) -> Generation:
     """Generate up to `max_new_tokens` after `input_ids` [T] (or [1, T]) with `drafter`.
 
-    Greedy (temperature 0) output equals plain greedy decoding token for token; sampled output is
-    distributed exactly as sampling the target with the same temperature and top-p. When
-    sampling, drafts are the drafter's argmax (as vLLM drafts, so acceptance figures compare)
-    unless `draft_sampling`, which samples chain drafts from the drafter's own warped
-    distribution q and accepts with min(1, p/q).
+    Greedy output (the default) equals plain greedy decoding token for token; sampled output is
+    distributed exactly as sampling the target with the same temperature and top-p.
     """
     prompt = input_ids.reshape(-1).cpu()
-    sampling = Sampling(temperature, top_p, generator)
-    drafting = sampling if draft_sampling else GREEDY
     eos, stats = set(eos_ids), DecodeStats()
-    runner = TargetCache(target, drafter.hidden_layers)
-    start = clock(runner.device)
-    logits, hidden = runner.forward(prompt, last_only=True)
-    runner.keep(list(range(prompt.numel())))
+    kv = TargetKV(target, drafter.hidden_layers)
+    start = clock(kv.device)
+    logits, hidden = kv.prefill(prompt)
     first = sampling.pick(logits[-1])[0]
     drafter.start(prompt, hidden, first)
-    stats.prefill_s = clock(runner.device) - start
+    stats.prefill_s = clock(kv.device) - start
     stats.target_forwards = 1
     out: list[int] = []
     done = extend(out, [first], max_new_tokens, eos)
     while not done:
-        t0 = clock(runner.device)
-        draft = drafter.propose(shape, drafting)
-        t1 = clock(runner.device)
+        t0 = clock(kv.device)
+        draft = drafter.propose(shape, sampling.drafting)
+        t1 = clock(kv.device)
         chunk = torch.cat([torch.tensor(out[-1:]), draft.tokens])
-        logits, hidden = runner.forward(chunk, draft.parents)
+        logits, hidden = kv.forward(chunk, draft.parents)
         path, nxt = _accept(draft, chunk, logits, sampling)
-        runner.keep(path)
+        kv.keep(path)
         done = extend(out, chunk[path[1:]].tolist() + [nxt], max_new_tokens, eos)
         if not done:
             drafter.commit(chunk[path], [h[path] for h in hidden], nxt)
         stats.draft_s += t1 - t0
-        stats.verify_s += clock(runner.device) - t1
+        stats.verify_s += clock(kv.device) - t1
         stats.target_forwards += 1
         stats.drafts += 1
         stats.drafted_tokens += draft.tokens.numel()
         stats.accepted_tokens += len(path) - 1
         _count_positions(stats.accepted_per_position, len(path) - 1, draft)
-    stats.total_s = clock(runner.device) - start
+    stats.total_s = clock(kv.device) - start
     stats.new_tokens = len(out)
     return Generation(out, stats)
 

@@ -65,9 +65,9 @@ def _stack(qs: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 class Eagle3Drafter:
     """EAGLE-3: step 0 reads the fused target features of the newly verified tokens, later steps
-    feed the head's own pre-norm hidden back. The head's KV cache holds only verified positions:
-    after each verify step the drafted entries are dropped and step 0 re-runs on the verified
-    tokens with their real target features (as vLLM does)."""
+    feed the head's own hidden back (normed when the head has norm_output). The head's KV cache
+    holds only verified positions: after each verify step the drafted entries are dropped and
+    step 0 re-runs on the verified tokens with their real target features (as vLLM does)."""
 
     def __init__(self, head):
         self.head = head
@@ -91,7 +91,7 @@ class Eagle3Drafter:
         return torch.tensor([token], device=self.device)
 
     def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Step 0 over the pending verified positions -> (last pre-norm hidden [1,1,H], its
+        """Step 0 over the pending verified positions -> (last fed-back hidden [1,1,H], its
         draft logits [Vd], position of the first drafted token)."""
         feats, ids = self.pending
         past_len = 0 if self.kv is None else self.kv[0].shape[2]

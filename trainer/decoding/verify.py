@@ -9,6 +9,8 @@ chosen deterministically (argmax, top-k of a tree) has q = a point mass on x.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from trainer.decoding.tree import children_of
@@ -131,21 +133,38 @@ def rejection_sample_tree(
             return path, sample(dist, generator)
 
 
+@dataclass(frozen=True)
 class Sampling:
-    """How tokens are chosen: greedy when temperature == 0, else warped sampling."""
+    """How a decode chooses tokens, in one object so that every caller says it the same way:
+    greedy when `temperature` is 0, else sampling after temperature and top-p, drawn with
+    `generator` (None: torch's global one). When sampling, drafts are the drafter's argmax (as
+    vLLM drafts, so acceptance figures compare) unless `draft_sampling`: then chain drafts are
+    sampled from the drafter's own warped distribution q and accepted with min(1, p/q)."""
 
-    def __init__(
-        self, temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None
-    ):
-        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+    draft_sampling: bool = False
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def drafting(self) -> Sampling:
+        """How drafters choose their tokens under this sampling."""
+        return self if self.draft_sampling else GREEDY
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., V] -> the probabilities tokens are sampled from."""
+        return warp(logits, self.temperature, self.top_p)
+
     def pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """logits [V] -> (token, the probabilities it was drawn from; None when greedy)."""
         if self.greedy:
             return int(logits.argmax()), None
-        probs = warp(logits, self.temperature, self.top_p)
+        probs = self.probs(logits)
         return sample(probs, self.generator), probs
+
+
+GREEDY = Sampling()

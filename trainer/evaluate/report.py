@@ -18,15 +18,23 @@ from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
 @dataclass
 class Record:
     """One prompt: the speculative run, the plain greedy run, optionally prompt lookup, and
-    whether greedy speculative output equalled plain greedy token for token (`tie`: it did up
-    to a float-rounding tie between the target's top tokens)."""
+    `verdict`, how greedy speculative output compared with plain greedy (`run.greedy_verdict`:
+    "same", "tie" when it parted only at a float-rounding tie of the target's top tokens, or
+    "mismatch")."""
 
     task: str
     spec: DecodeStats
     greedy: DecodeStats
     prompt_lookup: DecodeStats | None
-    lossless: bool
-    tie: bool = False
+    verdict: str
+
+    @property
+    def lossless(self) -> bool:
+        return self.verdict != "mismatch"
+
+    @property
+    def tie(self) -> bool:
+        return self.verdict == "tie"
 
 
 def _rate(num: float, den: float) -> float | None:
@@ -95,7 +103,8 @@ def summarise(records: list[Record], settings: dict) -> dict:
     }
 
 
-def _fmt(value) -> str:
+def fmt(value) -> str:
+    """A figure as eval.md and the progress lines show it; None (no drafts, no time) is "-"."""
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -132,7 +141,7 @@ def markdown(result: dict) -> str:
         f"Target `{s['target']}`, {_drafting(s)}, temperature {s['temperature']}, "
         f"top_p {s['top_p']}, "
         f"max {s['max_new_tokens']} new tokens. Lossless (greedy speculative output == plain "
-        f"greedy): **{_fmt(result['lossless'])}**.",
+        f"greedy): **{fmt(result['lossless'])}**.",
         "",
         "| " + " | ".join(cols) + " |",
         "|" + "---|" * len(cols),
@@ -144,7 +153,7 @@ def markdown(result: dict) -> str:
         if lookup:
             cells += [m.get("prompt_lookup_tokens_per_s"), m.get("speedup_vs_prompt_lookup")]
         cells += [m["lossless"]]
-        lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+        lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

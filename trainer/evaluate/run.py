@@ -14,12 +14,14 @@ import torch
 
 from conf.errors import UserError
 from conf.schema import EvalConfig, RootConfig
-from data_prep.target import load_target_from_config
+from data_prep.target import eos_token_ids, load_target_from_config
 from heads.folder import head_kind
 from trainer.decoding import (
+    GREEDY,
     Chain,
     Eagle3Drafter,
     MedusaDrafter,
+    Sampling,
     Tree,
     greedy_generate,
     prompt_lookup_generate,
@@ -27,8 +29,9 @@ from trainer.decoding import (
 )
 from trainer.decoding.drafters import Shape
 from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
+from trainer.evaluate.progress import EvalProgress
 from trainer.evaluate.report import Record, summarise, write_report
-from trainer.evaluate.tasks import encode, load_prompts
+from trainer.evaluate.tasks import encode_all, load_prompts
 
 
 def resolve_mode(mode: str, kind: str) -> str:
@@ -49,6 +52,13 @@ def draft_shape(cfg: EvalConfig, mode: str) -> Shape:
         topk=cfg.tree.topk,
         choices=tuple(map(tuple, choices)) if choices else DEFAULT_MEDUSA_CHOICES,
     )
+
+
+def eval_sampling(cfg: RootConfig) -> Sampling:
+    """The configured sampling, its generator seeded with `cfg.seed` so a sampled run repeats."""
+    ev = cfg.eval
+    generator = torch.Generator().manual_seed(cfg.seed)
+    return Sampling(ev.temperature, ev.top_p, generator, ev.draft_sampling)
 
 
 def load_drafter(head_path: str | Path, model, target_name: str, shapes: list[Shape]):
@@ -103,18 +113,10 @@ def greedy_verdict(model, prompt: torch.Tensor, plain: list[int], spec: list[int
     return "tie" if float(behind.max()) <= tie_tolerance(model.dtype, top) else "mismatch"
 
 
-def eos_token_ids(model, tokenizer) -> set[int]:
-    ids = {tokenizer.eos_token_id}
-    gen = getattr(model, "generation_config", None)
-    extra = getattr(gen, "eos_token_id", None)
-    ids |= set(extra) if isinstance(extra, list) else {extra}
-    return {i for i in ids if i is not None}
-
-
 def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target=None) -> dict:
     """Evaluate the head at `head_path`; write eval.json/eval.md/acceptance.png to `out_dir`.
 
-    target: the `(model, tokenizer)` pair from `trainer.target.load_target` when the caller has
+    target: the `(model, tokenizer)` pair from `data_prep.target.load_target` when the caller has
     it loaded already; None loads `cfg.target`. Returns the eval.json object.
     """
     ev = cfg.eval
@@ -124,29 +126,30 @@ def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target
     shape = draft_shape(ev, mode)
     drafter, verifier = load_drafter(head_path, model, cfg.target.name_or_path, [shape])
     eos = eos_token_ids(verifier, tokenizer)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    encoded = [(task, encode(tokenizer, p)) for task, ps in prompts.items() for p in ps]
+    sampling = eval_sampling(cfg)
+    encoded = encode_all(tokenizer, prompts)
 
-    def spec(ids, temperature, max_new_tokens=ev.max_new_tokens):
-        return speculative_generate(verifier, drafter, ids, max_new_tokens, shape, temperature,
-                                    ev.top_p, eos, generator, ev.draft_sampling)
+    def spec(ids, how: Sampling = sampling, max_new_tokens=ev.max_new_tokens):
+        return speculative_generate(verifier, drafter, ids, max_new_tokens, shape, how, eos)
 
     # Warm-up (not measured): first calls pay for allocations and kernel selection.
     greedy_generate(verifier, encoded[0][1], 8, eos)
-    spec(encoded[0][1], ev.temperature, 8)
+    spec(encoded[0][1], max_new_tokens=8)
+    progress = EvalProgress(len(encoded), cfg.logging.progress)
     records = []
     for task, ids in encoded:
         greedy = greedy_generate(verifier, ids, ev.max_new_tokens, eos)
-        run = spec(ids, ev.temperature)
-        check = run if ev.temperature == 0 else spec(ids, 0.0)
+        run = spec(ids)
+        check = run if sampling.greedy else spec(ids, GREEDY)
         lookup = None
         if "prompt_lookup" in ev.baselines:
             lookup = prompt_lookup_generate(
                 verifier, ids, ev.max_new_tokens, eos, ev.prompt_lookup_num_tokens
             ).stats
         verdict = greedy_verdict(verifier, ids, greedy.tokens, check.tokens)
-        records.append(Record(task, run.stats, greedy.stats, lookup, verdict != "mismatch",
-                              verdict == "tie"))
+        records.append(Record(task, run.stats, greedy.stats, lookup, verdict))
+        progress.show(records)
+    progress.close()
 
     settings = {
         "head": str(head_path),

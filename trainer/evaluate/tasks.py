@@ -126,6 +126,12 @@ def load_prompts(cfg: EvalConfig) -> dict[str, list[Prompt]]:
     return tasks
 
 
+def encode_all(tokenizer, prompts: dict[str, list[Prompt]]) -> list[tuple[str, torch.Tensor]]:
+    """(task, token ids) of every prompt, task by task, as the evaluator and the benchmark
+    decode them."""
+    return [(task, encode(tokenizer, p)) for task, ps in prompts.items() for p in ps]
+
+
 def encode(tokenizer, prompt: Prompt) -> torch.Tensor:
     """Token ids [T] of the prompt as the target sees it in chat: its template, generation
     prompt added. A tokenizer without a template gets the user turns' text."""

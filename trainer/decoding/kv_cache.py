@@ -1,5 +1,6 @@
-"""The target side of decoding: one forward over new tokens against a DynamicCache, then keep
-only the tokens that were accepted.
+"""The target's KV cache while decoding one request: one forward over new tokens against a
+DynamicCache, then keep only the tokens that were accepted. (Not the GGUF conversion cache of
+`data_prep.target`: this one lives for one request, in memory.)
 
 Chains are plain causal forwards and are undone by cropping the cache; trees are one forward with
 a tree attention mask and tree position ids, after which the accepted path's K/V are gathered.
@@ -15,7 +16,7 @@ from transformers import DynamicCache
 from trainer.decoding.tree import additive_mask, tree_attention_mask, tree_position_ids, with_prefix
 
 
-class TargetCache:
+class TargetKV:
     """A target model with its KV cache for one request; `length` tokens are committed."""
 
     def __init__(self, model, hidden_layers: list[int]):
@@ -28,6 +29,13 @@ class TargetCache:
         # transformers 5 renamed `past_key_values` to `cache` (the old name warns on each call).
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def prefill(self, prompt: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Run and commit the whole prompt [T]: logits [1, V] of its last token, hidden states
+        [T, H] of every prompt token (a drafter reads them all)."""
+        out = self.forward(prompt, last_only=True)
+        self.keep(list(range(prompt.numel())))
+        return out
 
     @torch.no_grad()
     def forward(

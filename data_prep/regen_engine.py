@@ -1,0 +1,324 @@
+"""Continuous-batching generation for regeneration: a static per-slot KV cache, prompts prefilled
+in groups into free slots, and one decode forward over every busy slot per step.
+
+`model.generate` on a left-padded batch keeps finished rows in the batch until the longest one
+ends and grows its cache by concatenation every step, so on a CPU most of each step is spent on
+rows that are done and on copying. Here the batch stays full: a row that ends frees its slot, and
+the next prompts are prefilled into free slots at once. The K/V live in tensors allocated once,
+[slots, kv_heads, max_len, head_dim] per layer; each row owns one slot and sees only its own
+positions through an additive attention mask, so rows of any length share one forward.
+
+The model is any Hugging Face causal LM with standard attention: `SlotCache` stands in for its
+KV cache (the model calls only its `update`), and the masks and position ids are passed in, so
+the architecture is not re-implemented.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+
+
+def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask -> additive float mask (0 where allowed): eager and SDPA attention accept it."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def prefill_mask(lengths: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[k] prompt lengths -> [k, 1, width, width]: causal, and no key past a prompt's end.
+
+    Padding queries (past the end) still see the prompt, so no row is fully masked (no NaN);
+    their K/V land past the prompt in the slot, where decoding overwrites them before use.
+    """
+    pos = torch.arange(width, device=lengths.device)
+    keep = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None, None])
+    return _additive(keep, dtype)[:, None]
+
+
+def decode_mask(lengths: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[n] cached lengths -> [n, 1, 1, width]: row i sees its positions 0..lengths[i] (the new
+    token sits at lengths[i]); the rest of the slot is stale or another prompt's padding."""
+    keep = torch.arange(width, device=lengths.device)[None, :] <= lengths[:, None]
+    return _additive(keep, dtype)[:, None, None]
+
+
+def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Per row, the index of the largest weight / noise. With Exp(1) noise, index i wins with
+    probability w_i / sum(w) (the exponential race), and a float-level change in the weights
+    flips the winner only on a near tie, which is why batched and lone runs draw the same."""
+    return (weights / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(-1)
+
+
+def noise_size(vocab: int) -> int:
+    """Exp(1) draws one sampled token takes: a block of the vocabulary, then a token in it."""
+    return 2 * (math.isqrt(vocab - 1) + 1)
+
+
+def two_level_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row of `probs` [n, V] with `noise` [n, noise_size(V)] of Exp(1).
+
+    A race over the whole vocabulary needs V draws per token from the row's own generator, which
+    costs more than a CPU decode step; racing sqrt(V) blocks by their mass, then the tokens of
+    the winning block, is the same distribution from 2 sqrt(V) draws.
+    """
+    n, vocab = probs.shape
+    size = noise.shape[1] // 2
+    blocks = torch.nn.functional.pad(probs, (0, size * size - vocab)).view(n, size, size)
+    block = race(blocks.sum(-1), noise[:, :size])
+    token = race(blocks[torch.arange(n, device=probs.device), block], noise[:, size:])
+    return block * size + token
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float, candidates: int = 256) -> torch.Tensor:
+    """Zero every token outside the nucleus: the most likely tokens until their mass reaches top_p.
+
+    Sorting a whole vocabulary costs about as much as a CPU decode step, so the nucleus is looked
+    for among each row's `candidates` most likely tokens; only rows whose nucleus is larger (flat
+    distributions) sort everything.
+    """
+    values, index = probs.topk(min(candidates, probs.shape[-1]), dim=-1)
+    mass = values.cumsum(-1)
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, index, mass - values < top_p)
+    flat = mass[:, -1] < top_p
+    if flat.any():
+        ranked, order = probs[flat].sort(dim=-1, descending=True)
+        inside = ranked.cumsum(-1) - ranked < top_p
+        keep[flat] = inside.scatter(-1, order, inside)
+    return probs.masked_fill(~keep, 0.0)
+
+
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_p: float, noise: torch.Tensor | None
+) -> torch.Tensor:
+    """Next token per row of `logits` [n, V]: argmax when temperature is 0, else a draw (with
+    `noise`, see `two_level_race`) from the temperature-scaled distribution cut to its nucleus."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1:
+        probs = top_p_filter(probs, top_p)
+    return two_level_race(probs, noise)
+
+
+def prefill_group(lengths: list[int], budget: int) -> int:
+    """How many of the next prompts (`lengths`, longest first) to prefill in one forward: all of
+    them while the padded tokens fit `budget` and no row is padded by over a quarter (a padded
+    token costs as much as a real one)."""
+    n = 1
+    while n < len(lengths) and (n + 1) * lengths[0] <= budget and 4 * lengths[n] >= 3 * lengths[0]:
+        n += 1
+    return n
+
+
+class SlotCache:
+    """Static K/V per slot, in the shape of a transformers `Cache`: the attention layers call only
+    `update(key_states, value_states, layer_idx, ...)`, with every mask and position passed in.
+
+    Before each forward the engine says where that forward's K/V go: `prefill(slots)` writes a
+    right-padded group at positions 0..T-1 of the given slots and lets it attend among itself;
+    `decode(positions, width)` writes one token per row of slots 0..n-1 at its own position and
+    lets it attend to the first `width` positions of its slot. The tensors are allocated on the
+    first update, from the K/V the model hands over, so heads, head size, dtype and device are
+    the model's own.
+    """
+
+    def __init__(self, slots: int, max_len: int):
+        self.slots, self.max_len = slots, max_len
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self._prefill_slots: torch.Tensor | None = None
+        self._decode_index: torch.Tensor | None = None
+        self._width = 0
+
+    def prefill(self, slots: torch.Tensor) -> None:
+        self._prefill_slots, self._decode_index = slots, None
+
+    def decode(self, positions: torch.Tensor, width: int) -> None:
+        self._prefill_slots, self._decode_index, self._width = None, positions[:, None, None, None], width
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new K/V [rows, heads, T, dim]; return what this forward attends to."""
+        if layer_idx not in self.keys:
+            self.keys[layer_idx] = self._allocate(key_states)
+            self.values[layer_idx] = self._allocate(value_states)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if self._prefill_slots is not None:
+            t = key_states.shape[2]
+            keys[self._prefill_slots, :, :t] = key_states
+            values[self._prefill_slots, :, :t] = value_states
+            return key_states, value_states
+        n = key_states.shape[0]
+        keys[:n].scatter_(2, self._decode_index.expand_as(key_states), key_states)
+        values[:n].scatter_(2, self._decode_index.expand_as(value_states), value_states)
+        return keys[:n, :, : self._width], values[:n, :, : self._width]
+
+    def _allocate(self, like: torch.Tensor) -> torch.Tensor:
+        return like.new_zeros(self.slots, like.shape[1], self.max_len, like.shape[3])
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy slot `src`'s first `length` positions into slot `dst` (to close a gap)."""
+        for store in (self.keys, self.values):
+            for tensor in store.values():
+                tensor[dst, :, :length] = tensor[src, :, :length]
+
+
+class _Rows:
+    """The slots' state: device tensors the forwards read, host lists the bookkeeping reads.
+
+    Busy slots always form the prefix 0..n-1 when a decode step runs (`compact` closes gaps),
+    so a step is one forward over views of the first n slots, with no gather.
+    """
+
+    def __init__(self, slots: int, device: torch.device):
+        self.owner: list[int | None] = [None] * slots  # prompt index per slot
+        self.length: list[int] = [0] * slots  # tokens in the slot's cache
+        self.made: list[list[int]] = [[] for _ in range(slots)]  # tokens generated so far
+        self.generator: list[torch.Generator | None] = [None] * slots  # the prompt's own, when sampling
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=device)  # next decode input
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # = length
+
+    def busy(self) -> int:
+        """n: one past the highest busy slot."""
+        return max((i + 1 for i, o in enumerate(self.owner) if o is not None), default=0)
+
+    def free(self) -> list[int]:
+        return [i for i, o in enumerate(self.owner) if o is None]
+
+    def move(self, src: int, dst: int) -> None:
+        for t in (self.tokens, self.positions):
+            t[dst] = t[src]
+        for field in (self.owner, self.length, self.made, self.generator):
+            field[dst] = field[src]
+        self.owner[src], self.made[src], self.generator[src] = None, [], None
+
+
+def _cache_kwarg(model) -> str:
+    # transformers 5 renamed `past_key_values` to `cache` (the old name warns).
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    eos_token_ids: Iterable[int],
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seeds: list[int] | None = None,
+    on_finish: Callable[[int, list[int]], None] | None = None,
+    prefill_tokens: int = 4096,
+) -> list[list[int]]:
+    """Each prompt's new token ids, up to (not including) the first EOS, at most `max_new_tokens`.
+
+    `batch_size` slots decode together; a finished row's slot is refilled from the queue before
+    the next step, prompts longest first (the short ones finish the run, where the batch thins).
+    `prefill_tokens` caps the padded tokens of one prefill forward (activation memory).
+    Greedy when `temperature` is 0. Sampling needs `seeds`, one per prompt: a prompt draws from
+    its own generator, seeded with its seed, so its output does not depend on the batch, slot or
+    order it ran in. `on_finish(prompt_index, ids)` is called as each prompt finishes, so a
+    caller can stream results out.
+    """
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError("max_new_tokens and batch_size must be >= 1")
+    if any(not p for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    sampling = temperature > 0
+    if sampling and (seeds is None or len(seeds) != len(prompts)):
+        raise ValueError("sampling needs one seed per prompt")
+    if not prompts:
+        return []
+    results: list[list[int]] = [[] for _ in prompts]
+    eos = set(eos_token_ids)
+    device = model.get_input_embeddings().weight.device
+    dtype = model.dtype
+    slots = min(batch_size, len(prompts))
+    cache = SlotCache(slots, max(len(p) for p in prompts) + max_new_tokens)
+    rows = _Rows(slots, device)
+    queue = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    cache_kwarg = _cache_kwarg(model)
+
+    def forward(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keep) -> torch.Tensor:
+        out = model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=keep,
+            **{cache_kwarg: cache},
+        )
+        return out.logits[:, -1]
+
+    def draw(logits: torch.Tensor, chosen: list[int]) -> torch.Tensor:
+        """The next token of the rows in slots `chosen` (their generators give the noise)."""
+        noise = None
+        if sampling:
+            noise = torch.empty(len(chosen), noise_size(logits.shape[-1]))
+            for row, slot in enumerate(chosen):
+                noise[row].exponential_(generator=rows.generator[slot])
+            noise = noise.to(device)
+        return sample_next(logits, temperature, top_p, noise)
+
+    def record(slot: int, token: int) -> None:
+        """Append a token to the slot's answer; free the slot when the answer is done."""
+        made = rows.made[slot]
+        if token not in eos:
+            made.append(token)
+        if token in eos or len(made) == max_new_tokens:
+            index = rows.owner[slot]
+            results[index] = made
+            rows.owner[slot], rows.made[slot], rows.generator[slot] = None, [], None
+            if on_finish is not None:
+                on_finish(index, made)
+
+    def admit() -> None:
+        """Prefill the next prompts of the queue into the free slots, lowest first, in groups."""
+        while queue and (free := rows.free()):
+            group = prefill_group([len(prompts[i]) for i in queue[: len(free)]], prefill_tokens)
+            index, chosen = queue[:group], free[:group]
+            width = len(prompts[index[0]])
+            del queue[:group]
+            ids = torch.tensor([prompts[i] + [0] * (width - len(prompts[i])) for i in index], device=device)
+            lengths = torch.tensor([len(prompts[i]) for i in index], device=device)
+            where = torch.tensor(chosen, device=device)
+            cache.prefill(where)
+            positions = torch.arange(width, device=device).expand(group, width)
+            logits = forward(ids, positions, prefill_mask(lengths, width, dtype), (lengths - 1)[:, None])
+            for slot, i in zip(chosen, index):
+                rows.owner[slot], rows.length[slot] = i, len(prompts[i])
+                if sampling:
+                    rows.generator[slot] = torch.Generator().manual_seed(seeds[i])
+            new = draw(logits, chosen)
+            rows.tokens[where], rows.positions[where] = new, lengths
+            for slot, token in zip(chosen, new.tolist()):
+                record(slot, token)
+
+    def compact() -> None:
+        """Move the highest busy rows into the lowest free slots, so busy slots are a prefix."""
+        while (free := rows.free()) and free[0] < (n := rows.busy()):
+            cache.move(n - 1, free[0], rows.length[n - 1])
+            rows.move(n - 1, free[0])
+
+    while True:
+        admit()
+        compact()
+        n = rows.busy()
+        if n == 0:
+            return results
+        width = max(rows.length[:n]) + 1
+        positions = rows.positions[:n]
+        cache.decode(positions, width)
+        logits = forward(rows.tokens[:n, None], positions[:, None], decode_mask(positions, width, dtype), 1)
+        new = draw(logits, list(range(n)))
+        rows.tokens[:n] = new
+        rows.positions[:n] += 1
+        for slot, token in enumerate(new.tolist()):  # the step's one read-back
+            rows.length[slot] += 1
+            record(slot, token)

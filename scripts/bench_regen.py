@@ -1,0 +1,90 @@
+"""Regeneration throughput vs the bare target forward over the same conversations; ONE JSON line.
+
+    python scripts/bench_regen.py [prompts=N] [any main-job override, e.g. data.regenerate.batch_size=128]
+
+Takes the first N usable prompts of the configured source (default: twice the regeneration batch,
+so finished rows are refilled), regenerates their answers with the configured backend into a
+throw-away cache, then runs the capture's bare forward (no hidden states kept, no lm_head) over
+the resulting conversations in the same process. `ratio` = regeneration's new tokens/s over the
+forward's tokens/s: how close answer writing comes to the speed of reading.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from conf.compose import compose_root, split_args
+from conf.errors import UserError, exit_on_user_error
+from data_prep.capture import bare_forward
+from data_prep.prepare import check_source, select_samples, tokenize_all
+from data_prep.regenerate import regenerate
+from data_prep.target import load_target_from_config, resolve_target_path
+
+
+@exit_on_user_error
+def main(argv: list[str]) -> None:
+    own, overrides = split_args(argv, ("prompts",))
+    cfg = compose_root(["+head=eagle3", *overrides])
+    regen = cfg.data.regenerate
+    prompts = int(own.get("prompts", 2 * regen.batch_size))
+    if prompts < 1:
+        raise UserError(f"prompts={prompts}: expected an integer >= 1")
+    cfg.data.max_samples = prompts
+    check_source(cfg)
+    model, tok = load_target_from_config(cfg.target)
+    samples = list(select_samples(cfg, tok, Counter()))
+    stats: Counter = Counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        answered = regenerate(
+            samples,
+            model,
+            tok,
+            regen,
+            cfg.data.max_length,
+            Path(tmp) / "regen.jsonl",
+            stats,
+            target_path=resolve_target_path(cfg.target.name_or_path),
+        )
+        regen_s = time.perf_counter() - start
+    tokenized = tokenize_all(answered, tok, cfg.data.max_length, Counter())
+    items = sorted(tokenized.values(), key=lambda t: len(t.input_ids))
+    shards = [items[i : i + cfg.data.shard_samples] for i in range(0, len(items), cfg.data.shard_samples)]
+    tokens = sum(len(t.input_ids) for t in items)
+    start = time.perf_counter()
+    bare_forward(model, shards, cfg.data.capture_batch_tokens, full_logits=False)
+    forward_s = time.perf_counter() - start
+    regen_rate = stats["regenerated_tokens"] / regen_s
+    forward_rate = tokens / forward_s
+    print(
+        json.dumps(
+            {
+                "regen_tokens_per_s": round(regen_rate, 1),
+                "forward_tokens_per_s": round(forward_rate, 1),
+                "ratio": round(regen_rate / forward_rate, 3),
+                "batch_size": regen.batch_size,
+                "backend": regen.backend,
+                "prompts": len(samples),
+                "new_tokens": stats["regenerated_tokens"],
+                "answers_cut_at_max_new_tokens": stats["answers_cut_at_max_new_tokens"],
+                "max_new_tokens": regen.max_new_tokens,
+                "regen_s": round(regen_s, 1),
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "device": str(model.device),
+                "dtype": str(model.dtype).removeprefix("torch."),
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,148 @@
+"""The regeneration engine: continuous batching over a static per-slot KV cache must write what
+`model.generate` writes (greedy, token for token), and a sampled answer must depend on its prompt
+and seed alone, not on the batch, slot or order it ran in."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from data_prep.regen_engine import generate, noise_size, top_p_filter, two_level_race
+from data_prep.target import eos_token_ids, load_target
+from data_prep.template import prompt_ids
+
+WORDS = "the cat sat on a mat and then it ran to the red house where a dog slept all day".split()
+
+
+def chat(tok, n: int, seed: int = 0) -> list[list[int]]:
+    """n chat prompts of 1 to 40 random words: prompt lengths from ~30 to ~80 tokens."""
+    rng = random.Random(seed)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40))) for _ in range(n)]
+    return [prompt_ids(tok, [{"role": "user", "content": t}]) for t in texts]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def chaotic(request):
+    """A tiny target scaled up (x10, norms aside) so that greedy text varies with the context;
+    at the default init it repeats one token forever, which any engine would reproduce."""
+    folder = request.getfixturevalue(f"tiny_{request.param}_dir")
+    model, tok = load_target(str(folder), dtype="float32", num_threads=1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(10)
+    return model, tok
+
+
+def reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """`model.generate` greedy, one prompt at a time (no padding): the ground truth."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=[],
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def until(ids: list[int], eos: set[int]) -> list[int]:
+    return ids[: next((i for i, t in enumerate(ids) if t in eos), len(ids))]
+
+
+def test_greedy_matches_generate_with_refills_and_early_eos(chaotic):
+    model, tok = chaotic
+    prompts, new = chat(tok, 32), 24
+    full = [reference(model, p, new) for p in prompts]
+    # EOS ids taken from the references at varied steps, so answers end anywhere from the first
+    # token (decided at prefill) to max_new_tokens, and slots free up at different steps.
+    eos = {full[i][(7 * i) % new] for i in range(0, 32, 3)}
+    want = [until(f, eos) for f in full]
+    assert len({len(w) for w in want}) >= 6 and min(map(len, want)) == 0 and max(map(len, want)) == new
+
+    finished: list[tuple[int, list[int]]] = []
+    got = generate(
+        model,
+        prompts,
+        max_new_tokens=new,
+        batch_size=5,
+        eos_token_ids=eos,
+        on_finish=lambda i, ids: finished.append((i, list(ids))),
+        prefill_tokens=150,  # small prefill groups: several prefill forwards per refill
+    )
+    assert got == want
+    assert sorted(finished) == sorted(enumerate(want))
+    assert [i for i, _ in finished] != sorted(i for i, _ in finished)  # streamed as they finish
+
+
+@pytest.mark.slow
+def test_greedy_matches_generate_on_smollm2():
+    model, tok = load_target("smollm2-135m-instruct", dtype="float32", device="cpu", num_threads=2)
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain recursion to a child.",
+        "Hi!",
+        "How do I boil an egg?",
+        "Translate 'good morning' into Spanish.",
+        "What is 12 times 7?",
+        "Why is the sky blue? Answer in one long paragraph, please.",
+    ]
+    prompts = [prompt_ids(tok, [{"role": "user", "content": q}]) for q in questions]
+    eos = eos_token_ids(model, tok)
+    want = [until(reference(model, p, 32), eos) for p in prompts]
+    assert len(set(map(len, want))) > 1  # some answers end early: their slots are refilled
+    assert generate(model, prompts, max_new_tokens=32, batch_size=3, eos_token_ids=eos) == want
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    model, tok = load_target(str(tiny_llama_dir), dtype="float32", num_threads=1)
+    return model, tok
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampled_answer_depends_on_its_seed_alone(tiny, temperature, top_p):
+    model, tok = tiny
+    prompts, seeds = chat(tok, 12, seed=1), list(range(100, 112))
+    # One id in 16 ends an answer: rows end at random steps, so slots are refilled and compacted.
+    common = dict(
+        max_new_tokens=16,
+        eos_token_ids=set(range(0, model.config.vocab_size, 16)),
+        temperature=temperature,
+        top_p=top_p,
+    )
+    first = generate(model, prompts, batch_size=12, seeds=seeds, **common)
+    assert len({len(a) for a in first}) > 2
+
+    assert generate(model, prompts, batch_size=12, seeds=seeds, **common) == first
+    backwards = generate(model, prompts[::-1], batch_size=5, seeds=seeds[::-1], **common)
+    assert backwards[::-1] == first
+    alone = [generate(model, [p], batch_size=1, seeds=[s], **common)[0] for p, s in zip(prompts, seeds)]
+    assert alone == first
+
+    others = generate(model, prompts, batch_size=12, seeds=[s + 1000 for s in seeds], **common)
+    assert sum(a != b for a, b in zip(first, others)) >= 10
+    greedy = generate(model, prompts, batch_size=12, **{**common, "temperature": 0.0})
+    assert sum(a != b for a, b in zip(first, greedy)) >= 10
+
+
+def test_sampler_draws_from_the_nucleus_in_proportion():
+    probs = torch.tensor([0.05, 0.3, 0.0, 0.15, 0.25, 0.05, 0.12, 0.08])
+    nucleus = top_p_filter(probs[None], top_p=0.75)[0]
+    # 0.3, 0.25 and 0.15 hold 0.7 < 0.75, so 0.12 joins them; nothing less likely does.
+    assert nucleus.tolist() == pytest.approx([0, 0.3, 0, 0.15, 0.25, 0, 0.12, 0])
+    # With 3 candidates, the peaked row's nucleus is among them and the flat row's is not (its
+    # row is sorted in full): both come out as when every row is sorted.
+    peaked = torch.tensor([0.02, 0.02, 0.9, 0.02, 0.01, 0.01, 0.01, 0.01])
+    both = top_p_filter(torch.stack([probs, peaked]), top_p=0.75, candidates=3)
+    assert torch.equal(both[0], nucleus) and both[1].tolist() == pytest.approx([0, 0, 0.9, 0, 0, 0, 0, 0])
+
+    n = 40_000
+    g = torch.Generator().manual_seed(0)
+    noise = torch.empty(n, noise_size(len(probs))).exponential_(generator=g)
+    counts = torch.bincount(two_level_race(nucleus.expand(n, -1), noise), minlength=len(probs))
+    assert counts[[0, 2, 5, 7]].tolist() == [0, 0, 0, 0]
+    assert (counts / n).tolist() == pytest.approx((nucleus / nucleus.sum()).tolist(), abs=0.01)
