@@ -20,6 +20,8 @@ STAGES=${STAGES:-main decode train regen}
 STAGE_ENV=${STAGE:-/tmp/gpu-stage}/env.sh
 # shellcheck disable=SC1090
 [ -f "$STAGE_ENV" ] && . "$STAGE_ENV"
+# scripts/*.py import the packages from the repository root (python -m already has it on the path).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 TARGET=${TARGET:-smollm2-135m-instruct}
 SOURCE=${SOURCE:-sharegpt}
 SAMPLES=${SAMPLES:-2000}
