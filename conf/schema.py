@@ -31,6 +31,9 @@ MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 WANDB_MODES = ("disabled", "offline", "online")
 EVAL_BASELINES = ("greedy", "prompt_lookup")
 EVAL_MODES = ("auto", "chain", "tree")
+# Per-row training losses (trainer/objective.py) and what picks the kept head (trainer/loop.py).
+LOSSES = ("ce", "tv", "ce+tv", "lk")
+SELECT_BY = ("simulated", "decoded")
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
@@ -182,11 +185,23 @@ class OptimConfig(_Checked):
     grad_accum: int = 1
     batch_tokens: int = 1024
     max_batch_size: int = 16
+    # Several samples per row (trainer/batching.py `packed_batches`), kept apart by per-sample
+    # position ids and attention, instead of one right-padded sample per row. Off by default:
+    # padded batches of the default data pad 3.8% (packed 0.7%), and packed rows, as long as
+    # the longest sample, spend more on attention than that (scripts/bench_packing.py).
+    packing: bool = False
     epochs: int = 3
     max_steps: int = 0
     val_every: int = 50
     save_every: int = 50
     loader_workers: int = 0
+    # Decoded validation: at every validation the built-in decoder runs this many validation
+    # prompts (the eval.* shape, greedy, eval.max_new_tokens) with the current head and logs
+    # their mean acceptance length; 0 = off. Rank 0 decodes, every rank receives the value.
+    val_decode_prompts: int = 0
+    # What picks the kept head: simulated (the trainee's simulated acceptance length on the
+    # validation split, cheap) | decoded (the decoded one: needs val_decode_prompts > 0).
+    select_by: str = "simulated"
 
     def check(self) -> None:
         self._require("lr", lambda v: v > 0, "a learning rate > 0")
@@ -195,6 +210,13 @@ class OptimConfig(_Checked):
         self._require("warmup_ratio", lambda v: 0 <= v < 1, "a value in [0, 1)")
         self._at_least(1, "grad_accum", "batch_tokens", "max_batch_size", "epochs")
         self._at_least(1, "val_every", "save_every")
+        self._at_least(0, "val_decode_prompts")
+        self._one_of("select_by", SELECT_BY)
+        if self.select_by == "decoded" and self.val_decode_prompts == 0:
+            raise UserError(
+                "optim.select_by='decoded': nothing is decoded with optim.val_decode_prompts=0; "
+                "set it > 0 (e.g. 8)"
+            )
 
 
 @dataclass
@@ -310,7 +332,36 @@ class PipelineConfig:
 
 
 @dataclass
-class Eagle3Config(_Checked):
+class ObjectiveConfig(_Checked):
+    """The objective knobs both head kinds share (`trainer/objective.py`); each head's config
+    inherits them, so they are `head.*` overrides."""
+
+    PREFIX: ClassVar[str] = "head"
+    # Which rows train: 0 = the answer tokens only; w > 0 adds every other real position (prompt,
+    # system and template tokens) at weight w against the answers' 1 (1 = every position alike).
+    # Capture keeps hidden states at every position, so the data folder serves any w as it is.
+    prompt_loss_weight: float = 0.0
+    # The per-row loss: ce (cross-entropy to the target's distribution; Medusa: to the data's
+    # token) | tv (1 - sum min(p, q): the chance that speculative sampling rejects one drafted
+    # token) | ce+tv (ce + tv_weight * tv) | lk (lam * KL + (1 - lam) * tv per row, with
+    # lam = exp(-lk_eta * acceptance): KL's gradient while the acceptance is low, TV's after).
+    loss: str = "ce"
+    tv_weight: float = 1.0
+    lk_eta: float = 3.0
+
+    def check(self) -> None:
+        self._require(
+            "prompt_loss_weight",
+            lambda v: 0 <= v <= 1,
+            "a value in [0, 1] (0: answer tokens only, 1: every position alike)",
+        )
+        self._one_of("loss", LOSSES)
+        self._require("tv_weight", lambda v: v > 0, "a value > 0")
+        self._require("lk_eta", lambda v: v > 0, "a value > 0")
+
+
+@dataclass
+class Eagle3Config(ObjectiveConfig):
     """Hydra group `head/eagle3`: what a user may choose about a new EAGLE-3 head."""
 
     PREFIX: ClassVar[str] = "head"
@@ -333,6 +384,7 @@ class Eagle3Config(_Checked):
     step_weight: float = 0.8
 
     def check(self) -> None:
+        super().check()
         self._require(
             "aux_layer_ids",
             lambda v: v is None or (len(set(v)) == 3 and min(v) >= 0),
@@ -344,7 +396,7 @@ class Eagle3Config(_Checked):
 
 
 @dataclass
-class MedusaConfig(_Checked):
+class MedusaConfig(ObjectiveConfig):
     """Hydra group `head/medusa`."""
 
     PREFIX: ClassVar[str] = "head"
@@ -363,6 +415,7 @@ class MedusaConfig(_Checked):
     self_distill: bool = True
 
     def check(self) -> None:
+        super().check()
         self._at_least(1, "num_heads", "num_layers")
         self._require(
             "lora_rank",
@@ -398,6 +451,16 @@ class RootConfig:
     def __post_init__(self) -> None:
         if not self.run_dir:
             raise UserError("run_dir='': expected a folder")
+        if self.optim.val_decode_prompts and self.data.val_fraction == 0:
+            raise UserError(
+                f"optim.val_decode_prompts={self.optim.val_decode_prompts}: decoded validation "
+                "reads validation prompts, and data.val_fraction=0 holds none out"
+            )
+        if self.optim.val_decode_prompts and self.dist.zero_stage == 3:
+            raise UserError(
+                f"optim.val_decode_prompts={self.optim.val_decode_prompts}: rank 0 decodes with "
+                "the whole head, which ZeRO-3 partitions; use dist=zero2 or dist=ddp"
+            )
         if self.head is not None and self.export.formats:
             wrong = [f for f in self.export.formats if f not in EXPORT_FORMATS[self.head.name]]
             if wrong:

@@ -108,15 +108,38 @@ def causal_mask(width: int, device) -> torch.Tensor:
     return torch.ones(width, width, dtype=torch.bool, device=device).tril()[None, None]
 
 
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Bool [B, 1, T, T]: causal attention inside each document of packed rows, a document
+    starting wherever `position_ids` [B, T] restart at 0. Query t's document starts at
+    t - position_ids[t], so the mask is built from the positions alone, at a fixed shape, on
+    their device: no read-back. Padding (position 0) attends to itself only."""
+    t = torch.arange(position_ids.shape[1], device=position_ids.device)
+    keys = t[None, None, :]
+    start = (t - position_ids)[:, :, None]
+    return ((keys <= t[None, :, None]) & (keys >= start))[:, None]
+
+
+def document_inputs(position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments for packed rows: each document is run as if alone (its own
+    positions, no attention across documents)."""
+    return {"attention_mask": document_mask(position_ids), "position_ids": position_ids}
+
+
 @torch.inference_mode()
-def hidden_states(model, ids: torch.Tensor, spec: CaptureSpec) -> dict[str, torch.Tensor]:
-    """The fields `spec` keeps for right-padded ids [B, T], in the model's dtype on its device:
-    `aux_hidden` [B, T, 3H] and/or `final_hidden` [B, T, H]. The one forward of offline capture
-    and online training."""
+def hidden_states(
+    model, ids: torch.Tensor, spec: CaptureSpec, position_ids: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """The fields `spec` keeps for right-padded ids [B, T] (packed rows if `position_ids` are
+    given), in the model's dtype on its device: `aux_hidden` [B, T, 3H] and/or `final_hidden`
+    [B, T, H]. The one forward of offline capture and online training."""
+    if position_ids is None:
+        attention = {"attention_mask": causal_mask(ids.shape[1], ids.device)}
+    else:
+        attention = document_inputs(position_ids)
     # logits_to_keep=1: the lm_head over the whole vocabulary is not needed here.
     hs = model(
         input_ids=ids,
-        attention_mask=causal_mask(ids.shape[1], ids.device),
+        **attention,
         output_hidden_states=True,
         use_cache=False,
         logits_to_keep=1,
@@ -144,12 +167,14 @@ def stored(x: torch.Tensor, groups: int, storage_dtype: str) -> torch.Tensor:
 def capture_batch(model, spec: CaptureSpec, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Online mode's capture: the hidden-state fields of a collated batch on the model's device,
     exactly as the offline path hands them to the objective (stored through `storage_dtype`,
-    widened to float32, zero on padding as collate pads). The forward runs in inference mode;
-    the rounding outside it, so that the results are ordinary tensors autograd may save."""
+    widened to float32, zero on padding as collate pads; packed rows as their documents alone).
+    The forward runs in inference mode; the rounding outside it, so that the results are
+    ordinary tensors autograd may save."""
     keep = batch["attention_mask"].bool()[..., None]
+    fields = hidden_states(model, batch["input_ids"], spec, batch.get("position_ids"))
     return {
         name: torch.where(keep, stored(x, spec.groups(name), spec.storage_dtype), 0)
-        for name, x in hidden_states(model, batch["input_ids"], spec).items()
+        for name, x in fields.items()
     }
 
 

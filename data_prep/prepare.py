@@ -411,7 +411,7 @@ def prepare(cfg: RootConfig, target=None) -> Path:
         shutil.rmtree(spill_dir, ignore_errors=True)
     if vocab_k:
         d2t, t2d = build_draft_vocab(counts, vocab_k)
-        save_draft_vocab(partial, d2t, t2d, counts)
+        save_draft_vocab(partial, d2t, t2d)
         manifest["draft_vocab"] = {"file": VOCAB_FILE, "size": d2t.numel(), "coverage": coverage(counts, t2d)}
     if stored.needs_forward:
         manifest["capture_tokens_per_s"] = timing["tokens"] / max(timing["seconds"], 1e-9)

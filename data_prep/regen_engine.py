@@ -21,10 +21,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-
-def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool mask -> additive float mask (0 where allowed): eager and SDPA attention accept it."""
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+from data_prep.masks import additive_mask as _additive
 
 
 def prefill_mask(lengths: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:

@@ -32,12 +32,16 @@ def check_vllm_installed() -> None:
 def _engine(target_path: str, dtype: str, max_model_len: int):
     from vllm import LLM
 
+    cuda = torch.cuda.is_available()
     return LLM(
         model=target_path,
         dtype=dtype,
         max_model_len=max_model_len,
         seed=0,
-        enforce_eager=not torch.cuda.is_available(),
+        enforce_eager=not cuda,
+        # On the CPU backend this is the share of the machine's RAM vLLM reserves up front (0.92 by
+        # default), and it refuses to start when other processes hold more than the rest.
+        gpu_memory_utilization=0.92 if cuda else 0.4,
     )
 
 

@@ -306,9 +306,3 @@ def held_out(hashes: torch.Tensor, val_fraction: float) -> torch.Tensor:
         return torch.zeros(len(hashes), dtype=torch.bool)
     held = hashes < val_fraction
     return held if held.any() else hashes == hashes.min()
-
-
-def validation_uids(uids: list[str], seed: int, val_fraction: float) -> set[str]:
-    """The uids `held_out` puts in validation."""
-    hashes = torch.tensor([split_hash(prompt_uid(u), seed) for u in uids], dtype=torch.float64)
-    return {u for u, held in zip(uids, held_out(hashes, val_fraction).tolist()) if held}

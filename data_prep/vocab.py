@@ -51,8 +51,10 @@ def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
     return float(counts[t2d].sum()) / total if total else 0.0
 
 
-def save_draft_vocab(folder: Path, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor):
-    save_file({"d2t": d2t, "t2d": t2d, "counts": counts}, str(folder / VOCAB_FILE))
+def save_draft_vocab(folder: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    """Only what a head is built from: the counts behind it (8 bytes per target id, 0.4 MB for a
+    49k vocabulary) would dominate an online data folder, which keeps ~5 bytes per token."""
+    save_file({"d2t": d2t, "t2d": t2d}, str(folder / VOCAB_FILE))
 
 
 def load_draft_vocab(folder: str | Path) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,12 +5,14 @@ load (vLLM `llama_eagle3`, SGLang, TRT-LLM), so that export is a renaming and no
 layer variants in `NORM_FLAGS` are vLLM's and speculators' own flags, with their placement and
 tensor names (`input_norm.weight`), so a head trained with them is served as it was trained.
 One `step` serves training (the TTT unroll passes earlier steps' K/V as `past`) and decoding
-(the decoder passes its KV cache as `past`): the caller owns the mask, so both see one code path.
+(the decoder passes its static KV cache as `past`): the caller owns the mask, so both see one code
+path.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,17 @@ from conf.schema import Eagle3Config
 from heads.folder import TargetSpec, load_head, save_head
 
 KV = tuple[torch.Tensor, torch.Tensor]
+
+
+class KVStore(Protocol):
+    """A cache that stores a step's K/V itself, as a transformers `Cache` does: `update` returns
+    every K/V the step attends to (the decoder's static cache, whose mask hides the rest)."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> KV: ...
+
+
+# Earlier positions: K/V the step concatenates its own to, or a store it writes them into.
+Past = KV | KVStore
 
 # The layer variants the head implements, spelled as vLLM 0.32 `llama_eagle3` and speculators read
 # them from a head's config (all false = the original EAGLE-3 layout):
@@ -111,17 +124,19 @@ class Eagle3Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
-        past: KV | None,
+        past: Past | None,
     ) -> tuple[torch.Tensor, KV]:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        keys, values = (k, v) if past is None else (
-            torch.cat([past[0], k], dim=2),
-            torch.cat([past[1], v], dim=2),
-        )
+        if past is None:
+            keys, values = k, v
+        elif isinstance(past, tuple):
+            keys, values = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        else:
+            keys, values = past.update(k, v, 0)
         rep = self.num_heads // self.num_kv_heads
         out = F.scaled_dot_product_attention(
             q,
@@ -222,7 +237,7 @@ class Eagle3Head(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         mask: torch.Tensor | None = None,
-        past: KV | None = None,
+        past: Past | None = None,
     ) -> tuple[torch.Tensor, KV]:
         """The decoder layer alone: training computes logits only where a loss needs them.
 
@@ -244,13 +259,14 @@ class Eagle3Head(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         mask: torch.Tensor | None = None,
-        past: KV | None = None,
+        past: Past | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, KV]:
         """One draft forward over T new positions.
 
         hidden [B,T,H]: fused target feature (first step) or the hidden a previous step returned.
         input_ids [B,T]: the token that follows each position. mask: bool [B|1,1,T,P+T] with
-        True = may attend, P the past length; None means plain causal without a past.
+        True = may attend (or additive), P the past length (a `KVStore`: all it returns); None
+        means plain causal without a past.
         Returns (hidden to feed back: pre-norm, or post-norm with `norm_output`; draft-vocab
         logits; this call's rotated K/V).
         """

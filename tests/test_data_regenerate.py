@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from split_helpers import validation_uids
 
 from conf.errors import UserError
 from conf.schema import RegenerateConfig
 from data_prep.regenerate import read_cache, regenerate
-from data_prep.sources import Sample, answer_uid, prompt_uid, validation_uids
+from data_prep.sources import Sample, answer_uid, prompt_uid
 from data_prep.target import load_target
 from data_prep.template import prompt_ids
 

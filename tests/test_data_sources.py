@@ -6,6 +6,7 @@ import json
 from collections import Counter
 
 import pytest
+from split_helpers import validation_uids
 
 from conf.errors import UserError
 from conf.schema import DataConfig, RegenerateConfig
@@ -17,7 +18,6 @@ from data_prep.sources import (
     sharegpt_file,
     sharegpt_jsonl,
     split_hash,
-    validation_uids,
 )
 
 

@@ -40,7 +40,7 @@ def test_top_k_sorted_with_offsets_and_coverage():
 def test_saved_vocab_round_trips(tmp_path):
     counts = torch.tensor([3, 0, 1, 7])
     d2t, t2d = build_draft_vocab(counts, 2)
-    save_draft_vocab(tmp_path, d2t, t2d, counts)
+    save_draft_vocab(tmp_path, d2t, t2d)
     d2t2, t2d2 = load_draft_vocab(tmp_path)
     assert torch.equal(d2t, d2t2) and torch.equal(t2d, t2d2)
     with pytest.raises(UserError, match="draft_vocab.safetensors"):

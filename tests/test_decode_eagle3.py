@@ -74,8 +74,9 @@ def test_head_cache_holds_only_verified_positions(target):
         drafter.commit(chunk, hidden, nxt)
     draft = drafter.propose(Chain(1), Sampling())
     _, logits, (k, v) = from_scratch(target, head, seq, nxt)
-    torch.testing.assert_close(drafter.kv[0], k, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(drafter.kv[1], v, atol=1e-5, rtol=1e-4)
+    n = drafter.length
+    torch.testing.assert_close(drafter.cache.keys[0][:, :, :n], k, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(drafter.cache.values[0][:, :, :n], v, atol=1e-5, rtol=1e-4)
     assert draft.tokens.tolist() == [int(head.to_target_ids(logits[0, -1].argmax()))]
     assert draft.tokens[0] % 2 == 0  # reduced vocabulary: even target ids only
 

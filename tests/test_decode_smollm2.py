@@ -1,6 +1,7 @@
 """The decoder on the real embedded target (SmolLM2-135M-Instruct) and real chat prompts:
 greedy speculative output equals plain greedy decoding with the target as its own drafter (every
-draft accepted) and through the evaluator with a random EAGLE-3 head (every draft rejected)."""
+draft accepted) and through the evaluator with a random EAGLE-3 head (every draft rejected), and
+plain greedy decoding on the decoder's static cache equals transformers' on its dynamic cache."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from decode_helpers import single_thread  # noqa: F401 (fixture)
 
 from conf.compose import compose_root
 from conf.schema import Eagle3Config, EvalConfig
-from data_prep.target import load_target
+from data_prep.target import eos_token_ids, load_target
 from heads.eagle3 import Eagle3Head
 from trainer.decoding import Chain, OracleDrafter, Tree, greedy_generate, speculative_generate
 from trainer.evaluate.run import evaluate, greedy_verdict
@@ -46,3 +47,23 @@ def test_evaluator_with_a_random_head_is_lossless(smol, tmp_path):
     result = evaluate(cfg, folder, tmp_path / "eval", target=smol)
     assert result["lossless"] and result["overall"]["prompts"] == 3
     assert result["overall"]["drafts"] > 0
+
+
+def test_static_cache_greedy_equals_generate_on_a_dynamic_cache(smol):
+    model, tok = smol
+    ids = encode(tok, load_prompts(EvalConfig(tasks=["mtbench"], max_prompts_per_task=1))["mtbench"][0])
+    eos = sorted(eos_token_ids(model, tok))
+    out = model.generate(
+        ids[None],
+        attention_mask=torch.ones_like(ids[None]),
+        max_new_tokens=24,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        eos_token_id=eos,
+        pad_token_id=eos[0],
+    )
+    dynamic = out[0, ids.numel() :].tolist()
+    static = greedy_generate(model, ids, 24, eos).tokens
+    assert greedy_verdict(model, ids, dynamic, static) != "mismatch"

@@ -270,7 +270,12 @@ def test_export_card_reads_eval_json_and_run_config(head_dir, tmp_path):
     run = tmp_path / "run"
     (run / "eval").mkdir(parents=True)
     (run / "eval" / "eval.json").write_text(json.dumps(EVAL))
-    (run / "config.json").write_text(json.dumps({"data": {"source": "sharegpt", "max_samples": 8}}))
+    config = {
+        "data": {"source": "sharegpt", "max_samples": 8},
+        "head": {"loss": "ce+tv", "tv_weight": 0.5, "prompt_loss_weight": 0.25, "norm_output": True},
+        "optim": {"epochs": 3, "lr": 0.001, "batch_tokens": 1024, "select_by": "decoded"},
+    }
+    (run / "config.json").write_text(json.dumps(config))
     head = run / "head"
     head.mkdir()
     for f in head_dir.iterdir():
@@ -278,6 +283,9 @@ def test_export_card_reads_eval_json_and_run_config(head_dir, tmp_path):
     out, _ = export_head(head, "speculators", run / "export", eval_json=run / "eval" / "eval.json")
     card = (out / "README.md").read_text()
     assert "| mtbench | - | 2.250 |" in card and "at most 8 conversations" in card
+    assert "- loss `ce+tv`, tv weight 0.5, prompt rows weighted 0.25" in card
+    assert "- EAGLE-3 norms on: `norm_output`" in card
+    assert "3 epochs, lr 0.001, 1024 tokens per batch; the kept checkpoint is the best by decoded" in card
     assert f"vllm serve {out.resolve()}" in card
 
 

@@ -168,10 +168,14 @@ def medusa2(model):
     return JointMedusaTrainee(MedusaHead.from_target(model, "tiny", cfg), model, cfg), ()
 
 
-def assert_steps_never_sync(trainee, items: list[dict[str, torch.Tensor]], tmp_path: Path, capture=None):
+def assert_steps_never_sync(
+    trainee, items: list[dict[str, torch.Tensor]], tmp_path: Path, capture=None, packed: bool = False
+):
     """Two rounds of `train_step` (+ the LR schedule) over one loader batch of `items`, the way
-    `fit` runs them (`capture`: online mode's target forward), counting syncs."""
-    batches = list(batch_loader(items, [[0, 1, 2, 3]], 0, False, trainee.batch_index))
+    `fit` runs them (`capture`: online mode's target forward; `packed`: two samples a row),
+    counting syncs."""
+    order = [[[0, 1], [2, 3]]] if packed else [[0, 1, 2, 3]]
+    batches = list(batch_loader(items, order, 0, False, trainee.batch_index, packed))
     optim = OptimConfig()
     acc = build_accelerator(DistConfig(), optim, str(tmp_path))
     opt = torch.optim.AdamW(trainee.param_groups(1e-3, 0.01), lr=1e-3)

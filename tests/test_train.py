@@ -109,6 +109,7 @@ BAD_OVERRIDES = [
     ("optim.lr=abc", "optim.lr"),
     ("optim.grad_accum=0", "optim.grad_accum=0"),
     ("optim.batch_tokens=0", "optim.batch_tokens=0"),
+    ("optim.packing=maybe", "optim.packing"),
     ("optim.no_such_key=1", "optim.no_such_key"),
     ("data.max_samples=-1", "data.max_samples=-1"),
     ("data.storage_dtype=int4", "data.storage_dtype='int4'"),
@@ -119,6 +120,15 @@ BAD_OVERRIDES = [
     ("target.dtype=fp32", "target.dtype='fp32'"),
     ("data.source=/nonexistent/chats.jsonl", "/nonexistent/chats.jsonl"),
     ("resume=true", "resume=true"),
+    ("head.prompt_loss_weight=2", "head.prompt_loss_weight=2"),
+    ("head.loss=kl", "head.loss='kl'"),
+    ("+head=medusa head.tv_weight=0", "head.tv_weight=0"),
+    ("head.lk_eta=-1", "head.lk_eta=-1"),
+    ("optim.select_by=best", "optim.select_by='best'"),
+    ("optim.select_by=decoded", "optim.select_by='decoded'"),
+    ("optim.val_decode_prompts=-1", "optim.val_decode_prompts=-1"),
+    ("optim.val_decode_prompts=4 data.val_fraction=0", "optim.val_decode_prompts=4"),
+    ("optim.val_decode_prompts=4 dist=zero3", "optim.val_decode_prompts=4"),
 ]
 
 

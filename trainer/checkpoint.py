@@ -20,7 +20,8 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0  # batches of this rank already consumed in `epoch`
-    best_score: float = float("-inf")
+    best_score: float = float("-inf")  # by optim.select_by, of the head in run_dir/head
+    best_step: int = 0  # the step that head was kept at
 
 
 def checkpoint_root(run_dir: Path) -> Path:

@@ -15,28 +15,38 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.eagle3 import Eagle3Head
+from trainer.decoding import Eagle3Drafter
+from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean
 from trainer.trainee import (
     LABEL_INDEX,
+    LABEL_POSITION,
     Batch,
     indexed,
-    label_index,
+    label_batch_index,
+    position_ids,
     shift_left,
     simulated_acceptance_length,
     strip_prefix,
+    trained_mask,
 )
 
 
-def ttt_attention_mask(positions: torch.Tensor, seq_len: int, step: int) -> torch.Tensor:
+def ttt_attention_mask(
+    positions: torch.Tensor, seq_len: int, step: int, starts: torch.Tensor | None = None
+) -> torch.Tensor:
     """Bool [B,1,S,T+step*S]: what the queries of unroll step `step` may attend to.
 
     `positions` [B,S] are the sequence positions the step computes (all T at step 0, only those a
     later loss reads afterwards). Keys are step 0's K/V over all T positions, then each later
-    step's K/V over the S rows. Step 0's block is causal (the verified context); each later step's
-    block is the diagonal: the draft token at a position exists only on that position's own
-    branch, exactly what a chain decoder's cache holds at inference.
+    step's K/V over the S rows. Step 0's block is causal (the verified context) from where each
+    query's document `starts` [B,S] (packed rows; None: one per row); each later step's block is
+    the diagonal: the draft token at a position exists only on that position's own branch,
+    exactly what a chain decoder's cache holds at inference.
     """
     keys = torch.arange(seq_len, device=positions.device)
     causal = keys[None, None, :] <= positions[:, :, None]
+    if starts is not None:
+        causal &= keys[None, None, :] >= starts[:, :, None]
     eye = torch.eye(positions.shape[1], dtype=torch.bool, device=positions.device)
     diag = eye.expand(positions.shape[0], -1, -1)
     return torch.cat([causal] + [diag] * step, dim=2)[:, None]
@@ -52,19 +62,21 @@ def gather_positions(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(valid, order, 0), valid
 
 
-def ttt_batch_index(batch: Batch, ttt_length: int) -> Batch:
+def ttt_batch_index(batch: Batch, ttt_length: int, prompt_weight: float = 0.0) -> Batch:
     """`Eagle3Trainee.batch_index`: where each of the N labels is read at each unroll step.
 
-    Label j at flat position (row, u) is predicted at step k from position u-2-k, if that is
-    >= 0. Adds `label_index` [N]; `ttt_positions`, `ttt_valid` [B,S]: the positions the later
-    steps run (`gather_positions` of those any later step predicts a label from); `ttt_rows`
-    [K,N]: label j's row among step k's flattened hidden states (0 where it has none there).
+    Label j at flat position (row, u) is predicted at step k from position u-2-k, if that is in
+    its own sample (its `label_position` is >= 2+k). Adds `label_batch_index`'s fields;
+    `ttt_positions`, `ttt_valid` [B,S]: the positions the later steps run (`gather_positions` of
+    those any later step predicts a label from); `ttt_rows` [K,N]: label j's row among step k's
+    flattened hidden states (0 where it has none there). The labels are `trained_mask`'s.
     """
-    mask = batch["loss_mask"]
-    labels = label_index(mask)
+    mask = trained_mask(batch, prompt_weight)
+    index = label_batch_index(batch, prompt_weight)
+    labels, places = index[LABEL_INDEX], position_ids(batch)
     later = torch.zeros_like(mask)
     for k in range(1, ttt_length):
-        later |= shift_left(mask, 2 + k, False)
+        later |= shift_left(mask & (places >= 2 + k), 2 + k, False)
     positions, valid = gather_positions(later)
     # Where each position sits among its row's gathered ones (garbage, clamped, where it is none).
     column = (later.long().cumsum(1) - 1).flatten()
@@ -73,7 +85,7 @@ def ttt_batch_index(batch: Batch, ttt_length: int) -> Batch:
     for k in range(1, ttt_length):
         rows.append(row_start + column[(labels - 2 - k).clamp(min=0)].clamp(min=0))
     return {
-        LABEL_INDEX: labels,
+        **index,
         "ttt_positions": positions,
         "ttt_valid": valid,
         "ttt_rows": torch.stack(rows),
@@ -82,12 +94,19 @@ def ttt_batch_index(batch: Batch, ttt_length: int) -> Batch:
 
 class Eagle3Trainee(nn.Module):
     def __init__(
-        self, head: Eagle3Head, target_lm_head: torch.Tensor, ttt_length: int, step_weight: float
+        self,
+        head: Eagle3Head,
+        target_lm_head: torch.Tensor,
+        ttt_length: int,
+        step_weight: float,
+        objective: Objective = CROSS_ENTROPY,
     ):
         super().__init__()
         self.head = head
-        self.ttt_length, self.step_weight = ttt_length, step_weight
-        self.batch_index = partial(ttt_batch_index, ttt_length=ttt_length)
+        self.ttt_length, self.step_weight, self.objective = ttt_length, step_weight, objective
+        self.batch_index = partial(
+            ttt_batch_index, ttt_length=ttt_length, prompt_weight=objective.prompt_weight
+        )
         self.register_buffer("lm_head_weight", target_lm_head.detach().float(), persistent=False)
         # target id -> draft id (or -1): the draft vocabulary is sorted, so a cumulative count.
         t2d = head.t2d
@@ -109,7 +128,11 @@ class Eagle3Trainee(nn.Module):
         return torch.cat(probs), torch.cat(tops)
 
     def unroll(
-        self, aux_hidden: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor | None = None
+        self,
+        aux_hidden: torch.Tensor,
+        ids: torch.Tensor,
+        keep: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Yield (k, fed-back hidden [B,S,H], positions [B,S], valid [B,S]) for each TTT step.
 
@@ -117,61 +140,74 @@ class Eagle3Trainee(nn.Module):
         hidden state from step k-1. Step 0 runs every position (all are keys of the context);
         later steps run only the positions in `keep` (default all), since a later step's row
         depends on nothing but its own branch: on chat data this skips the unlabelled prompt.
+        `position_ids` [B,T] (packed rows, see `trainer.batching.pack_row`; None: 0..T-1) keep
+        each sample's attention and rotary positions its own. Near a sample's end a branch reads
+        the next sample's tokens, and predicts them: the loss counts no such prediction, and
+        no other branch attends to it.
         """
-        return self.unroll_gathered(aux_hidden, ids, None if keep is None else gather_positions(keep))
+        later = None if keep is None else gather_positions(keep)
+        return self.unroll_gathered(aux_hidden, ids, later, position_ids)
 
     def unroll_gathered(
         self,
         aux_hidden: torch.Tensor,
         ids: torch.Tensor,
         later: tuple[torch.Tensor, torch.Tensor] | None,
+        position_ids: torch.Tensor | None = None,
     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """`unroll` with the later steps' (positions, valid) already gathered, as the batch
         loader does on the CPU: counting them here would sync."""
         b, t = ids.shape
         hidden = self.head.fuse(aux_hidden.to(self.head.fc.weight.dtype))
         pos = torch.arange(t, device=ids.device).expand(b, t)
+        places = pos if position_ids is None else position_ids
         valid = torch.ones_like(pos, dtype=torch.bool)
         past = None
         for k in range(self.ttt_length):
             if k == 1 and later is not None:
                 pos, valid = later
                 hidden = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
-            attn = ttt_attention_mask(pos, t, k)
+            at = places.gather(1, pos)  # each row's position in its own sample
+            attn = ttt_attention_mask(pos, t, k, pos - at)
             tokens = shift_left(ids, 1 + k, 0).gather(1, pos)
-            hidden, kv = self.head.layer(hidden, tokens, pos + k, attn, past)
+            hidden, kv = self.head.layer(hidden, tokens, at + k, attn, past)
             past = kv if past is None else tuple(torch.cat([p, n], 2) for p, n in zip(past, kv))
             yield k, hidden, pos, valid
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Loss and metric sums for one batch. Metric sums are per unroll step:
-        `correct[k]`/`total[k]` = draft top-1 == target top-1 at label positions.
+        `correct[k]`/`total[k]` = draft top-1 == target top-1 at answer positions (prompt rows,
+        trained with a prompt weight, are left out: the metrics stay comparable across weights).
+        Each step's loss is the `objective`'s weighted mean over its rows.
 
         Logits (draft and teacher) are computed only at the N labelled rows (`ttt_batch_index`):
         the label mask of assistant tokens usually leaves out the prompt, and the vocab
         projections dominate. Every step computes all N, at fixed shapes, and masks out those it
-        has no prediction for (u < 2+k) or whose target token is outside the draft vocabulary."""
+        has no prediction for (fewer than 2+k tokens of its sample before it) or whose target
+        token is outside the draft vocabulary."""
         batch = indexed(batch, self.batch_index)
         ids, labels, rows = batch["input_ids"], batch[LABEL_INDEX], batch["ttt_rows"]
-        position = labels % ids.shape[1]
+        position = batch[LABEL_POSITION]  # in its own sample: the prediction never crosses one
         # The target's distribution for the token at u is the one it computed at u-1.
         final = batch["final_hidden"].flatten(0, 1).index_select(0, (labels - 1).clamp(min=0))
         teacher_p, teacher_top = self.teacher(final)
+        answer = batch["loss_mask"].flatten().index_select(0, labels)
+        weight = self.objective.row_weights(answer)
         inside = teacher_top >= 0  # the target's choice is inside the draft vocabulary
         loss = teacher_p.new_zeros(())
         correct = teacher_p.new_zeros(self.ttt_length)
         total = teacher_p.new_zeros(self.ttt_length)
         later = (batch["ttt_positions"], batch["ttt_valid"])
-        for k, hidden, _, _ in self.unroll_gathered(batch["aux_hidden"], ids, later):
+        steps = self.unroll_gathered(batch["aux_hidden"], ids, later, position_ids(batch))
+        for k, hidden, _, _ in steps:
             labelled = position >= 2 + k
             counted = labelled & inside
             logits = self.head.logits(hidden.flatten(0, 1).index_select(0, rows[k])).float()
-            ce = -(teacher_p * F.log_softmax(logits, dim=-1)).sum(-1)
-            mean_ce = torch.where(counted, ce, 0).sum() / counted.sum().clamp(min=1)
-            loss = loss + self.step_weight**k * mean_ce
+            row_loss = self.objective.soft(F.log_softmax(logits, dim=-1), teacher_p)
+            loss = loss + self.step_weight**k * weighted_mean(row_loss, torch.where(counted, weight, 0))
             with torch.no_grad():
-                correct[k] = (counted & (logits.argmax(-1) == teacher_top)).sum()
-                total[k] = labelled.sum()
+                correct[k] = (counted & answer & (logits.argmax(-1) == teacher_top)).sum()
+                total[k] = (labelled & answer).sum()
         return {"loss": loss, "correct": correct, "total": total}
 
     @staticmethod
@@ -190,6 +226,9 @@ class Eagle3Trainee(nn.Module):
         head_state = None if state is None else strip_prefix(state, "head.")
         return self.head.save_pretrained(out_dir, state=head_state)
 
+    def drafter(self, target) -> tuple[Eagle3Drafter, object]:
+        return Eagle3Drafter(self.head), target
+
 
 def build_eagle3_trainee(cfg, target, data_dir: Path) -> Eagle3Trainee:
     """A fresh head for `target` over the draft vocabulary built with the data."""
@@ -198,4 +237,5 @@ def build_eagle3_trainee(cfg, target, data_dir: Path) -> Eagle3Trainee:
     d2t, t2d = load_draft_vocab(data_dir)
     head = Eagle3Head.from_target(target, cfg.target.name_or_path, cfg.head, d2t, t2d)
     lm_head = target.get_output_embeddings().weight
-    return Eagle3Trainee(head, lm_head, cfg.head.ttt_length, cfg.head.step_weight)
+    objective = Objective.from_config(cfg.head)
+    return Eagle3Trainee(head, lm_head, cfg.head.ttt_length, cfg.head.step_weight, objective)

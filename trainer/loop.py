@@ -2,8 +2,10 @@
 
 A trainee is an nn.Module whose forward(batch) returns {"loss", metric sums...}, with
 `summarize(sums) -> {..., "score"}` (higher is better), `param_groups(lr, wd)`,
-`save_pretrained(dir, state=None)` and `batch_index` (see `trainer.trainee.Trainee`). The loop
-knows nothing else about heads.
+`save_pretrained(dir, state=None)`, `batch_index` and `drafter(target)` (see
+`trainer.trainee.Trainee`). The loop knows nothing else about heads. The kept head is the best by
+`optim.select_by`: the simulated `score`, or the acceptance length the built-in decoder measures
+on validation prompts (`val_decode`, see `trainer.val_decode`).
 
 Online (`data.hidden_states=online`) the loop also holds a `capture`: the frozen target's
 per-batch forward (`data_prep.store.online_capture`), run on each batch's ids before the
@@ -31,13 +33,15 @@ from tqdm import tqdm
 from conf.errors import UserError
 from conf.files import atomic_write_text
 from conf.schema import OptimConfig, RootConfig
-from trainer.batching import batch_loader, length_grouped_batches, shard_batches
+from trainer.batching import batch_loader, length_grouped_batches, packed_batches, shard_batches
 from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.logger import RunLogger
 from trainer.trainee import Batch, BatchIndex
 
 HISTORY = "history.json"  # per-step train loss and validation metrics
+DECODED = "decoded_acceptance_length"  # the validation metric decoded validation adds
 Capture = Callable[[Batch], Batch]  # a device batch -> the hidden-state fields it lacks
+ValDecode = Callable[[torch.nn.Module], float]  # the unwrapped trainee -> decoded acceptance length
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float):
@@ -54,9 +58,8 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
 
 
 def _batches(ds, optim: OptimConfig, seed: int, epoch: int, rank: int, world: int):
-    all_batches = length_grouped_batches(
-        ds.lengths, optim.batch_tokens, optim.max_batch_size, seed, epoch
-    )
+    grouping = packed_batches if optim.packing else length_grouped_batches
+    all_batches = grouping(ds.lengths, optim.batch_tokens, optim.max_batch_size, seed, epoch)
     return shard_batches(all_batches, rank, world)
 
 
@@ -68,10 +71,8 @@ def device_batch(batch: Batch, device, capture: Capture | None = None) -> Batch:
     return moved if capture is None else moved | capture(moved)
 
 
-def _loader(
-    ds, batches: list[list[int]], optim: OptimConfig, device: torch.device, index: BatchIndex
-):
-    return batch_loader(ds, batches, optim.loader_workers, device.type == "cuda", index)
+def _loader(ds, batches: list, optim: OptimConfig, device: torch.device, index: BatchIndex):
+    return batch_loader(ds, batches, optim.loader_workers, device.type == "cuda", index, optim.packing)
 
 
 def _timed(batches, waited: list[float]):
@@ -109,6 +110,22 @@ def validation_metrics(
     metrics = model.summarize(reduced)
     metrics["loss"] = (reduced["loss"] / max(1, len(batches) * accelerator.num_processes)).item()
     return metrics
+
+
+def decoded_validation(accelerator, trainee, val_decode: ValDecode) -> float:
+    """Rank 0 decodes (`trainer.val_decode.ValDecoder`) while the others wait in the sum that
+    hands every rank its value: what follows, keeping the head, is collective and must take the
+    same branch everywhere. Greedy decoding draws no random numbers, so resume stays exact."""
+    value = torch.zeros(1, dtype=torch.float64, device=accelerator.device)
+    if accelerator.is_main_process:
+        value += val_decode(accelerator.unwrap_model(trainee))
+    return accelerator.reduce(value, reduction="sum").item()
+
+
+def selection_score(metrics: dict[str, float], select_by: str) -> float | None:
+    """The validation number the kept head is chosen by (higher is better; conf.schema.SELECT_BY):
+    the trainee's simulated `score` or the decoded acceptance length. None: no validation data."""
+    return metrics.get("score" if select_by == "simulated" else DECODED)
 
 
 def replica_checksums(accelerator, trainee) -> list[float]:
@@ -162,10 +179,18 @@ def train_step(
 
 
 def fit(
-    cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path, capture: Capture | None = None
+    cfg: RootConfig,
+    accelerator,
+    trainee,
+    train_ds,
+    val_ds,
+    run_dir: Path,
+    capture: Capture | None = None,
+    val_decode: ValDecode | None = None,
 ) -> dict:
-    """Train, validating every `val_every` steps; the best head (by `score`) goes to run_dir/head.
-    `capture`: online mode's per-batch target forward (None: the data holds the hidden states)."""
+    """Train, validating every `val_every` steps; the best head (by `selection_score`) goes to
+    run_dir/head. `capture`: online mode's per-batch target forward (None: the data holds the
+    hidden states). `val_decode`: decoded validation (`trainer.val_decode`; None: off)."""
     optim = cfg.optim
     rank, world = accelerator.process_index, accelerator.num_processes
     steps_per_epoch = len(_batches(train_ds, optim, cfg.seed, 0, rank, world)) // optim.grad_accum
@@ -228,6 +253,8 @@ def fit(
             last = state.step == total_steps
             if state.step % optim.val_every == 0 or last:
                 metrics = validation_metrics(accelerator, trainee, val_ds, cfg, capture)
+                if val_decode is not None:
+                    metrics[DECODED] = decoded_validation(accelerator, trainee, val_decode)
                 logger.log(state.step, metrics, "val")
                 history.append({"step": state.step, "val": metrics})
                 if accelerator.is_main_process:
@@ -239,9 +266,10 @@ def fit(
                     )
                 # Every rank must take the same branch (save_best is collective): decide on the
                 # reduced metrics only, never on the file system. No validation data: keep the latest.
-                score = metrics.get("score")
+                score = selection_score(metrics, optim.select_by)
                 if score is None or score > state.best_score:
                     state.best_score = float("-inf") if score is None else score
+                    state.best_step = state.step
                     save_best(accelerator, trainee, head_dir)
             if state.step % optim.save_every == 0 or last:
                 save_checkpoint(accelerator, run_dir, state)
@@ -258,6 +286,8 @@ def fit(
         "replica_checksums": replica_checksums(accelerator, trainee),
         "steps": state.step,
         "best_score": state.best_score,
+        "best_step": state.best_step,
+        "select_by": optim.select_by,
         "train_tokens_per_s": tokens / max(elapsed, 1e-9),
         "data_wait_fraction": waited[0] / max(elapsed, 1e-9),
         "head_dir": str(head_dir),

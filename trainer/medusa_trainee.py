@@ -23,15 +23,19 @@ from torch.utils.checkpoint import checkpoint
 from conf.errors import UserError
 from conf.files import atomic_dir, commit_dir
 from conf.schema import MedusaConfig
+from data_prep.capture import document_inputs
 from heads.medusa import TARGET_DIR, MedusaHead
+from trainer.decoding import MedusaDrafter
+from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean
 from trainer.trainee import (
     LABEL_INDEX,
+    LABEL_POSITION,
     indexed,
     label_batch_index,
-    label_index,
     shift_left,
     simulated_acceptance_length,
     strip_prefix,
+    trained_mask,
 )
 
 LOSS_CHUNK = 1024  # rows per logits chunk: 1024 x 49152 float32 = 192 MiB
@@ -48,48 +52,86 @@ def offset_labels(
 
 
 def offset_rows(
-    input_ids: torch.Tensor, loss_mask: torch.Tensor, labelled: torch.Tensor, offset: int
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    labelled: torch.Tensor,
+    offset: int,
+    positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows, targets, counted) [N] for predicting `offset` tokens ahead at the N labelled
-    positions `labelled` (a batch's `label_index`): flat row u-offset predicts the token at u.
-    The rows of labels too close to their sequence's start are kept, clamped into range, and
-    not `counted`, so that N, a shape the host knows, is every head's row count."""
+    positions `labelled` (a batch's `label_index`, at `positions` in their own samples): flat
+    row u-offset predicts the token at u. The rows of labels too close to their sample's start
+    are kept, clamped into range, and not `counted` (in a packed row they would be another
+    sample's), so that N, a shape the host knows, is every head's row count."""
     ids, trained = offset_labels(input_ids, loss_mask, offset)
     rows = (labelled - offset).clamp(min=0)
-    counted = trained.flatten().index_select(0, rows) & (labelled >= offset)
+    counted = trained.flatten().index_select(0, rows) & (positions >= offset)
     return rows, ids.flatten().index_select(0, rows), counted
 
 
-def _chunk_terms(
+def _chunk_rows(
     project: nn.Module,
     teacher_project: nn.Module | None,
     count_hits: bool,
+    objective: Objective,
     hidden: torch.Tensor,
     labels: torch.Tensor,
-    counted: torch.Tensor,
     teacher_hidden: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss sum, top-1 hits, top-5 hits) over the `counted` rows of one chunk.
+    """(loss, top-1 hit, top-5 hit) per row of one chunk.
 
-    The loss is CE to `labels`, or with a teacher KL(teacher || student), the self-distillation
-    term whose minimum keeps the student's distribution where the teacher's was; hits are then
-    counted against the teacher's argmax (agreement) instead of the labels."""
+    The loss is the `objective`'s to `labels`, or with a teacher KL(teacher || student), the
+    self-distillation term whose minimum keeps the student's distribution where the teacher's
+    was; hits are then counted against the teacher's argmax (agreement) instead of the labels."""
     logp = F.log_softmax(project(hidden).float(), dim=-1)
     if teacher_hidden is None:
-        row_loss = -logp.gather(-1, labels[:, None]).squeeze(-1)
+        row_loss = objective.hard(logp, labels)
         reference = labels
     else:
         with torch.no_grad():
             teacher_logp = F.log_softmax(teacher_project(teacher_hidden).float(), dim=-1)
         row_loss = (teacher_logp.exp() * (teacher_logp - logp)).sum(-1)
         reference = teacher_logp.argmax(-1)
-    loss = torch.where(counted, row_loss, 0).sum()
     if not count_hits:
-        return loss, labels.new_zeros(()), labels.new_zeros(())
+        none = torch.zeros_like(labels, dtype=torch.bool)
+        return row_loss, none, none
     with torch.no_grad():
         hit = logp.topk(min(5, logp.shape[-1]), dim=-1).indices == reference[:, None]
-        hit &= counted[:, None]
-        return loss, hit[:, 0].sum(), hit.any(-1).sum()
+        return row_loss, hit[:, 0], hit.any(-1)
+
+
+def token_rows(
+    project: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    teacher_project: nn.Module | None = None,
+    teacher_hidden: torch.Tensor | None = None,
+    chunk: int = LOSS_CHUNK,
+    keep_bytes: int = KEEP_LOGITS_BYTES,
+    objective: Objective = CROSS_ENTROPY,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Loss and top-1 / top-5 hits [N] of `project(hidden)` (a Linear) on the rows of [N, H].
+
+    With gradients on (training), the logits stay for backward when N x vocab float32 fits in
+    `keep_bytes`; otherwise each chunk of rows runs under checkpointing (logits recomputed in
+    backward). Hits are not counted while training (all False): the top-k over the vocabulary
+    would cost a fifth of a chunk, and only validation reads them. Without gradients, chunks
+    bound the memory. An empty N still calls `project` once so that every parameter joins the
+    graph, as DDP needs."""
+    training = torch.is_grad_enabled()
+    terms = partial(_chunk_rows, project, teacher_project, not training, objective)
+    run = terms
+    if training and hidden.shape[0] * project.weight.shape[0] * 4 <= keep_bytes:
+        chunk = max(1, hidden.shape[0])
+    elif training:
+        run = partial(checkpoint, terms, use_reentrant=False)
+    parts = []
+    for start in range(0, max(1, hidden.shape[0]), chunk):
+        part = slice(start, start + chunk)
+        teacher_part = None if teacher_hidden is None else teacher_hidden[part]
+        parts.append(run(hidden[part], labels[part], teacher_part))
+    loss, top1, top5 = (torch.cat(column) for column in zip(*parts))
+    return loss, top1, top5
 
 
 def token_loss(
@@ -102,31 +144,11 @@ def token_loss(
     keep_bytes: int = KEEP_LOGITS_BYTES,
     counted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Summed loss and hit counts of `project(hidden)` (a Linear) over the `counted` [N] rows
-    (default all) of [N, H]: the others are computed, then zeroed.
-
-    With gradients on (training), the logits stay for backward when N x vocab float32 fits in
-    `keep_bytes`; otherwise each chunk of rows runs under checkpointing (logits recomputed in
-    backward). Hits are not counted while training (zeros): the top-k over the vocabulary would
-    cost a fifth of a chunk, and only validation reads them. Without gradients, chunks bound the
-    memory. An empty N still calls `project` once so that every parameter joins the graph, as
-    DDP needs."""
-    training = torch.is_grad_enabled()
-    terms = partial(_chunk_terms, project, teacher_project, not training)
-    run = terms
-    if training and hidden.shape[0] * project.weight.shape[0] * 4 <= keep_bytes:
-        chunk = max(1, hidden.shape[0])
-    elif training:
-        run = partial(checkpoint, terms, use_reentrant=False)
+    """`token_rows` summed over the `counted` [N] rows (default all): loss and hit counts."""
+    loss, top1, top5 = token_rows(project, hidden, labels, teacher_project, teacher_hidden, chunk, keep_bytes)
     if counted is None:
         counted = torch.ones_like(labels, dtype=torch.bool)
-    totals = [hidden.new_zeros(()), labels.new_zeros(()), labels.new_zeros(())]
-    for start in range(0, max(1, hidden.shape[0]), chunk):
-        part = slice(start, start + chunk)
-        teacher_part = None if teacher_hidden is None else teacher_hidden[part]
-        for i, value in enumerate(run(hidden[part], labels[part], counted[part], teacher_part)):
-            totals[i] = totals[i] + value
-    return totals[0], totals[1], totals[2]
+    return torch.where(counted, loss, 0).sum(), (top1 & counted).sum(), (top5 & counted).sum()
 
 
 def head_losses(
@@ -135,29 +157,42 @@ def head_losses(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     head_weight: float,
-    labelled: torch.Tensor | None = None,
+    index: dict[str, torch.Tensor] | None = None,
+    objective: Objective = CROSS_ENTROPY,
+    trained: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """sum_k head_weight**k * mean CE of head k at its labelled positions, and per-head sums
-    (`head_ce`, `head_top1`, `head_top5`, `head_total`, each [num_heads]) for validation (the
-    hit counts are zeros when gradients are on, see `token_loss`). `labelled`: the batch's
-    `label_index`, or None to find the labelled positions in `loss_mask` here (a sync on a GPU)."""
-    labelled = label_index(loss_mask) if labelled is None else labelled
+    """sum_k head_weight**k * the `objective`'s weighted mean loss of head k over its labelled
+    positions, and per-head sums over the answer positions (`loss_mask`) for validation
+    (`head_ce`: the objective's loss, `head_top1`, `head_top5`, `head_total`, each
+    [num_heads]; the hit counts are zeros when gradients are on, see `token_rows`).
+    `trained`: the positions whose tokens train (`trained_mask`; None: `loss_mask`); `index`:
+    their `label_batch_index` fields, or None to find them in one-sample rows here (a sync on a
+    GPU)."""
+    trained = loss_mask if trained is None else trained
+    if index is None:
+        index = label_batch_index({"input_ids": input_ids, "loss_mask": trained})
+    labelled, positions = index[LABEL_INDEX], index[LABEL_POSITION]
+    answer = loss_mask.flatten().index_select(0, labelled)
+    weight = objective.row_weights(answer)
     hidden = final_hidden.flatten(0, 1)
     stats = final_hidden.new_zeros(4, head.num_heads)
     loss = final_hidden.new_zeros(())
     for k in range(head.num_heads):
-        rows, targets, counted = offset_rows(input_ids, loss_mask, labelled, 2 + k)
+        rows, targets, counted = offset_rows(input_ids, trained, labelled, 2 + k, positions)
         block_out = head.blocks[k](hidden.index_select(0, rows).to(head.lm_heads[k].weight.dtype))
-        ce, top1, top5 = token_loss(head.lm_heads[k], block_out, targets, counted=counted)
-        n = counted.sum()
-        loss = loss + head_weight**k * ce / n.clamp(min=1)
-        stats[:, k] = torch.stack([ce.detach(), top1.to(ce), top5.to(ce), n.to(ce)])
+        row_loss, top1, top5 = token_rows(head.lm_heads[k], block_out, targets, objective=objective)
+        loss = loss + head_weight**k * weighted_mean(row_loss, torch.where(counted, weight, 0))
+        scored = counted & answer
+        ce = torch.where(scored, row_loss, 0).sum().detach()
+        hits = [(top1 & scored).sum(), (top5 & scored).sum(), scored.sum()]
+        stats[:, k] = torch.stack([ce, *(h.to(ce) for h in hits)])
     names = ("head_ce", "head_top1", "head_top5", "head_total")
     return loss, dict(zip(names, stats))
 
 
 def summarize_heads(sums: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per-head CE / top-1 / top-5 accuracy; `score` = the simulated acceptance length
+    """Per-head loss (`ce_k`: the objective's, cross-entropy by default) / top-1 / top-5
+    accuracy on the answers; `score` = the simulated acceptance length
     1 + sum_k prod_{j<=k} top1_j (heads assumed to hit independently, each given a correct
     prefix), the number of tokens one Medusa chain step would yield on average."""
     total = sums["head_total"].clamp(min=1)
@@ -174,11 +209,10 @@ def summarize_heads(sums: dict[str, torch.Tensor]) -> dict[str, float]:
 class MedusaTrainee(nn.Module):
     """Medusa-1: trainable heads on the frozen target's captured final hidden states."""
 
-    batch_index = staticmethod(label_batch_index)
-
-    def __init__(self, head: MedusaHead, head_weight: float):
+    def __init__(self, head: MedusaHead, head_weight: float, objective: Objective = CROSS_ENTROPY):
         super().__init__()
-        self.head, self.head_weight = head, head_weight
+        self.head, self.head_weight, self.objective = head, head_weight, objective
+        self.batch_index = partial(label_batch_index, prompt_weight=objective.prompt_weight)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if "final_hidden" not in batch:
@@ -187,8 +221,11 @@ class MedusaTrainee(nn.Module):
                 "prepare the data with +head=medusa head.joint=false"
             )
         batch = indexed(batch, self.batch_index)
-        ids, mask, labelled = batch["input_ids"], batch["loss_mask"], batch[LABEL_INDEX]
-        loss, sums = head_losses(self.head, batch["final_hidden"], ids, mask, self.head_weight, labelled)
+        ids, mask = batch["input_ids"], batch["loss_mask"]
+        trained = trained_mask(batch, self.objective.prompt_weight)
+        loss, sums = head_losses(
+            self.head, batch["final_hidden"], ids, mask, self.head_weight, batch, self.objective, trained
+        )
         return {"loss": loss, **sums}
 
     summarize = staticmethod(summarize_heads)
@@ -199,6 +236,9 @@ class MedusaTrainee(nn.Module):
     def save_pretrained(self, out_dir: str | Path, state: dict | None = None) -> Path:
         head_state = None if state is None else strip_prefix(state, "head.")
         return self.head.save_pretrained(out_dir, state=head_state)
+
+    def drafter(self, target) -> tuple[MedusaDrafter, object]:
+        return MedusaDrafter(self.head, target.config.get_text_config().num_hidden_layers), target
 
 
 def trainable_target(target, lora_rank: int):
@@ -225,10 +265,9 @@ class JointMedusaTrainee(nn.Module):
     does not reach the target (Medusa-2's heads warmup): fresh heads are far off, and their
     large gradients would otherwise pull the target away before the heads have learnt anything.
     The original target is kept out of the module tree on purpose: DDP/DeepSpeed, checkpoints
-    and saved states must not carry a frozen second copy.
+    and saved states must not carry a frozen second copy. The heads' terms follow the
+    `head.*` objective (prompt rows, per-row loss); the LM term stays on the answer tokens.
     """
-
-    batch_index = staticmethod(label_batch_index)
 
     def __init__(self, head: MedusaHead, target, cfg: MedusaConfig, grad_accum: int = 1):
         super().__init__()
@@ -236,6 +275,8 @@ class JointMedusaTrainee(nn.Module):
         self.target = trainable_target(target, cfg.lora_rank)
         self.__dict__["teacher"] = target if cfg.self_distill else None
         self.cfg = cfg
+        self.objective = Objective.from_config(cfg)
+        self.batch_index = partial(label_batch_index, prompt_weight=cfg.prompt_loss_weight)
         self.warmup_batches = cfg.head_warmup_steps * grad_accum
         # Training batches seen: a buffer, so checkpoints carry it and a resumed run agrees.
         self.register_buffer("batches_seen", torch.zeros((), dtype=torch.long))
@@ -243,15 +284,17 @@ class JointMedusaTrainee(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Batches are right-padded, so under the causal mask no real position attends to a pad:
         the decoders run without the attention mask, which transformers would read back (a
-        sync) to decide whether SDPA may run as plain causal attention."""
+        sync) to decide whether SDPA may run as plain causal attention. Packed rows pass their
+        positions and a ready-made 4D mask (`document_inputs`), which it takes as they are."""
         batch = indexed(batch, self.batch_index)
-        ids, mask, labelled = batch["input_ids"], batch["loss_mask"], batch[LABEL_INDEX]
-        hidden = self.target.get_decoder()(input_ids=ids).last_hidden_state
-        rows, targets, counted = offset_rows(ids, mask, labelled, 1)
+        ids, mask = batch["input_ids"], batch["loss_mask"]
+        packed = document_inputs(batch["position_ids"]) if "position_ids" in batch else {}
+        hidden = self.target.get_decoder()(input_ids=ids, **packed).last_hidden_state
+        rows, targets, counted = offset_rows(ids, mask, batch[LABEL_INDEX], 1, batch[LABEL_POSITION])
         teacher_project = teacher_rows = None
         if self.teacher is not None:
             with torch.no_grad():
-                teacher_hidden = self.teacher.get_decoder()(input_ids=ids).last_hidden_state
+                teacher_hidden = self.teacher.get_decoder()(input_ids=ids, **packed).last_hidden_state
                 teacher_rows = teacher_hidden.flatten(0, 1).index_select(0, rows)
             teacher_project = self.teacher.get_output_embeddings()
         lm_sum, lm_top1, _ = token_loss(
@@ -269,7 +312,10 @@ class JointMedusaTrainee(nn.Module):
         # head loss reaches the target with a zero gradient.
         warming = self.batches_seen <= self.warmup_batches
         head_input = torch.where(warming, hidden.detach(), hidden)
-        head_loss, sums = head_losses(self.head, head_input, ids, mask, self.cfg.head_weight, labelled)
+        trained = trained_mask(batch, self.objective.prompt_weight)
+        head_loss, sums = head_losses(
+            self.head, head_input, ids, mask, self.cfg.head_weight, batch, self.objective, trained
+        )
         loss = lm_sum / n.clamp(min=1) + self.cfg.joint_head_loss_scale * head_loss
         lm = torch.stack([lm_sum.detach(), lm_top1.to(lm_sum.dtype), n.to(lm_sum.dtype)])
         return {"loss": loss, "lm": lm, **sums}
@@ -309,6 +355,13 @@ class JointMedusaTrainee(nn.Module):
             raise
         return out
 
+    def drafter(self, target) -> tuple[MedusaDrafter, object]:
+        """The heads verified by the target in training. With LoRA, the peft wrapper's base
+        model: its layers carry the active adapters, its forward the decoder's cache argument."""
+        verifier = self.target.get_base_model() if self.cfg.lora_rank else self.target
+        layers = verifier.config.get_text_config().num_hidden_layers
+        return MedusaDrafter(self.head, layers), verifier
+
 
 @torch.no_grad()
 def greedy_token_drift(original, tuned, prompts: list[list[int]], max_new_tokens: int) -> float:
@@ -338,4 +391,4 @@ def build_medusa_trainee(cfg, target, data_dir: Path) -> nn.Module:
     head = MedusaHead.from_target(target, cfg.target.name_or_path, cfg.head)
     if cfg.head.joint:
         return JointMedusaTrainee(head, target, cfg.head, cfg.optim.grad_accum)
-    return MedusaTrainee(head, cfg.head.head_weight)
+    return MedusaTrainee(head, cfg.head.head_weight, Objective.from_config(cfg.head))

@@ -55,6 +55,7 @@ def run(cfg: RootConfig) -> dict:
     from data_prep.store import CapturedDataset, load_manifest, online_capture
     from trainer.distributed import build_accelerator
     from trainer.loop import fit
+    from trainer.val_decode import build_val_decoder
 
     started = time.perf_counter()
     run_dir = Path(cfg.run_dir)
@@ -74,7 +75,9 @@ def run(cfg: RootConfig) -> dict:
     train_ds = CapturedDataset(data_dir, "train")
     val_ds = CapturedDataset(data_dir, "validation")
     trainee = build_trainee(cfg, target, data_dir)
-    result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, online_capture(manifest, target))
+    val_decode = build_val_decoder(cfg, trainee, (target, tokenizer), val_ds)
+    capture = online_capture(manifest, target)
+    result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode)
     summary = {
         "run_dir": str(run_dir),
         "data_dir": str(data_dir),

@@ -13,7 +13,8 @@ from typing import Protocol
 
 import torch
 
-LABEL_INDEX = "label_index"  # the batch field `label_batch_index` adds
+LABEL_INDEX = "label_index"  # the batch fields `label_batch_index` adds
+LABEL_POSITION = "label_position"
 
 Batch = dict[str, torch.Tensor]
 BatchIndex = Callable[[Batch], Batch]
@@ -44,6 +45,12 @@ class Trainee(Protocol):
         """Write the head folder, from `state` (a full, possibly gathered state dict) if given."""
         ...
 
+    def drafter(self, target) -> tuple[object, object]:
+        """(drafter, verifier) for `trainer.decoding.speculative_generate` with the head as it
+        is now: decoded validation measures the head in training with the evaluator's decoder.
+        The verifier is `target`, or the trainee's own target where it trains one."""
+        ...
+
 
 def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     """x[:, t] <- x[:, t+n]; the last n positions get `fill`."""
@@ -60,9 +67,31 @@ def label_index(loss_mask: torch.Tensor) -> torch.Tensor:
     return loss_mask.flatten().nonzero().squeeze(1)
 
 
-def label_batch_index(batch: Batch) -> Batch:
-    """The `batch_index` of a trainee that needs the labelled positions only."""
-    return {LABEL_INDEX: label_index(batch["loss_mask"])}
+def position_ids(batch: Batch) -> torch.Tensor:
+    """[B,T]: each token's position in its own sample. Packed rows (`trainer.batching.pack_row`)
+    carry them; a padded batch holds one sample per row, 0..T-1."""
+    if "position_ids" in batch:
+        return batch["position_ids"]
+    ids = batch["input_ids"]
+    return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+
+
+def trained_mask(batch: Batch, prompt_weight: float) -> torch.Tensor:
+    """Bool [B,T]: the positions whose token a loss predicts. The answers (`loss_mask`) always;
+    with a prompt weight > 0 every other real position too (prompt, system and template
+    tokens): capture keeps the target's hidden states at every position, offline and online, so
+    their target distribution is there without a new capture."""
+    if prompt_weight == 0:
+        return batch["loss_mask"]
+    return batch["loss_mask"] | batch["attention_mask"].bool()
+
+
+def label_batch_index(batch: Batch, prompt_weight: float = 0.0) -> Batch:
+    """The `batch_index` of a trainee that needs the labelled positions only (`trained_mask`):
+    their flat indices and their positions in their own samples (a label is predicted from its
+    own sample only, so `offset` tokens ahead only where its position is >= offset)."""
+    labels = label_index(trained_mask(batch, prompt_weight))
+    return {LABEL_INDEX: labels, LABEL_POSITION: position_ids(batch).flatten().index_select(0, labels)}
 
 
 def indexed(batch: Batch, index: BatchIndex) -> Batch:

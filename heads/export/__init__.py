@@ -83,17 +83,17 @@ def formats_for(head_path: str | Path, formats: list[str] | None) -> list[str]:
     return list(formats or EXPORT_FORMATS[head_kind(head_path)])
 
 
-def run_data_config(head_path: Path) -> dict | None:
-    """The `data` config the head was trained with, from the run folder around it (if any)."""
+def run_config(head_path: Path) -> dict:
+    """The config the head was trained with, from the run folder around it ({} if none)."""
     run_dir = head_path.resolve().parent
     if (run_dir / "config.json").exists():
-        return read_json(run_dir / "config.json", "run config").get("data")
+        return read_json(run_dir / "config.json", "run config")
     hydra_cfg = run_dir / "hydra" / "config.yaml"
     if hydra_cfg.exists():
         from omegaconf import OmegaConf
 
-        return OmegaConf.to_container(OmegaConf.load(hydra_cfg)).get("data")
-    return None
+        return OmegaConf.to_container(OmegaConf.load(hydra_cfg))
+    return {}
 
 
 def _verifier(spec: TargetSpec, target_model) -> tuple[str, list[str]]:
@@ -148,6 +148,7 @@ def export_head(
     ctx = ExportContext(dtype, num_speculative_tokens, verifier, arch)
     config = layout.config(src_cfg, ctx)
     report = read_json(Path(eval_json), "eval") if eval_json else None
+    run = run_config(head_path)
 
     tmp = atomic_dir(out)
     try:
@@ -165,7 +166,8 @@ def export_head(
             license=license,
             layer_ids=e3.engine_layer_ids(src_cfg["aux_layer_ids"]) if fmt == "eagle3" else {},
             eval_report=report,
-            data=run_data_config(head_path),
+            data=run.get("data"),
+            training={k: run[k] for k in ("head", "optim") if k in run},
             notes=e3.serving_notes(src_cfg, fmt) if kind == "eagle3" else [],
         )
         (tmp / "README.md").write_text(render(facts))

@@ -43,6 +43,7 @@ class CardFacts:
     layer_ids: dict[str, list[int]] = field(default_factory=dict)  # engine -> aux ids (eagle3)
     eval_report: dict | None = None  # eval.json
     data: dict | None = None  # the run's `data` config
+    training: dict | None = None  # the run's `head` and `optim` configs
     notes: list[str] = field(default_factory=list)
 
 
@@ -222,6 +223,28 @@ def data_section(data: dict | None) -> str:
     return "\n".join(["## Training data", "", *lines, ""])
 
 
+def training_section(training: dict | None) -> str:
+    """The objective and schedule the head was trained with: acceptance depends on them as much
+    as on the data, and a user reproducing or comparing heads needs them."""
+    if not training:
+        return ""
+    head, optim = training.get("head") or {}, training.get("optim") or {}
+    loss = head.get("loss", "ce")
+    knobs = {"ce+tv": f", tv weight {head.get('tv_weight')}", "lk": f", eta {head.get('lk_eta')}"}
+    prompt = head.get("prompt_loss_weight", 0.0)
+    lines = [f"- loss `{loss}`{knobs.get(loss, '')}, prompt rows weighted {prompt}"]
+    norms = [n for n in ("norm_before_fc", "norm_before_residual", "norm_output") if head.get(n)]
+    if norms:
+        lines.append("- EAGLE-3 norms on: " + ", ".join(f"`{n}`" for n in norms))
+    if optim:
+        lines.append(
+            f"- {optim.get('epochs')} epochs, lr {optim.get('lr')}, {optim.get('batch_tokens')} tokens "
+            f"per batch{' (packed)' if optim.get('packing') else ''}; the kept checkpoint is the best "
+            f"by {optim.get('select_by', 'simulated')} acceptance length"
+        )
+    return "\n".join(["## Training", "", *lines, ""])
+
+
 def render(f: CardFacts) -> str:
     title = "EAGLE-3 draft head" if f.kind == "eagle3" else "Medusa heads"
     intro = (
@@ -237,6 +260,7 @@ def render(f: CardFacts) -> str:
         serve_section(f),
         layer_ids_section(f),
         data_section(f.data),
+        training_section(f.training),
         "\n".join(f"- {n}" for n in f.notes),
     ]
     return "\n\n".join(p.strip() for p in parts if p.strip()) + "\n"

@@ -16,7 +16,7 @@ def greedy_generate(
     """Plain greedy decoding: one target forward per token."""
     prompt = input_ids.reshape(-1).cpu()
     eos, stats = set(eos_ids), DecodeStats()
-    kv = TargetKV(target, [])
+    kv = TargetKV(target, [], room=prompt.numel() + max_new_tokens)
     start = clock(kv.device)
     logits, _ = kv.prefill(prompt)
     out: list[int] = []

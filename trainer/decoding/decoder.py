@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.decoding.drafters import Chain, Draft, Shape
+from trainer.decoding.drafters import Chain, Draft, Shape, draft_size
 from trainer.decoding.kv_cache import TargetKV
 from trainer.decoding.tree import tree_depths
 from trainer.decoding.verify import (
@@ -104,7 +104,7 @@ def speculative_generate(
     """
     prompt = input_ids.reshape(-1).cpu()
     eos, stats = set(eos_ids), DecodeStats()
-    kv = TargetKV(target, drafter.hidden_layers)
+    kv = TargetKV(target, drafter.hidden_layers, room=prompt.numel() + max_new_tokens + draft_size(shape))
     start = clock(kv.device)
     logits, hidden = kv.prefill(prompt)
     first = sampling.pick(logits[-1])[0]

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from conf.errors import UserError
+from trainer.decoding.graphs import StepGraphs
+from trainer.decoding.kv_cache import StaticCache, capacity_for, causal
 from trainer.decoding.tree import (
     DEFAULT_MEDUSA_CHOICES,
     chain_parents,
     expand_frontier,
     select_nodes,
     static_tree,
-    with_prefix,
 )
 from trainer.decoding.verify import Sampling
 
@@ -47,6 +48,13 @@ class Tree:
 Shape = Chain | Tree
 
 
+def draft_size(shape: Shape) -> int:
+    """The most tokens a draft of `shape` holds, whichever drafter grows it."""
+    if isinstance(shape, Chain):
+        return shape.k
+    return max(shape.total_tokens, len(static_tree(shape.choices)[0]) - 1, shape.depth)
+
+
 @dataclass
 class Draft:
     """tokens [n]: target ids of the drafted nodes (the root, `next_token`, excluded).
@@ -67,7 +75,11 @@ class Eagle3Drafter:
     """EAGLE-3: step 0 reads the fused target features of the newly verified tokens, later steps
     feed the head's own hidden back (normed when the head has norm_output). The head's KV cache
     holds only verified positions: after each verify step the drafted entries are dropped and
-    step 0 re-runs on the verified tokens with their real target features (as vLLM does)."""
+    step 0 re-runs on the verified tokens with their real target features (as vLLM does).
+
+    The cache is static (`kv_cache.StaticCache`): drafted entries are written after the `length`
+    committed ones and dropped by leaving `length` alone. It and the step graphs outlive a
+    request, so a drafter decodes one request at a time."""
 
     def __init__(self, head):
         self.head = head
@@ -76,9 +88,12 @@ class Eagle3Drafter:
         self.draft_ids = head.draft_token_ids()
         self.dtype = head.fc.weight.dtype
         self.device = head.fc.weight.device
+        self.cache = StaticCache()
+        self.graphs = StepGraphs(self.device)
+        self.length = 0
 
     def start(self, prompt: torch.Tensor, hidden: list[torch.Tensor], next_token: int) -> None:
-        self.kv = None
+        self.length = 0
         self.commit(prompt, hidden, next_token)
 
     def commit(self, tokens: torch.Tensor, hidden: list[torch.Tensor], next_token: int) -> None:
@@ -90,20 +105,41 @@ class Eagle3Drafter:
     def _ids(self, token: int) -> torch.Tensor:
         return torch.tensor([token], device=self.device)
 
+    def _step(
+        self,
+        hidden: torch.Tensor,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        local: torch.Tensor,
+        graphed: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head step over T new positions -> (hidden to feed back [1,T,H], logits [1,T,Vd]).
+        They see the committed prefix and, as `local` [T, n] says, the n slots after it, the last
+        T of which are their own (the n - T before are this draft's earlier steps)."""
+        t, n = ids.shape[1], local.shape[1]
+        first = self.length + n - t
+        if self.cache.reserve(capacity_for(first + t, self.graphs.enabled), keep=first):
+            self.graphs.clear()
+        mask = self.cache.mask(local, self.length, self.dtype)
+        inputs = [x.to(self.device) for x in (hidden, ids, positions, mask, torch.arange(first, first + t))]
+        return self.graphs("step", self._forward, *inputs) if graphed else self._forward(*inputs)
+
+    def _forward(self, hidden, ids, positions, mask, slots):
+        """What a graph records: one `head.step` writing its K/V at `slots`."""
+        self.cache.slots = slots
+        out, logits, _ = self.head.step(hidden, ids, positions, mask, self.cache)
+        return out, logits
+
     def _catch_up(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Step 0 over the pending verified positions -> (last fed-back hidden [1,1,H], its
-        draft logits [Vd], position of the first drafted token)."""
+        draft logits [Vd], position of the first drafted token). The prompt's runs eagerly: its
+        length is the request's own."""
         feats, ids = self.pending
-        past_len = 0 if self.kv is None else self.kv[0].shape[2]
         t = ids.shape[1]
-        pos = torch.arange(past_len, past_len + t, device=self.device)[None]
-        mask = None
-        if self.kv is not None and t > 1:
-            causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
-            mask = with_prefix(causal, past_len)
-        out, logits, kv = self.head.step(feats, ids, pos, mask, self.kv)
-        self.kv = kv if self.kv is None else _cat_kv(self.kv, kv)
-        return out[:, -1:], logits[0, -1], past_len + t
+        pos = torch.arange(self.length, self.length + t, device=self.device)[None]
+        out, logits = self._step(feats, ids, pos, causal(t, self.device), graphed=self.length > 0)
+        self.length += t
+        return out[:, -1:], logits[0, -1], self.length
 
     def _pick(self, logits: torch.Tensor, sampling: Sampling) -> tuple[int, torch.Tensor | None]:
         draft, probs = sampling.pick(logits)
@@ -118,16 +154,15 @@ class Eagle3Drafter:
         hidden, logits, pos = self._catch_up()
         if isinstance(shape, Tree):
             return self._tree(shape, hidden, logits, pos)
-        past, tokens, qs = self.kv, [], []
+        tokens, qs = [], []
         for j in range(shape.k):
             token, q = self._pick(logits, sampling)
             tokens.append(token)
             qs.append(q)
             if j + 1 < shape.k:
                 position = torch.tensor([[pos + j]], device=self.device)
-                hidden, step_logits, kv = self.head.step(hidden, self._ids(token)[None], position,
-                                                         None, past)
-                past = _cat_kv(past, kv)
+                seen = torch.ones(1, j + 1, dtype=torch.bool, device=self.device)
+                hidden, step_logits = self._step(hidden, self._ids(token)[None], position, seen)
                 logits = step_logits[0, -1]
         return Draft(torch.tensor(tokens), None, _stack(qs))
 
@@ -139,13 +174,10 @@ class Eagle3Drafter:
         frontier, scores, ids = torch.arange(k, device=self.device), top.values, top.indices
         hidden = hidden.expand(1, k, -1)
         ancestors = torch.eye(k, dtype=torch.bool, device=self.device)
-        prefix, past, n_cand = self.kv[0].shape[2], self.kv, k
+        n_cand = k
         for level in range(1, shape.depth):
             position = torch.full((1, k), pos + level - 1, device=self.device)
-            out, step_logits, kv = self.head.step(
-                hidden, self.draft_ids[ids][None], position, with_prefix(ancestors, prefix), past
-            )
-            past = _cat_kv(past, kv)
+            out, step_logits = self._step(hidden, self.draft_ids[ids][None], position, ancestors)
             child_logp = torch.log_softmax(step_logits[0].float(), -1)
             new_ids, new_scores, best = expand_frontier(scores, child_logp, k)
             cand_ids.append(new_ids)
@@ -163,10 +195,6 @@ class Eagle3Drafter:
         return Draft(self.draft_ids[torch.cat(cand_ids)[keep]].cpu(), parents, None)
 
 
-def _cat_kv(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]):
-    return torch.cat([a[0], b[0]], dim=2), torch.cat([a[1], b[1]], dim=2)
-
-
 class MedusaDrafter:
     """Medusa: every head reads the last verified position's final (post-norm) hidden state at
     once; head j proposes the token j+2 positions after it (j+1 after `next_token`)."""
@@ -174,6 +202,8 @@ class MedusaDrafter:
     def __init__(self, head, num_target_layers: int):
         self.head = head
         self.hidden_layers = [num_target_layers]  # HF hidden_states[N]: after the final norm
+        self.weight = next(head.parameters())
+        self.graphs = StepGraphs(self.weight.device)
 
     def start(self, prompt: torch.Tensor, hidden: list[torch.Tensor], next_token: int) -> None:
         self.commit(prompt, hidden, next_token)
@@ -186,14 +216,12 @@ class MedusaDrafter:
         need = shape.k if isinstance(shape, Chain) else max(len(c) for c in shape.choices)
         if need > self.head.num_heads:
             what = "eval.num_speculative_tokens" if isinstance(shape, Chain) else "eval.tree"
-            raise UserError(
-                f"{what} needs {need} Medusa heads; the head has {self.head.num_heads}"
-            )
+            raise UserError(f"{what} needs {need} Medusa heads; the head has {self.head.num_heads}")
 
     @torch.no_grad()
     def propose(self, shape: Shape, sampling: Sampling) -> Draft:
-        weight = next(self.head.parameters())
-        logits = self.head(self.last.to(weight.device, weight.dtype)[None])[:, 0, -1]
+        last = self.last.to(self.weight.device, self.weight.dtype)[None]
+        logits = self.graphs("heads", self.head, last)[:, 0, -1]
         if isinstance(shape, Tree):
             parents, heads, ranks = static_tree(shape.choices)
             top = logits.topk(max(ranks) + 1, dim=-1).indices

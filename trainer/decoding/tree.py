@@ -54,13 +54,6 @@ def with_prefix(local: torch.Tensor, prefix_len: int) -> torch.Tensor:
     return torch.cat([seen, local], dim=1)[None, None]
 
 
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool mask -> float mask (0 where allowed): both eager and SDPA attention accept it."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-        ~mask, torch.finfo(dtype).min
-    )
-
-
 def children_of(parents: list[int]) -> list[list[int]]:
     kids: list[list[int]] = [[] for _ in parents]
     for i, p in enumerate(parents):
@@ -103,9 +96,7 @@ def expand_frontier(
     return top.indices.flatten(), scores, best
 
 
-def select_nodes(
-    scores: torch.Tensor, cand_parents: list[int], total: int
-) -> tuple[list[int], list[int]]:
+def select_nodes(scores: torch.Tensor, cand_parents: list[int], total: int) -> tuple[list[int], list[int]]:
     """The `total` best candidates by score -> (kept candidate ids, tree parents with the root).
 
     cand_parents: each candidate's parent candidate, -1 for a child of the root. Candidates come
