@@ -28,7 +28,7 @@ def tiny(tiny_llama_dir):
     model, _ = load_target(str(tiny_llama_dir))
     torch.manual_seed(0)
     d2t, t2d = identity_vocab(model.config.vocab_size, 3000)
-    head = Eagle3Head.from_target(model, str(tiny_llama_dir), Eagle3Config(), d2t, t2d)
+    head = Eagle3Head.from_target(model, str(tiny_llama_dir), Eagle3Config(**ALL_OFF), d2t, t2d)
     return model, head
 
 
@@ -138,7 +138,7 @@ def variant_of(base: Eagle3Head, model, target_dir, **flags) -> Eagle3Head:
     """`base` with some norm flags on: every shared weight copied, the added input_norm off 1.0
     (a weight of ones would hide a misplaced norm's scale)."""
     d2t, t2d = identity_vocab(model.config.vocab_size, 3000)
-    head = Eagle3Head.from_target(model, str(target_dir), Eagle3Config(**flags), d2t, t2d)
+    head = Eagle3Head.from_target(model, str(target_dir), Eagle3Config(**(ALL_OFF | flags)), d2t, t2d)
     missing, unexpected = head.load_state_dict(base.state_dict(), strict=False)
     assert unexpected == [] and missing == (["input_norm.weight"] if head.input_norm is not None else [])
     if head.input_norm is not None:

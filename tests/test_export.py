@@ -51,6 +51,9 @@ NATIVE_KEYS = TOP | {f"midlayer.{k}" for k in LAYER}
 SPECULATORS_KEYS = TOP | {f"layers.0.{k}" for k in LAYER}
 
 DRAFT_VOCAB = 512
+# The original EAGLE-3 layout (no extra norms), which the exact key sets above describe; the norm
+# variants (on by default) have their own tests below.
+ORIGINAL_LAYOUT = Eagle3Config(norm_before_fc=False, norm_before_residual=False, norm_output=False)
 
 
 def make_head(target_dir: Path, out: Path, seed: int = 0, cfg: Eagle3Config | None = None) -> Path:
@@ -63,7 +66,7 @@ def make_head(target_dir: Path, out: Path, seed: int = 0, cfg: Eagle3Config | No
     t2d[keep] = True
     torch.manual_seed(seed)
     d2t = keep - torch.arange(DRAFT_VOCAB)
-    head = Eagle3Head.from_target(model, str(target_dir), cfg or Eagle3Config(), d2t, t2d)
+    head = Eagle3Head.from_target(model, str(target_dir), cfg or ORIGINAL_LAYOUT, d2t, t2d)
     with torch.no_grad():  # move the norms off 1.0 so a dropped norm weight would show
         for name, p in head.named_parameters():
             if name.endswith("norm.weight"):
