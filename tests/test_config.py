@@ -9,6 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 import conf
+from conf.compose import compose_root
+from conf.errors import UserError
 from conf.schema import Eagle3Config, MedusaConfig, RootConfig
 
 CONF = Path(conf.__file__).parent
@@ -32,3 +34,19 @@ ROOT_FIELDS = RootConfig.__dataclass_fields__
 def test_yaml_group_mirrors_its_dataclass(group, schema):
     yaml = OmegaConf.to_container(OmegaConf.load(CONF / f"{group}.yaml"))
     assert yaml == OmegaConf.to_container(OmegaConf.structured(schema))
+
+
+@pytest.mark.parametrize(
+    "overrides, epochs",
+    [(["+head=eagle3"], Eagle3Config.DEFAULT_EPOCHS), (["+head=medusa"], MedusaConfig.DEFAULT_EPOCHS),
+     (["+head=eagle3", "optim.epochs=2"], 2)],
+)
+def test_unset_epochs_take_the_heads_default(overrides, epochs):
+    """`optim.epochs: null` resolves per head when the root config is built (so config.json and
+    the model card name the number); an explicit value wins."""
+    assert compose_root(overrides).optim.epochs == epochs
+
+
+def test_nonsensical_epochs_are_refused():
+    with pytest.raises(UserError, match=r"^optim.epochs=0: expected null or an integer >= 1$"):
+        compose_root(["+head=eagle3", "optim.epochs=0"])
