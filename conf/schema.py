@@ -108,7 +108,10 @@ class RegenerateConfig(_Checked):
     PREFIX: ClassVar[str] = "data.regenerate"
     enabled: bool = True
     max_new_tokens: int = 128
-    batch_size: int = 64  # rows decoded at once (continuous batching keeps them full)
+    batch_size: int = 128  # rows decoded at once (continuous batching keeps them full)
+    # Engines decoding side by side (threads), sharing batch_size; 0 = one per 32 rows on a CPU,
+    # at most one per torch thread, and 1 on a GPU. Scheduling only: answers do not change.
+    workers: int = 0
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     # Answers per prompt, each its own training sample (sampled: needs temperature > 0). The
@@ -118,7 +121,7 @@ class RegenerateConfig(_Checked):
 
     def check(self) -> None:
         self._at_least(1, "max_new_tokens", "batch_size", "num_samples")
-        self._at_least(0, "temperature")
+        self._at_least(0, "temperature", "workers")
         self._require("top_p", _probability, "a value in (0, 1]")
         self._one_of("backend", REGEN_BACKENDS)
         if self.num_samples > 1 and self.temperature == 0:

@@ -117,6 +117,9 @@ def check_source(cfg: RootConfig) -> None:
         check_vllm_installed()
 
 
+_SCHEDULING = {"batch_size", "workers"}  # regeneration settings that do not change an answer
+
+
 def data_base(cfg: RootConfig) -> Path:
     """`data.cache_dir`, or `cache_root()/data`: where data folders are built."""
     return Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else cache_root() / "data"
@@ -128,6 +131,7 @@ def samples_key(cfg: RootConfig, identity: dict) -> dict:
     data = asdict(cfg.data)
     data.pop("cache_dir")
     data.pop("hidden_states")
+    data["regenerate"].pop("workers")  # scheduling only (keys of folders built before it stand)
     return {
         "format": FORMAT_VERSION,
         "target": {k: identity[k] for k in ("name_or_path", "revision")},
@@ -154,8 +158,9 @@ def regen_cache_file(cfg: RootConfig, identity: dict) -> Path:
             "source": source_fingerprint(d),
             "max_length": d.max_length,
             "max_turns": d.max_turns,
-            # Answers do not depend on how many rows decode together (tests/test_regen_engine.py).
-            "regenerate": {k: v for k, v in asdict(d.regenerate).items() if k != "batch_size"},
+            # Answers do not depend on how many rows or engines decode together
+            # (tests/test_regen_engine.py).
+            "regenerate": {k: v for k, v in asdict(d.regenerate).items() if k not in _SCHEDULING},
         }
     )
     return data_base(cfg) / "regenerated" / f"{key}.jsonl"

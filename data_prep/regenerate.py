@@ -83,7 +83,7 @@ def answer_all(model, prompts: list[list[int]], cfg: RegenerateConfig, eos: set[
         for i, ids in enumerate(vllm_generate(target_path, prompts, dtype=model.dtype, **common)):
             on_finish(i, ids)
         return
-    generate(model, prompts, batch_size=cfg.batch_size, on_finish=on_finish, **common)
+    generate(model, prompts, batch_size=cfg.batch_size, workers=cfg.workers, on_finish=on_finish, **common)
 
 
 def regenerate(

@@ -25,6 +25,7 @@ from conf.compose import compose_root, split_args
 from conf.errors import UserError, exit_on_user_error
 from data_prep.capture import bare_forward
 from data_prep.prepare import check_source, select_samples, tokenize_all
+from data_prep.regen_engine import default_workers
 from data_prep.regenerate import regenerate
 from data_prep.target import load_target_from_config, resolve_target_path
 
@@ -71,6 +72,7 @@ def main(argv: list[str]) -> None:
                 "forward_tokens_per_s": round(forward_rate, 1),
                 "ratio": round(regen_rate / forward_rate, 3),
                 "batch_size": regen.batch_size,
+                "workers": regen.workers or default_workers(model, regen.batch_size),
                 "backend": regen.backend,
                 "prompts": len(samples),
                 "new_tokens": stats["regenerated_tokens"],

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from data_prep.regen_engine import generate, noise_size, top_p_filter, two_level_race
+from data_prep.packed_linear import can_pack, packed_linears
+from data_prep.regen_engine import generate, noise_size, shared_prefix, top_p_filter, two_level_race
 from data_prep.target import eos_token_ids, load_target
 from data_prep.template import prompt_ids
 
@@ -55,6 +56,7 @@ def until(ids: list[int], eos: set[int]) -> list[int]:
 def test_greedy_matches_generate_with_refills_and_early_eos(chaotic):
     model, tok = chaotic
     prompts, new = chat(tok, 32), 24
+    assert shared_prefix(prompts) > 10  # the chat header: prefilled once and copied into each slot
     full = [reference(model, p, new) for p in prompts]
     # EOS ids taken from the references at varied steps, so answers end anywhere from the first
     # token (decided at prefill) to max_new_tokens, and slots free up at different steps.
@@ -62,19 +64,21 @@ def test_greedy_matches_generate_with_refills_and_early_eos(chaotic):
     want = [until(f, eos) for f in full]
     assert len({len(w) for w in want}) >= 6 and min(map(len, want)) == 0 and max(map(len, want)) == new
 
-    finished: list[tuple[int, list[int]]] = []
-    got = generate(
-        model,
-        prompts,
-        max_new_tokens=new,
-        batch_size=5,
-        eos_token_ids=eos,
-        on_finish=lambda i, ids: finished.append((i, list(ids))),
-        prefill_tokens=150,  # small prefill groups: several prefill forwards per refill
-    )
-    assert got == want
-    assert sorted(finished) == sorted(enumerate(want))
-    assert [i for i, _ in finished] != sorted(i for i, _ in finished)  # streamed as they finish
+    for workers, batch_size in ((1, 5), (2, 10)):  # two engines side by side, 5 rows each
+        finished: list[tuple[int, list[int]]] = []
+        got = generate(
+            model,
+            prompts,
+            max_new_tokens=new,
+            batch_size=batch_size,
+            eos_token_ids=eos,
+            on_finish=lambda i, ids, finished=finished: finished.append((i, list(ids))),
+            prefill_tokens=150,  # small prefill groups: several prefill forwards per refill
+            workers=workers,
+        )
+        assert got == want
+        assert sorted(finished) == sorted(enumerate(want))
+        assert [i for i, _ in finished] != sorted(i for i, _ in finished)  # streamed as they finish
 
 
 @pytest.mark.slow
@@ -94,7 +98,9 @@ def test_greedy_matches_generate_on_smollm2():
     eos = eos_token_ids(model, tok)
     want = [until(reference(model, p, 32), eos) for p in prompts]
     assert len(set(map(len, want))) > 1  # some answers end early: their slots are refilled
+    assert shared_prefix(prompts) > 10
     assert generate(model, prompts, max_new_tokens=32, batch_size=3, eos_token_ids=eos) == want
+    assert generate(model, prompts, max_new_tokens=32, batch_size=4, eos_token_ids=eos, workers=2) == want
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +128,7 @@ def test_sampled_answer_depends_on_its_seed_alone(tiny, temperature, top_p):
     assert backwards[::-1] == first
     alone = [generate(model, [p], batch_size=1, seeds=[s], **common)[0] for p, s in zip(prompts, seeds)]
     assert alone == first
+    assert generate(model, prompts, batch_size=6, seeds=seeds, workers=3, **common) == first
 
     others = generate(model, prompts, batch_size=12, seeds=[s + 1000 for s in seeds], **common)
     assert sum(a != b for a, b in zip(first, others)) >= 10
@@ -146,3 +153,24 @@ def test_sampler_draws_from_the_nucleus_in_proportion():
     counts = torch.bincount(two_level_race(nucleus.expand(n, -1), noise), minlength=len(probs))
     assert counts[[0, 2, 5, 7]].tolist() == [0, 0, 0, 0]
     assert (counts / n).tolist() == pytest.approx((nucleus / nucleus.sum()).tolist(), abs=0.01)
+
+
+def test_shared_prefix_stops_short_of_the_shortest_prompt():
+    assert shared_prefix([[1, 2, 3, 4], [1, 2, 3, 5, 6]]) == 3
+    assert shared_prefix([[1, 2, 3], [1, 2, 3, 4]]) == 2  # the shortest prompt's last token is prefilled
+    assert shared_prefix([[7, 2], [1, 2]]) == 0
+
+
+def test_packed_linears_compute_the_same_and_leave_the_model_as_it_was(chaotic):
+    model, _ = chaotic
+    assert can_pack(model)  # CPU float32: the engine's decode steps take the packed path
+    ids = torch.randint(0, model.config.vocab_size, (6, 1))
+    with torch.inference_mode():
+        plain = model(input_ids=ids).logits
+        with packed_linears(model, rows=6):
+            assert "forward" in vars(model.lm_head)
+            packed = model(input_ids=ids).logits
+            other_rows = model(input_ids=ids[:4]).logits  # not the packed row count: plain kernel
+        assert not any("forward" in vars(m) for m in model.modules())
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(other_rows, plain[:4], rtol=1e-5, atol=1e-5)
