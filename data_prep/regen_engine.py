@@ -6,7 +6,10 @@ ends and grows its cache by concatenation every step, so on a CPU most of each s
 rows that are done and on copying. Here the batch stays full: a row that ends frees its slot, and
 the next prompts are prefilled into free slots at once. The K/V live in tensors allocated once,
 [slots, kv_heads, max_len, head_dim] per layer; each row owns one slot and sees only its own
-positions through an additive attention mask, so rows of any length share one forward.
+positions through an additive attention mask, so rows of any length share one forward. The
+prefix all prompts share (the chat header) is prefilled once and copied into each slot. On a CPU
+several engines run side by side in threads, one torch thread each, and the matmul weights are
+packed once (`packed_linear`): per-step work that one engine cannot spread over the cores.
 
 The model is any Hugging Face causal LM with standard attention: `SlotCache` stands in for its
 KV cache (the model calls only its `update`), and the masks and position ids are passed in, so
