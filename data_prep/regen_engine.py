@@ -284,6 +284,7 @@ def generate(
     shares = [list(range(w, len(prompts), workers)) for w in range(workers)]
     slots = min(batch_size // workers, len(shares[0]))
     results: list[list[int]] = [[] for _ in prompts]
+    eos = set(eos_token_ids)  # once: an iterator would be spent by the first engine
     lock = threading.Lock()
 
     def run(share: list[int]) -> None:
@@ -298,7 +299,7 @@ def generate(
             [prompts[i] for i in share],
             max_new_tokens=max_new_tokens,
             slots=min(slots, len(share)),
-            eos=set(eos_token_ids),
+            eos=eos,
             temperature=temperature,
             top_p=top_p,
             seeds=None if seeds is None else [seeds[i] for i in share],
@@ -309,10 +310,10 @@ def generate(
     with packed_linears(model, slots):  # decode steps run `slots` rows until the batch thins
         if workers == 1:
             run(shares[0])
-            return results
-        with _threads_split(workers), ThreadPoolExecutor(workers) as pool:
-            for done in [pool.submit(run, share) for share in shares]:
-                done.result()  # re-raises a worker's error
+        else:
+            with _threads_split(workers), ThreadPoolExecutor(workers) as pool:
+                for done in [pool.submit(run, share) for share in shares]:
+                    done.result()  # re-raises a worker's error
     return results
 
 
