@@ -21,6 +21,7 @@ from conf.errors import UserError, first_line
 
 TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
 STORAGE_DTYPES = ("bfloat16", "fp8")
+MATMUL_DTYPES = ("auto", "target", "bfloat16")
 HIDDEN_STATES = ("offline", "online", "auto")
 REGEN_BACKENDS = ("hf", "vllm")
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
@@ -83,7 +84,9 @@ class TargetConfig(_Checked):
     PREFIX: ClassVar[str] = "target"
     name_or_path: str = "smollm2-135m-instruct"
     revision: str | None = None
-    # "auto": bfloat16 on a GPU, float32 on a CPU (no native bf16 here: ~4x slower matmuls).
+    # "auto": bfloat16 on a GPU, float32 on a CPU: bf16 norms, softmax and attention are slow on a
+    # CPU (an all-bf16 SmolLM2 regenerated at 0.75x float32's speed on the 2-core EPYC), and the
+    # evaluator's lossless check wants float32. Data prep's matmuls: `data.matmul_dtype`.
     dtype: str = "auto"
     # "auto": cuda if available, else cpu.
     device: str = "auto"
@@ -107,7 +110,7 @@ class RegenerateConfig(_Checked):
 
     PREFIX: ClassVar[str] = "data.regenerate"
     enabled: bool = True
-    max_new_tokens: int = 128
+    max_new_tokens: int = 256
     batch_size: int = 128  # rows decoded at once (continuous batching keeps them full)
     # Engines decoding side by side (threads), sharing batch_size; 0 = one per 32 rows on a CPU,
     # at most one per torch thread, and 1 on a GPU. Scheduling only: answers do not change.
@@ -138,13 +141,17 @@ class DataConfig(_Checked):
     # folder or Hub name.
     source: str = "sharegpt"
     split: str = "train"  # for `datasets` sources
-    max_samples: int = 192  # 0 = all
+    max_samples: int = 560  # 0 = all
     max_length: int = 512
     max_turns: int = 1  # user/assistant exchanges kept per conversation; 0 = all
     val_fraction: float = 0.1
     seed: int = 0
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     storage_dtype: str = "bfloat16"  # bfloat16 | fp8 (e4m3 with a scale per token and layer)
+    # The target's linear layers while it writes data (regeneration, capture, online capture):
+    # auto = bf16 GEMMs for a float32 target on a CPU with native bf16 (AVX512-BF16/AMX: ~2.5x
+    # float32 matmuls), else the target's dtype; target = target.dtype; bfloat16 = bf16 GEMMs.
+    matmul_dtype: str = "auto"
     # Where the head's hidden states come from. offline: captured once into the data folder,
     # (aux layers + 1) x hidden x 2 bytes per token in bf16 (4.6 KB for SmolLM2, 32 KiB for an
     # 8B target). online: the frozen target computes them in the training loop, per batch; the
@@ -166,6 +173,7 @@ class DataConfig(_Checked):
         self._at_least(1, "shard_samples", "capture_batch_tokens", "draft_vocab_size")
         self._require("val_fraction", lambda v: 0 <= v < 1, "a value in [0, 1)")
         self._one_of("storage_dtype", STORAGE_DTYPES)
+        self._one_of("matmul_dtype", MATMUL_DTYPES)
         self._one_of("hidden_states", HIDDEN_STATES)
         if self.regenerate.enabled and self.regenerate.max_new_tokens >= self.max_length:
             raise UserError(
@@ -370,9 +378,10 @@ class Eagle3Config(ObjectiveConfig):
     """Hydra group `head/eagle3`: what a user may choose about a new EAGLE-3 head."""
 
     PREFIX: ClassVar[str] = "head"
-    # optim.epochs when it is null: on the embedded default, 5 epochs at ttt_length 3 reached vLLM
-    # acceptance 1.302 against 1.242 after 3 (validation was still rising at 9 epochs).
-    DEFAULT_EPOCHS: ClassVar[int] = 5
+    # optim.epochs when it is null: the field's 2-3 passes over regenerated data. On the embedded
+    # default, 2 epochs over 560 conversations (109k answer tokens; 16 min) evaluated at 1.322
+    # against 1.307 for 5 epochs over 192 (21k; 10 min) and 1.268 for 1 epoch over 600.
+    DEFAULT_EPOCHS: ClassVar[int] = 2
     name: str = "eagle3"
     # Architecture. HF `hidden_states` indices (k = residual stream after k decoder layers).
     # None: the engines' default (2, N//2, N-3); checked against the target's N when it is read.
@@ -416,7 +425,10 @@ class MedusaConfig(ObjectiveConfig):
     """Hydra group `head/medusa`."""
 
     PREFIX: ClassVar[str] = "head"
-    DEFAULT_EPOCHS: ClassVar[int] = 3  # optim.epochs when it is null
+    # optim.epochs when it is null: one pass over the default 560 conversations. Medusa's four
+    # full-vocabulary heads cost ~3.5 s per 1,024-token step on 2 cores, so a second pass would
+    # not fit the 20-minute main job (3 passes over 192 conversations were the old default).
+    DEFAULT_EPOCHS: ClassVar[int] = 1
     name: str = "medusa"
     # Architecture.
     num_heads: int = 4

@@ -13,6 +13,7 @@ disk, so memory holds a few dozen bytes per sample, not the source.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import json
@@ -32,6 +33,7 @@ from conf.compose import hydra_main
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import RootConfig, to_root_config
 from data_prep.capture import LAYER_CONVENTION, CaptureSpec, capture_shard
+from data_prep.linears import DataLinears, resolve_matmul_dtype
 from data_prep.regen_vllm import check_vllm_installed
 from data_prep.regenerate import regenerate
 from data_prep.sources import (
@@ -125,12 +127,27 @@ def data_base(cfg: RootConfig) -> Path:
     return Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else cache_root() / "data"
 
 
+def matmul_dtype(cfg: RootConfig) -> torch.dtype:
+    """The precision of the target's linear layers while it writes data (`data.matmul_dtype`)."""
+    device = resolve_device(cfg.target.device)
+    return resolve_matmul_dtype(cfg.data.matmul_dtype, resolve_dtype(cfg.target.dtype, device), device)
+
+
+def _precision(cfg: RootConfig) -> dict:
+    """{"matmul_dtype": ...} when data prep's matmuls differ from the target's dtype, else {}:
+    answers and hidden states depend on it, and keys built before the setting existed stand."""
+    dtype = resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))
+    mm = matmul_dtype(cfg)
+    return {} if mm == dtype else {"matmul_dtype": str(mm)}
+
+
 def samples_key(cfg: RootConfig, identity: dict) -> dict:
     """What the tokenised samples depend on: the target, its dtype (regeneration), the source and
     the data config but its cache folder and `hidden_states` (which only decides what is stored)."""
     data = asdict(cfg.data)
     data.pop("cache_dir")
     data.pop("hidden_states")
+    data.pop("matmul_dtype")  # as resolved, in `_precision`
     data["regenerate"].pop("workers")  # scheduling only (keys of folders built before it stand)
     return {
         "format": FORMAT_VERSION,
@@ -138,7 +155,7 @@ def samples_key(cfg: RootConfig, identity: dict) -> dict:
         "dtype": str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))),
         "data": data,
         "source": source_fingerprint(cfg.data),
-    }
+    } | _precision(cfg)
 
 
 def data_folder(cfg: RootConfig, identity: dict, spec: CaptureSpec, vocab: int | None, mode: str) -> Path:
@@ -162,6 +179,7 @@ def regen_cache_file(cfg: RootConfig, identity: dict) -> Path:
             # (tests/test_regen_engine.py).
             "regenerate": {k: v for k, v in asdict(d.regenerate).items() if k not in _SCHEDULING},
         }
+        | _precision(cfg)
     )
     return data_base(cfg) / "regenerated" / f"{key}.jsonl"
 
@@ -267,6 +285,7 @@ def spill_samples(
             stats,
             progress,
             target_path=resolve_target_path(cfg.target.name_or_path),
+            matmul_dtype=matmul_dtype(cfg),
         )
     # A context manager, so that a bad row's error starts on a line of its own, not after the bar.
     with progress(unit="sample", desc="tokenize") if progress else contextlib.nullcontext() as bar:
@@ -339,6 +358,11 @@ def prepare(cfg: RootConfig, target=None) -> Path:
             model, _ = load_target_from_config(cfg.target)
         return model
 
+    @functools.cache
+    def capturing() -> DataLinears:
+        """The capture's linear layers, made on its first shard."""
+        return DataLinears(target_model(), matmul_dtype(cfg))
+
     stats: Counter = Counter()
     progress = _progress(cfg)
     spill_dir = data_base(cfg) / f".spill-{_hash(samples_key(cfg, identity))}"
@@ -369,6 +393,7 @@ def prepare(cfg: RootConfig, target=None) -> Path:
             "aux_layer_ids": list(spec.aux_layer_ids),
             "final_layer_id": spec.final_layer_id,
             "storage_dtype": spec.storage_dtype,
+            "matmul_dtype": str(matmul_dtype(cfg)).removeprefix("torch."),
             "max_length": d.max_length,
             "data": asdict(d),
             "splits": {},
@@ -390,8 +415,11 @@ def prepare(cfg: RootConfig, target=None) -> Path:
 
         def make_shard(chunk: list[Tokenized]):
             start = time.perf_counter()
-            capturing = target_model() if stored.needs_forward else None
-            tensors = capture_shard(capturing, chunk, stored, d.capture_batch_tokens)
+            if stored.needs_forward:
+                with capturing():
+                    tensors = capture_shard(target_model(), chunk, stored, d.capture_batch_tokens)
+            else:
+                tensors = capture_shard(None, chunk, stored, d.capture_batch_tokens)
             timing["seconds"] += time.perf_counter() - start
             timing["tokens"] += sum(len(t.input_ids) for t in chunk)
             return tensors

@@ -8,8 +8,8 @@ the next prompts are prefilled into free slots at once. The K/V live in tensors 
 [slots, kv_heads, max_len, head_dim] per layer; each row owns one slot and sees only its own
 positions through an additive attention mask, so rows of any length share one forward. The
 prefix all prompts share (the chat header) is prefilled once and copied into each slot. On a CPU
-several engines run side by side in threads, one torch thread each, and the matmul weights are
-packed once (`packed_linear`): per-step work that one engine cannot spread over the cores.
+several engines run side by side in threads, one torch thread each, and the matmuls run in bf16
+or on weights packed once (`linears`): per-step work that one engine cannot spread over the cores.
 
 The model is any Hugging Face causal LM with standard attention: `SlotCache` stands in for its
 KV cache (the model calls only its `update`), and the masks and position ids are passed in, so
@@ -27,8 +27,8 @@ from contextlib import contextmanager
 
 import torch
 
+from data_prep.linears import DataLinears
 from data_prep.masks import additive_mask as _additive
-from data_prep.packed_linear import packed_linears
 
 
 def prefill_mask(lengths: torch.Tensor, width: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
@@ -259,6 +259,7 @@ def generate(
     on_finish: Callable[[int, list[int]], None] | None = None,
     prefill_tokens: int = 4096,
     workers: int = 1,
+    matmul_dtype: torch.dtype | None = None,
 ) -> list[list[int]]:
     """Each prompt's new token ids, up to (not including) the first EOS, at most `max_new_tokens`.
 
@@ -270,7 +271,8 @@ def generate(
     Greedy when `temperature` is 0. Sampling needs `seeds`, one per prompt: a prompt draws from
     its own generator, seeded with its seed, so its output does not depend on the batch, slot or
     order it ran in. `on_finish(prompt_index, ids)` is called as each prompt finishes, so a
-    caller can stream results out; calls never overlap.
+    caller can stream results out; calls never overlap. `matmul_dtype`: see `linears.DataLinears`
+    (None: the model's own, with float32 weights packed for the decode steps on a CPU).
     """
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError("max_new_tokens and batch_size must be >= 1")
@@ -307,7 +309,7 @@ def generate(
             prefill_tokens=prefill_tokens,
         )
 
-    with packed_linears(model, slots):  # decode steps run `slots` rows until the batch thins
+    with DataLinears(model, matmul_dtype, rows=slots):  # decode steps run `slots` rows until the batch thins
         if workers == 1:
             run(shares[0])
         else:

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from conf.schema import RegenerateConfig
 from data_prep.regen_engine import generate
 from data_prep.sources import Message, Sample, answer_uid
@@ -68,8 +70,10 @@ def turn_seed(uid: str, turn: int) -> int:
 
 
 def answer_all(model, prompts: list[list[int]], cfg: RegenerateConfig, eos: set[int], seeds: list[int],
-               on_finish: Callable[[int, list[int]], None], target_path: str | None = None) -> None:
-    """Generate every prompt's answer with the configured backend, calling `on_finish(i, ids)`."""
+               on_finish: Callable[[int, list[int]], None], target_path: str | None = None,
+               matmul_dtype: torch.dtype | None = None) -> None:
+    """Generate every prompt's answer with the configured backend, calling `on_finish(i, ids)`.
+    `matmul_dtype` applies to the hf engine; vLLM runs the target's dtype."""
     common = dict(
         max_new_tokens=cfg.max_new_tokens,
         eos_token_ids=eos,
@@ -83,7 +87,8 @@ def answer_all(model, prompts: list[list[int]], cfg: RegenerateConfig, eos: set[
         for i, ids in enumerate(vllm_generate(target_path, prompts, dtype=model.dtype, **common)):
             on_finish(i, ids)
         return
-    generate(model, prompts, batch_size=cfg.batch_size, workers=cfg.workers, on_finish=on_finish, **common)
+    generate(model, prompts, batch_size=cfg.batch_size, workers=cfg.workers, on_finish=on_finish,
+             matmul_dtype=matmul_dtype, **common)
 
 
 def regenerate(
@@ -96,6 +101,7 @@ def regenerate(
     stats: Counter,
     progress: Callable | None = None,
     target_path: str | None = None,
+    matmul_dtype: torch.dtype | None = None,
 ) -> list[Sample]:
     """Every sample with target-written answers (`cfg.num_samples` per prompt, each its own sample
     with uid `answer_uid(uid, k)`), in input order; reuses and extends `cache_file`.
@@ -103,7 +109,8 @@ def regenerate(
     A turn is answered only when its prompt leaves room for `max_new_tokens` within
     `max_length`; later turns of that conversation are dropped (they would be truncated away).
     Conversations are written to the cache as they finish, so a killed run loses only the ones
-    in flight. `target_path` is the target's folder, for the vLLM backend.
+    in flight. `target_path` is the target's folder, for the vLLM backend; `matmul_dtype` the
+    precision of the engine's linear layers (`data_prep.linears`).
     """
     done = read_cache(cache_file)
     wanted = [Sample(answer_uid(s.uid, k), s.messages) for s in samples for k in range(cfg.num_samples)]
@@ -153,7 +160,7 @@ def regenerate(
                     bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - started):.1f}")
 
             seeds = [turn_seed(p.sample.uid, len(p.answers)) for p in pending]
-            answer_all(model, [r[2] for r in ready], cfg, eos, seeds, answered, target_path)
+            answer_all(model, [r[2] for r in ready], cfg, eos, seeds, answered, target_path, matmul_dtype)
     if bar is not None:
         bar.close()
     stats["regenerated_tokens"] += new_tokens

@@ -16,7 +16,6 @@ import os
 import shutil
 from array import array
 from collections.abc import Callable, Iterable
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from safetensors.torch import save_file
 from conf.errors import UserError
 from conf.files import atomic_write
 from data_prep.capture import CaptureSpec, capture_batch, decode
+from data_prep.linears import DataLinears
 from data_prep.template import Tokenized
 
 FORMAT_VERSION = 1
@@ -204,7 +204,15 @@ def online_capture(manifest: dict, model) -> Callable[[dict], dict] | None:
     spec = CaptureSpec(tuple(m["aux_layer_ids"]), m["final_layer_id"], m["storage_dtype"])
     if manifest.get("hidden_states") != "online" or not spec.needs_forward:
         return None
-    return partial(capture_batch, model, spec)
+    # The linear layers compute as they did when the folder was prepared (`data.matmul_dtype`);
+    # folders from before that setting ran the target's own dtype.
+    linears = DataLinears(model, getattr(torch, m["matmul_dtype"]) if "matmul_dtype" in m else None)
+
+    def capture(batch: dict) -> dict:
+        with linears:
+            return capture_batch(model, spec, batch)
+
+    return capture
 
 
 class CapturedDataset(torch.utils.data.Dataset):

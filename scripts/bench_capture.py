@@ -24,7 +24,8 @@ from hydra import compose, initialize_config_module
 
 from conf.schema import to_root_config
 from data_prep.capture import bare_forward, capture_shard
-from data_prep.prepare import capture_spec, select_samples, tokenize_all
+from data_prep.linears import DataLinears
+from data_prep.prepare import capture_spec, matmul_dtype, select_samples, tokenize_all
 from data_prep.store import open_partial, write_split
 from data_prep.target import load_target_from_config
 
@@ -71,10 +72,11 @@ def main() -> None:
 
     records: list[dict] = []
     forward, capture = [], []
-    for _ in range(args.reps):
-        forward.append(timed(lambda: bare_forward(model, shards, d.capture_batch_tokens, False)))
-        capture.append(timed(lambda: records.extend(capture_to_disk())))
-    full = timed(lambda: bare_forward(model, shards, d.capture_batch_tokens, True))
+    with DataLinears(model, matmul_dtype(cfg)):  # the linears as data prep runs them
+        for _ in range(args.reps):
+            forward.append(timed(lambda: bare_forward(model, shards, d.capture_batch_tokens, False)))
+            capture.append(timed(lambda: records.extend(capture_to_disk())))
+        full = timed(lambda: bare_forward(model, shards, d.capture_batch_tokens, True))
     nbytes = sum(r["bytes"] for r in records) / args.reps
     hidden = model.config.get_text_config().hidden_size
     print(
@@ -88,6 +90,7 @@ def main() -> None:
                 "bytes_per_token_over_hidden": round(nbytes / tokens / hidden, 3),
                 "full_logits_forward_tokens_per_s": round(tokens / full, 1),
                 "storage_dtype": args.storage,
+                "matmul_dtype": str(matmul_dtype(cfg)).removeprefix("torch."),
                 "samples": len(items),
                 "tokens": tokens,
                 "threads": torch.get_num_threads(),

@@ -24,7 +24,8 @@ import torch
 from conf.compose import compose_root, split_args
 from conf.errors import UserError, exit_on_user_error
 from data_prep.capture import bare_forward
-from data_prep.prepare import check_source, select_samples, tokenize_all
+from data_prep.linears import DataLinears
+from data_prep.prepare import check_source, matmul_dtype, select_samples, tokenize_all
 from data_prep.regen_engine import default_workers
 from data_prep.regenerate import regenerate
 from data_prep.target import load_target_from_config, resolve_target_path
@@ -54,15 +55,17 @@ def main(argv: list[str]) -> None:
             Path(tmp) / "regen.jsonl",
             stats,
             target_path=resolve_target_path(cfg.target.name_or_path),
+            matmul_dtype=matmul_dtype(cfg),
         )
         regen_s = time.perf_counter() - start
     tokenized = tokenize_all(answered, tok, cfg.data.max_length, Counter())
     items = sorted(tokenized.values(), key=lambda t: len(t.input_ids))
     shards = [items[i : i + cfg.data.shard_samples] for i in range(0, len(items), cfg.data.shard_samples)]
     tokens = sum(len(t.input_ids) for t in items)
-    start = time.perf_counter()
-    bare_forward(model, shards, cfg.data.capture_batch_tokens, full_logits=False)
-    forward_s = time.perf_counter() - start
+    with DataLinears(model, matmul_dtype(cfg)):  # the capture's forward, as data prep runs it
+        start = time.perf_counter()
+        bare_forward(model, shards, cfg.data.capture_batch_tokens, full_logits=False)
+        forward_s = time.perf_counter() - start
     regen_rate = stats["regenerated_tokens"] / regen_s
     forward_rate = tokens / forward_s
     print(
@@ -82,6 +85,7 @@ def main(argv: list[str]) -> None:
                 "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                 "device": str(model.device),
                 "dtype": str(model.dtype).removeprefix("torch."),
+                "matmul_dtype": str(matmul_dtype(cfg)).removeprefix("torch."),
                 "threads": torch.get_num_threads(),
             }
         )

@@ -50,3 +50,9 @@ def test_unset_epochs_take_the_heads_default(overrides, epochs):
 def test_nonsensical_epochs_are_refused():
     with pytest.raises(UserError, match=r"^optim.epochs=0: expected null or an integer >= 1$"):
         compose_root(["+head=eagle3", "optim.epochs=0"])
+
+
+def test_unknown_matmul_dtype_is_refused():
+    expected = r"^data.matmul_dtype='fp16': expected one of auto, target, bfloat16$"
+    with pytest.raises(UserError, match=expected):
+        compose_root(["+head=eagle3", "data.matmul_dtype=fp16"])

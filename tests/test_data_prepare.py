@@ -10,6 +10,7 @@ import sys
 import pytest
 from conftest import build_tiny_target
 
+import data_prep.prepare as P
 from conf.errors import UserError
 from conf.schema import (
     DataConfig,
@@ -143,6 +144,20 @@ def test_regenerated_answers_are_cached_across_sizes(tiny_llama_dir, tmp_path):
     stats = load_manifest(bigger)["stats"]
     assert bigger != folder and stats["regenerated_from_cache"] == 6
     assert load_manifest(bigger)["splits"]["train"]["samples"] > 0
+
+
+def test_bf16_gemms_key_their_own_answers_and_folders(tiny_llama_dir, source, tmp_path):
+    """data.matmul_dtype=bfloat16 writes other answers and hidden states: other cache file and
+    folder; `target` keeps the keys of folders built before the setting existed (none in them)."""
+    model, tok = load_target(str(tiny_llama_dir))
+    identity = P.target_identity(root(tiny_llama_dir, source, tmp_path), tok, model.config)
+    own, bf16 = (root(tiny_llama_dir, source, tmp_path, matmul_dtype=m) for m in ("target", "bfloat16"))
+    assert "matmul_dtype" not in P.samples_key(own, identity)
+    assert P.samples_key(bf16, identity)["matmul_dtype"] == "torch.bfloat16"
+    assert P.regen_cache_file(own, identity) != P.regen_cache_file(bf16, identity)
+    folder = prepare(bf16)
+    assert load_manifest(folder)["matmul_dtype"] == "bfloat16" and folder != prepare(own)
+    assert load_manifest(prepare(own))["matmul_dtype"] == "float32"
 
 
 def test_data_from_another_target_is_refused(smol_tokenizer, source, tmp_path):

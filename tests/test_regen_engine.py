@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from data_prep.packed_linear import can_pack, packed_linears
+from data_prep.linears import DataLinears, can_pack, native_bf16, resolve_matmul_dtype
 from data_prep.regen_engine import generate, noise_size, shared_prefix, top_p_filter, two_level_race
 from data_prep.target import eos_token_ids, load_target
 from data_prep.template import prompt_ids
@@ -79,6 +79,21 @@ def test_greedy_matches_generate_with_refills_and_early_eos(chaotic):
         assert got == want
         assert sorted(finished) == sorted(enumerate(want))
         assert [i for i, _ in finished] != sorted(i for i, _ in finished)  # streamed as they finish
+
+    # With bf16 GEMMs (data.matmul_dtype) the engine writes what `model.generate` writes with the
+    # same linear layers, but for near ties: a linear's input rounded to bf16 turns float32 noise
+    # (attention over another width, GEMMs of another row count) into a bf16 step now and then.
+    with DataLinears(model, torch.bfloat16):
+        want = [until(reference(model, p, new), eos) for p in prompts]
+    assert sum(w != until(f, eos) for w, f in zip(want, full)) >= 16  # not float32's precision
+    for workers, batch_size in ((1, 5), (2, 10)):
+        got = generate(
+            model, prompts, max_new_tokens=new, batch_size=batch_size, eos_token_ids=eos,
+            prefill_tokens=150, workers=workers, matmul_dtype=torch.bfloat16,
+        )
+        assert not any("forward" in vars(m) for m in model.modules())
+        # 29/32 and 32/32 here (tiny Llama, Qwen2), against 5/32 equal to the float32 answers.
+        assert sum(g == w for g, w in zip(got, want)) >= 24
 
 
 @pytest.mark.slow
@@ -167,10 +182,38 @@ def test_packed_linears_compute_the_same_and_leave_the_model_as_it_was(chaotic):
     ids = torch.randint(0, model.config.vocab_size, (6, 1))
     with torch.inference_mode():
         plain = model(input_ids=ids).logits
-        with packed_linears(model, rows=6):
+        with DataLinears(model, rows=6):
             assert "forward" in vars(model.lm_head)
             packed = model(input_ids=ids).logits
             other_rows = model(input_ids=ids[:4]).logits  # not the packed row count: plain kernel
         assert not any("forward" in vars(m) for m in model.modules())
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(other_rows, plain[:4], rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_linears_round_inputs_and_weights_and_hand_float32_back(chaotic):
+    model, _ = chaotic
+    linear = model.lm_head
+    x = torch.randn(5, linear.in_features)
+    rounded = x.bfloat16().float() @ linear.weight.detach().bfloat16().float().T  # exact products
+    linears = DataLinears(model, torch.bfloat16, rows=5)  # bf16 wins over packing
+    with torch.inference_mode():
+        plain = linear(x)
+        for _ in range(2):  # the weights are converted once; the block can be entered again
+            with linears:
+                got = linear(x)
+            assert "forward" not in vars(linear)
+    assert got.dtype == torch.float32 and torch.equal(got, got.bfloat16().float())  # a bf16 GEMM's output
+    torch.testing.assert_close(got, rounded, rtol=2**-7, atol=1e-4)
+    assert not torch.equal(got, plain)
+    assert len(DataLinears(model, torch.float32).forwards) == 0  # the model's own dtype: nothing to do
+
+
+def test_matmul_dtype_auto_takes_bf16_gemms_only_on_a_float32_cpu_target_with_native_bf16():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    native = torch.bfloat16 if native_bf16() else torch.float32
+    assert resolve_matmul_dtype("auto", torch.float32, cpu) == native
+    assert resolve_matmul_dtype("auto", torch.bfloat16, gpu) == torch.bfloat16
+    assert resolve_matmul_dtype("auto", torch.float32, gpu) == torch.float32
+    assert resolve_matmul_dtype("target", torch.float32, cpu) == torch.float32
+    assert resolve_matmul_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16

@@ -14,12 +14,15 @@ import torch
 
 from conf.errors import UserError
 from conf.schema import DistConfig, OptimConfig
+from data_prep.linears import native_bf16
 
 
 def mixed_precision(cfg: DistConfig) -> str:
+    """`dist.mixed_precision`; auto = bf16 autocast on a GPU and on a CPU with native bf16 (the
+    2-core EPYC trains the default EAGLE-3 head 1.34x faster: 770 vs 576 tokens/s), else none."""
     if cfg.mixed_precision != "auto":
         return cfg.mixed_precision
-    return "bf16" if torch.cuda.is_available() else "no"
+    return "bf16" if torch.cuda.is_available() or native_bf16() else "no"
 
 
 def _skip_deepspeed_shm_build() -> None:
