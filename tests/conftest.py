@@ -28,6 +28,17 @@ TINY = dict(
 )
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """Each test builds its accelerator as a run's own process does. Accelerate keeps one
+    `AcceleratorState` per process and refuses a second `Accelerator` with another mixed
+    precision (`dist.mixed_precision: auto` is bf16 on a CPU with native bf16, `no` elsewhere)."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+
+
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     """SmolLM2's real tokenizer and chat template (the GGUF is converted once and cached)."""
