@@ -19,6 +19,7 @@ evaluation and export see the model exactly as it was loaded:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -27,9 +28,11 @@ import torch
 import torch.nn.functional as F
 
 
+@functools.cache
 def native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions (the reason bf16 GEMMs pay on it); an
-    older CPU emulates them at a fraction of the float32 speed."""
+    older CPU emulates them at a fraction of the float32 speed. Read once per process: data prep
+    resolves its keys, manifest and forwards from it several times."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
