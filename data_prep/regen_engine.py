@@ -8,8 +8,10 @@ the next prompts are prefilled into free slots at once. The K/V live in tensors 
 [slots, kv_heads, max_len, head_dim] per layer; each row owns one slot and sees only its own
 positions through an additive attention mask, so rows of any length share one forward. The
 prefix all prompts share (the chat header) is prefilled once and copied into each slot. On a CPU
-several engines run side by side in threads, one torch thread each, and the matmuls run in bf16
-or on weights packed once (`linears`): per-step work that one engine cannot spread over the cores.
+several engines run side by side in threads, one torch thread each, the matmuls run in bf16
+or on weights packed once (`linears`), and decode attention runs on a kernel that reads each
+row's cache once, only to its own length (`decode_attention`): a float32 CPU decode step spent
+as long in PyTorch's attention as in all its matmuls.
 
 The model is any Hugging Face causal LM with standard attention: `SlotCache` stands in for its
 KV cache (the model calls only its `update`), and the masks and position ids are passed in, so
@@ -27,6 +29,7 @@ from contextlib import contextmanager
 
 import torch
 
+from data_prep.decode_attention import slot_attention
 from data_prep.linears import DataLinears
 from data_prep.masks import additive_mask as _additive
 
@@ -307,9 +310,11 @@ def generate(
             seeds=None if seeds is None else [seeds[i] for i in share],
             on_finish=finished,
             prefill_tokens=prefill_tokens,
+            counted=counted,
         )
 
-    with DataLinears(model, matmul_dtype, rows=slots):  # decode steps run `slots` rows until the batch thins
+    linears = DataLinears(model, matmul_dtype, rows=slots)  # packed for the decode steps' row count
+    with linears, slot_attention(model) as counted:
         if workers == 1:
             run(shares[0])
         else:
@@ -332,8 +337,10 @@ def _decode_all(
     seeds: list[int] | None,
     on_finish: Callable[[int, list[int]], None],
     prefill_tokens: int,
+    counted: bool,
 ) -> None:
-    """One engine: `slots` rows decoding `prompts` with continuous batching (see `generate`)."""
+    """One engine: `slots` rows decoding `prompts` with continuous batching (see `generate`).
+    `counted`: decode forwards pass each row's cache length as `slot_counts` (`slot_attention`)."""
     sampling = temperature > 0
     device = model.get_input_embeddings().weight.device
     dtype = model.dtype
@@ -345,7 +352,8 @@ def _decode_all(
     queue = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     cache_kwarg = _cache_kwarg(model)
 
-    def forward(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keep) -> torch.Tensor:
+    def forward(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keep, **counts):
+        """Each row's logits at its last kept position; `counts`: `slot_counts` on decode steps."""
         out = model(
             input_ids=ids,
             position_ids=positions,
@@ -353,6 +361,7 @@ def _decode_all(
             use_cache=True,
             logits_to_keep=keep,
             **{cache_kwarg: cache},
+            **counts,
         )
         return out.logits[:, -1]
 
@@ -417,7 +426,9 @@ def _decode_all(
         width = max(rows.length[:n]) + 1
         positions = rows.positions[:n]
         cache.decode(positions, width)
-        logits = forward(rows.tokens[:n, None], positions[:, None], decode_mask(positions, width, dtype), 1)
+        mask = decode_mask(positions, width, dtype)
+        counts = {"slot_counts": positions + 1} if counted else {}
+        logits = forward(rows.tokens[:n, None], positions[:, None], mask, 1, **counts)
         new = draw(logits, list(range(n)))
         rows.tokens[:n] = new
         rows.positions[:n] += 1

@@ -24,6 +24,7 @@ import torch
 from conf.compose import compose_root, split_args
 from conf.errors import UserError, exit_on_user_error
 from data_prep.capture import bare_forward
+from data_prep.decode_attention import applies
 from data_prep.linears import DataLinears
 from data_prep.prepare import check_source, matmul_dtype, select_samples, tokenize_all
 from data_prep.regen_engine import default_workers
@@ -86,6 +87,7 @@ def main(argv: list[str]) -> None:
                 "device": str(model.device),
                 "dtype": str(model.dtype).removeprefix("torch."),
                 "matmul_dtype": str(matmul_dtype(cfg)).removeprefix("torch."),
+                "decode_attention": "kernel" if regen.backend == "hf" and applies(model) else "torch",
                 "threads": torch.get_num_threads(),
             }
         )

@@ -5,10 +5,12 @@ and seed alone, not on the batch, slot or order it ran in."""
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
 
+from data_prep import decode_attention
 from data_prep.linears import DataLinears, can_pack, native_bf16, resolve_matmul_dtype
 from data_prep.regen_engine import generate, noise_size, shared_prefix, top_p_filter, two_level_race
 from data_prep.target import eos_token_ids, load_target
@@ -94,6 +96,22 @@ def test_greedy_matches_generate_with_refills_and_early_eos(chaotic):
         assert not any("forward" in vars(m) for m in model.modules())
         # 29/32 and 32/32 here (tiny Llama, Qwen2), against 5/32 equal to the float32 answers.
         assert sum(g == w for g, w in zip(got, want)) >= 24
+
+
+def test_engine_without_a_compiler_writes_the_same_on_pytorch_attention(chaotic, monkeypatch):
+    model, tok = chaotic
+    prompts, new = chat(tok, 8, seed=3), 12
+    want = [reference(model, p, new) for p in prompts]
+    # Where a compiler is (CI), every engine test above ran its decode steps on the kernel.
+    assert decode_attention.applies(model) == (shutil.which("cc") is not None)
+    monkeypatch.setenv("CC", "no-such-compiler")
+    decode_attention.kernel.cache_clear()
+    try:
+        assert not decode_attention.applies(model)
+        assert generate(model, prompts, max_new_tokens=new, batch_size=3, eos_token_ids=[]) == want
+    finally:
+        monkeypatch.undo()
+        decode_attention.kernel.cache_clear()
 
 
 @pytest.mark.slow

@@ -1,0 +1,55 @@
+"""The regeneration engine's decode attention kernel computes what PyTorch's attention computes
+over each row's own positions, read from strided slot-cache views, and only where it applies.
+(The engine's answers with it and without it: `test_regen_engine`.)"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data_prep import decode_attention as da
+from data_prep.target import load_target
+
+
+@pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 1, 16), (1, 4, 8)])
+def test_kernel_equals_masked_sdpa_over_each_rows_own_positions(kv_heads, group, dim):
+    if da.kernel() is None:
+        pytest.skip("no C compiler")
+    torch.manual_seed(0)
+    rows, max_len = 7, 50
+    # A slot cache with a spare slot, read through views as the engine does (strides of max_len).
+    keys, values = (torch.randn(rows + 1, kv_heads, max_len, dim) for _ in range(2))
+    # transformers hands the query over as [rows, heads, 1, dim], transposed from [rows, 1, heads, dim].
+    query = torch.randn(rows, 1, kv_heads * group, dim).transpose(1, 2)
+    counts = torch.tensor([1, 2, 17, 40, 33, 5, 40])
+    width = int(counts.max())
+    k, v = keys[:rows, :, :width], values[:rows, :, :width]
+    got = da.decode_attention(query, k, v, counts, scale=0.3)
+
+    mask = torch.zeros(rows, 1, 1, width).masked_fill(
+        (torch.arange(width) >= counts[:, None])[:, None, None], float("-inf")
+    )
+    want = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=0.3, enable_gqa=group > 1)
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    # Positions past a row's count are never read: garbage there changes nothing.
+    keys[:rows, :, 40:] = float("nan")
+    values[:rows, :, 40:] = float("nan")
+    assert torch.equal(da.decode_attention(query, keys[:rows], values[:rows], counts, scale=0.3), got)
+    for bad in (counts - 1, counts + 1):  # a row with no position; one past the view
+        with pytest.raises(ValueError, match="counts must lie in"):
+            da.decode_attention(query, k, v, bad, scale=0.3)
+
+
+def test_slot_attention_applies_to_a_float32_cpu_model_only_and_restores_it(tiny_llama_dir):
+    model, _ = load_target(str(tiny_llama_dir), dtype="float32", num_threads=1)
+    before = model.config._attn_implementation
+    with da.slot_attention(model) as counted:
+        assert counted == (shutil.which("cc") is not None)  # CI has a compiler: the kernel runs there
+        if counted:
+            assert model.config._attn_implementation != before
+    assert model.config._attn_implementation == before
+    with da.slot_attention(model.to(torch.bfloat16)) as counted:
+        assert not counted
