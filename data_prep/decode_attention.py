@@ -33,6 +33,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from data_prep.linears import cpu_flags
 from data_prep.target import cache_root
 
 _SOURCE = r"""
@@ -96,7 +97,8 @@ def kernel():
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
-    build = "\0".join([_SOURCE, *_FLAGS, platform.machine(), _cpu_flags()])
+    # -march=native code runs only on a CPU with the same instruction set: the flags are in the key.
+    build = "\0".join([_SOURCE, *_FLAGS, platform.machine(), cpu_flags()])
     key = hashlib.sha256(build.encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"decode_attention-{key}.so"
     try:
@@ -114,15 +116,6 @@ def kernel():
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 5 + [_I64] * 9 + [ctypes.c_float, _I64]
     return fn
-
-
-def _cpu_flags() -> str:
-    """`-march=native` code is only valid on a CPU with the same instruction set."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return next((line for line in fh if line.startswith("flags")), "")
-    except OSError:
-        return ""
 
 
 def supported(query: torch.Tensor, key: torch.Tensor) -> bool:

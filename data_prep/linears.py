@@ -29,15 +29,20 @@ import torch.nn.functional as F
 
 
 @functools.cache
-def native_bf16() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (the reason bf16 GEMMs pay on it); an
-    older CPU emulates them at a fraction of the float32 speed. Read once per process: data prep
-    resolves its keys, manifest and forwards from it several times."""
+def cpu_flags() -> str:
+    """The CPU's feature flags ("" where /proc/cpuinfo is unreadable), read once per process:
+    what bf16 GEMMs pay on (`native_bf16`) and what code built with `-march=native` runs on."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return re.search(r"\b(avx512_bf16|amx_bf16)\b", info) is not None
+        return ""
+    return next((line for line in info.splitlines() if line.startswith("flags")), "")
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (the reason bf16 GEMMs pay on it); an
+    older CPU emulates them at a fraction of the float32 speed."""
+    return re.search(r"\b(avx512_bf16|amx_bf16)\b", cpu_flags()) is not None
 
 
 def resolve_matmul_dtype(setting: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
