@@ -2,11 +2,13 @@
 
 Atomic writes exist because a run killed mid-write must never leave a file or folder that a later
 run mistakes for a finished one; JSON reading exists so that a cut-off or non-UTF-8 file is named
-in one line rather than a traceback.
+in one line rather than a traceback; checksums exist because a file that is complete can still
+be wrong (a flipped bit on disk, a bad copy), and training on it fails later and far from the cause.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -89,3 +91,35 @@ def read_json(path: Path, what: str) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"{what}: {path} holds a JSON {type(data).__name__}, expected an object")
     return data
+
+
+def sha256_file(path: Path) -> str:
+    """The file's sha256, read in 1 MiB blocks (a shard may be larger than memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# Files already found to match their checksum in this process, as (path, checksum, size, mtime,
+# inode): several readers of one file (a dataset per split, evaluation then export of a head) hash
+# it once, and a file changed since it was checked no longer matches its entry.
+_VERIFIED: set[tuple] = set()
+
+
+def check_sha256(path: Path, expected: str, what: str, record: str | Path, fix: str) -> None:
+    """Refuse `path` unless its sha256 is `expected` (the checksum `record` holds for it): one line
+    naming the file and `fix`, the command that rebuilds it. Hashed once per process per file."""
+    if not path.exists():
+        raise UserError(f"{what}: {path} does not exist (its checksum is in {record}); {fix}")
+    st = path.stat()
+    key = (str(path.resolve()), expected, st.st_size, st.st_mtime_ns, st.st_ino)
+    if key in _VERIFIED:
+        return
+    if sha256_file(path) != expected:
+        raise UserError(
+            f"{what}: {path} does not match its checksum in {record} (the file was damaged or "
+            f"changed after it was written); {fix}"
+        )
+    _VERIFIED.add(key)

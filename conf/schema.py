@@ -9,6 +9,7 @@ and aux-layer ids against the target's layer count (checked when the target's co
 
 from __future__ import annotations
 
+import datetime
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,9 +33,12 @@ MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 WANDB_MODES = ("disabled", "offline", "online")
 EVAL_BASELINES = ("greedy", "prompt_lookup")
 EVAL_MODES = ("auto", "chain", "tree")
+EVAL_REFERENCES = ("greedy", "generate")
 # Per-row training losses (trainer/objective.py) and what picks the kept head (trainer/loop.py).
 LOSSES = ("ce", "tv", "ce+tv", "lk")
 SELECT_BY = ("simulated", "decoded")
+# The data fields that decide how prompts and rows render (`data_prep.template.ChatTemplate`).
+TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "template_date")
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
@@ -72,6 +76,14 @@ class _Checked:
 
 def _probability(v: float) -> bool:
     return 0 < v <= 1
+
+
+def _iso_date(v: str) -> bool:
+    try:
+        datetime.date.fromisoformat(v)
+    except ValueError:
+        return False
+    return len(v) == 10
 
 
 # ---- target ---------------------------------------------------------------------------------
@@ -165,9 +177,18 @@ class DataConfig(_Checked):
     # engines' usual size for 128k-vocab targets such as Llama 3.
     draft_vocab_size: int = 8192
     cache_dir: str | None = None  # folders go to <cache_dir>/<key>; None: cache_root()/data
+    # The chat template every render uses (data prep, regeneration, the evaluator's prompts):
+    # a .jinja file, or None for the tokenizer's own; its arguments (e.g. {enable_thinking:
+    # false}); and the date `strftime_now` returns, so that templates printing today's date
+    # (Llama 3.2, gpt-oss, Mistral-Small) give the same bytes on any day.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    template_date: str = "2026-01-01"
 
     def check(self) -> None:
         self._require("source", bool, "sharegpt, a .jsonl/.json file or a `datasets` folder or name")
+        self._require("chat_template", lambda v: v is None or bool(v), "null or a .jinja file")
+        self._require("template_date", _iso_date, "a date as YYYY-MM-DD")
         self._at_least(0, "max_samples", "max_turns")
         self._at_least(2, "max_length")
         self._at_least(1, "shard_samples", "capture_batch_tokens", "draft_vocab_size")
@@ -214,10 +235,14 @@ class OptimConfig(_Checked):
     # What picks the kept head: simulated (the trainee's simulated acceptance length on the
     # validation split, cheap) | decoded (the decoded one: needs val_decode_prompts > 0).
     select_by: str = "simulated"
+    # Optimizer steps with a non-finite gradient norm that may be skipped before a non-finite value
+    # stops the run (trainer/health.py). 0 = none: the first one stops it. > 0 reads the gradient
+    # norm back from the device every step (the one read a step then makes).
+    skip_nonfinite: int = 0
 
     def check(self) -> None:
         self._require("lr", lambda v: v > 0, "a learning rate > 0")
-        self._at_least(0, "weight_decay", "grad_clip", "max_steps", "loader_workers")
+        self._at_least(0, "weight_decay", "grad_clip", "max_steps", "loader_workers", "skip_nonfinite")
         self._require("betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "[b1, b2] in [0, 1)")
         self._require("warmup_ratio", lambda v: 0 <= v < 1, "a value in [0, 1)")
         self._at_least(1, "grad_accum", "batch_tokens", "max_batch_size")
@@ -304,12 +329,18 @@ class EvalConfig(_Checked):
     draft_sampling: bool = False
     baselines: list[str] = field(default_factory=lambda: ["greedy"])  # + prompt_lookup
     prompt_lookup_num_tokens: int = 10
+    # What the lossless check holds outputs to: greedy = the plain greedy baseline, itself held to
+    # the target's own `generate` on each task's first prompt; generate = on every prompt.
+    reference: str = "greedy"
+    save_outputs: bool = False  # true: <out_dir>/outputs.jsonl, {"task", "prompt_ids", "output_ids"}
     out_dir: str | None = None  # None: <run_dir>/eval
 
     def check(self) -> None:
         self._at_least(1, "max_prompts_per_task", "max_new_tokens", "num_speculative_tokens")
         self._at_least(1, "prompt_lookup_num_tokens")
         self._one_of("mode", EVAL_MODES)
+        self._one_of("reference", EVAL_REFERENCES)
+        self._require("save_outputs", lambda v: isinstance(v, bool), "true or false")
         self._at_least(0, "temperature")
         self._require("top_p", _probability, "a value in (0, 1]")
         self._require(
@@ -491,6 +522,11 @@ class RootConfig:
             raise UserError(
                 f"optim.val_decode_prompts={self.optim.val_decode_prompts}: rank 0 decodes with "
                 "the whole head, which ZeRO-3 partitions; use dist=zero2 or dist=ddp"
+            )
+        if self.optim.skip_nonfinite and self.dist.strategy == "deepspeed":
+            raise UserError(
+                f"optim.skip_nonfinite={self.optim.skip_nonfinite}: DeepSpeed takes the optimizer "
+                "step inside backward, before a step could be skipped; use dist=ddp or 0"
             )
         if self.head is not None and self.export.formats:
             wrong = [f for f in self.export.formats if f not in EXPORT_FORMATS[self.head.name]]

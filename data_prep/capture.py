@@ -9,17 +9,27 @@ one scale per token and layer, which halves the bytes at ~2-3 significant bits o
 Online training (`data.hidden_states=online`) stores none of it: the training loop runs the same
 forward on each batch (`capture_batch`) and rounds through the storage dtype, so the objective
 gets the very batch it would have read from disk.
+
+Both check every layer's hidden states for values that overflowed (fp16 targets do): offline
+capture refuses the shard in one line naming the layer and the sample; online capture hands the
+loop where it happened as a device tensor (`checked_capture`), which the loop reads only where
+it reads the device anyway (`trainer.health`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from conf.errors import UserError
 from data_prep.template import Tokenized
 
 LAYER_CONVENTION = "hf_hidden_states"
+# `checked_capture`'s extra field: int64 [3] (layer id, row, position) of the first non-finite
+# hidden state of the batch, or -1s.
+NONFINITE = "nonfinite_hidden"
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 
@@ -125,25 +135,24 @@ def document_inputs(position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"attention_mask": document_mask(position_ids), "position_ids": position_ids}
 
 
-@torch.inference_mode()
-def hidden_states(
-    model, ids: torch.Tensor, spec: CaptureSpec, position_ids: torch.Tensor | None = None
-) -> dict[str, torch.Tensor]:
-    """The fields `spec` keeps for right-padded ids [B, T] (packed rows if `position_ids` are
-    given), in the model's dtype on its device: `aux_hidden` [B, T, 3H] and/or `final_hidden`
-    [B, T, H]. The one forward of offline capture and online training."""
+def _all_layers(model, ids: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Every layer's residual stream [B, T, H] for right-padded ids [B, T] (packed rows if
+    `position_ids` are given): the one forward of offline capture and online training."""
     if position_ids is None:
         attention = {"attention_mask": causal_mask(ids.shape[1], ids.device)}
     else:
         attention = document_inputs(position_ids)
     # logits_to_keep=1: the lm_head over the whole vocabulary is not needed here.
-    hs = model(
+    return model(
         input_ids=ids,
         **attention,
         output_hidden_states=True,
         use_cache=False,
         logits_to_keep=1,
     ).hidden_states
+
+
+def _kept(hs: tuple[torch.Tensor, ...], spec: CaptureSpec) -> dict[str, torch.Tensor]:
     out = {}
     if spec.aux_layer_ids:
         out["aux_hidden"] = torch.cat([hs[i] for i in spec.aux_layer_ids], dim=-1)
@@ -152,9 +161,58 @@ def hidden_states(
     return out
 
 
-def forward_hidden(model, batch: list[list[int]], spec: CaptureSpec) -> list[dict[str, torch.Tensor]]:
-    """One right-padded forward; per sample its fields [L, G*H] in float32 on the CPU."""
-    fields = hidden_states(model, pad_batch(batch, model.device), spec)
+@torch.inference_mode()
+def hidden_states(
+    model, ids: torch.Tensor, spec: CaptureSpec, position_ids: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """The fields `spec` keeps for right-padded ids [B, T] (packed rows if `position_ids` are
+    given), in the model's dtype on its device: `aux_hidden` [B, T, 3H] and/or `final_hidden`
+    [B, T, H]."""
+    return _kept(_all_layers(model, ids, position_ids), spec)
+
+
+def first_nonfinite(layers: Sequence[torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
+    """Int64 [3] on the layers' device: (layer id, row, position) of the first non-finite hidden
+    state at a position `keep` [B, T] marks (lowest layer first: the one that overflowed, as every
+    later layer inherits it), or -1s. Computed without reading the device back."""
+    bad = torch.stack([~torch.isfinite(h).all(-1) for h in layers]) & keep  # [L+1, B, T]
+    _, b, t = bad.shape
+    first = bad.flatten().long().argmax()  # the first True (argmax returns the first maximum)
+    where = torch.stack([first // (b * t), first // t % b, first % t])
+    return torch.where(bad.any(), where, -1)
+
+
+@torch.inference_mode()
+def checked_hidden_states(
+    model, ids: torch.Tensor, spec: CaptureSpec, keep: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """`hidden_states` and `first_nonfinite` over every layer of the same forward (not only the
+    kept ones: the layer to name is the first that overflows)."""
+    hs = _all_layers(model, ids, position_ids)
+    return _kept(hs, spec), first_nonfinite(hs, keep)
+
+
+def overflow_message(layer: int, position: int, sample: str) -> str:
+    """One line for a non-finite hidden state of the target, offline and online alike."""
+    return (
+        f"the target's hidden states overflow: layer {layer} (HF hidden_states index, after "
+        f"{layer} decoder layers) is non-finite at token {position} of {sample}; a float16 target "
+        "overflows where bfloat16 and float32 do not: set target.dtype=bfloat16 (or float32)"
+    )
+
+
+def forward_hidden(
+    model, batch: list[list[int]], spec: CaptureSpec, names: list[str]
+) -> list[dict[str, torch.Tensor]]:
+    """One right-padded forward; per sample its fields [L, G*H] in float32 on the CPU. Refuses a
+    batch whose hidden states are not finite, naming the layer and the sample (`names`)."""
+    ids = pad_batch(batch, model.device)
+    lengths = torch.tensor([len(s) for s in batch], device=ids.device)
+    keep = torch.arange(ids.shape[1], device=ids.device)[None] < lengths[:, None]
+    fields, where = checked_hidden_states(model, ids, spec, keep)
+    layer, row, position = where.tolist()
+    if layer >= 0:
+        raise UserError(overflow_message(layer, position, names[row]))
     return [{k: v[b, : len(s)].float().cpu() for k, v in fields.items()} for b, s in enumerate(batch)]
 
 
@@ -164,18 +222,33 @@ def stored(x: torch.Tensor, groups: int, storage_dtype: str) -> torch.Tensor:
     return decode(encode("x", flat, groups, storage_dtype), "x").reshape(x.shape)
 
 
+def checked_capture(model, spec: CaptureSpec, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`capture_batch`'s fields plus NONFINITE, where the batch's hidden states first overflowed
+    (a device tensor: the training step reads nothing back)."""
+    keep = batch["attention_mask"].bool()
+    fields, where = checked_hidden_states(model, batch["input_ids"], spec, keep, batch.get("position_ids"))
+    out = {
+        name: torch.where(keep[..., None], stored(x, spec.groups(name), spec.storage_dtype), 0)
+        for name, x in fields.items()
+    }
+    return out | {NONFINITE: where.clone()}  # an ordinary tensor, out of inference mode
+
+
 def capture_batch(model, spec: CaptureSpec, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Online mode's capture: the hidden-state fields of a collated batch on the model's device,
     exactly as the offline path hands them to the objective (stored through `storage_dtype`,
     widened to float32, zero on padding as collate pads; packed rows as their documents alone).
     The forward runs in inference mode; the rounding outside it, so that the results are
     ordinary tensors autograd may save."""
-    keep = batch["attention_mask"].bool()[..., None]
-    fields = hidden_states(model, batch["input_ids"], spec, batch.get("position_ids"))
-    return {
-        name: torch.where(keep, stored(x, spec.groups(name), spec.storage_dtype), 0)
-        for name, x in fields.items()
-    }
+    out = checked_capture(model, spec, batch)
+    del out[NONFINITE]
+    return out
+
+
+def sample_name(sample: Tokenized, index: int) -> str:
+    """A sample as an error names it: its uid when the spill recorded one."""
+    uid = getattr(sample, "uid", "")
+    return f"sample {uid!r}" if uid else f"sample {index} of the shard being captured"
 
 
 def capture_shard(
@@ -198,7 +271,8 @@ def capture_shard(
     # Encoded per sample so a shard never holds more than one batch in float32.
     parts: dict[str, list[torch.Tensor]] = {}
     for idx in length_batches(lengths, batch_tokens):
-        for item in forward_hidden(model, [samples[i].input_ids for i in idx], spec):
+        names = [sample_name(samples[i], i) for i in idx]
+        for item in forward_hidden(model, [samples[i].input_ids for i in idx], spec, names):
             for name, value in item.items():
                 for k, v in encode(name, value, spec.groups(name), spec.storage_dtype).items():
                     parts.setdefault(k, []).append(v)

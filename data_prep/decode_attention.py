@@ -7,7 +7,9 @@ streams, and it reads every row to the batch's longest width, so about half of w
 masked out. Regeneration spent as long in attention as in all its matmuls (50 s against 57 s on
 one engine). This kernel reads each row's keys and values once, only up to the row's own length,
 each key and value for all the queries that share its KV head: 64 rows to width 300 take 1.5 ms
-against PyTorch's 3.9 ms, and one engine regenerates 1.5x faster.
+against PyTorch's 3.9 ms, and one engine regenerates 1.5x faster. On a sliding-window layer
+(Mistral, Gemma 3, ...) a row reads only the last `window` positions, as transformers' mask lets
+it; attention with more than a softmax over scores (gpt-oss sinks, soft-capping) stays PyTorch's.
 
 It is a short C function compiled on first use with the system's C compiler (`cc -O3 -march=native`)
 into the draftsmith cache and loaded through ctypes, which releases the GIL, so the engine's
@@ -34,6 +36,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from data_prep.linears import cpu_flags
+from data_prep.masks import AttentionLayout, attention_layout
 from data_prep.target import cache_root
 
 _SOURCE = r"""
@@ -41,19 +44,21 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 
-/* out[r, h*group + j, :] = softmax(scale * q[r, h*group + j] . k[r, h, :count[r]]) @ v[r, h, :count[r]] */
+/* out[r, h*group + j, :] = softmax(scale * q[r, h*group + j] . k[r, h, start[r]:count[r]])
+ *                          @ v[r, h, start[r]:count[r]] */
 int decode_attention(const float *restrict q, const float *restrict k, const float *restrict v,
-                     float *restrict out, const int64_t *restrict count, int64_t rows, int64_t kv_heads,
+                     float *restrict out, const int64_t *restrict start,
+                     const int64_t *restrict count, int64_t rows, int64_t kv_heads,
                      int64_t group, int64_t dim, int64_t q_row, int64_t q_head, int64_t kv_row,
                      int64_t kv_head, int64_t kv_pos, float scale, int64_t max_count) {
     float *scores = malloc(sizeof(float) * group * max_count);
     if (!scores) return 1;
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t n = count[r];
+        const int64_t n = count[r] - start[r];
         for (int64_t h = 0; h < kv_heads; h++) {
             const float *Q = q + r * q_row + h * group * q_head;
-            const float *K = k + r * kv_row + h * kv_head;
-            const float *V = v + r * kv_row + h * kv_head;
+            const float *K = k + r * kv_row + h * kv_head + start[r] * kv_pos;
+            const float *V = v + r * kv_row + h * kv_head + start[r] * kv_pos;
             float *O = out + (r * kv_heads + h) * group * dim;
             for (int64_t w = 0; w < n; w++) {
                 const float *kw = K + w * kv_pos;
@@ -114,7 +119,7 @@ def kernel():
     except (OSError, subprocess.CalledProcessError):
         return None
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 5 + [_I64] * 9 + [ctypes.c_float, _I64]
+    fn.argtypes = [ctypes.c_void_p] * 6 + [_I64] * 9 + [ctypes.c_float, _I64]
     return fn
 
 
@@ -128,12 +133,24 @@ def supported(query: torch.Tensor, key: torch.Tensor) -> bool:
     )
 
 
+def window_starts(counts: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The first position each row attends to: 0, or on a sliding layer the oldest of the last
+    `window` positions (transformers' `sliding_window_overlay`)."""
+    return (counts - window).clamp_min(0) if window is not None else torch.zeros_like(counts)
+
+
 def decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, counts: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """query [rows, heads, 1, dim]; key, value [rows, kv_heads, >= max(counts), dim] with the same
-    strides (views of a slot cache); counts [rows]: row r attends to its first counts[r] positions.
-    Returns [rows, 1, heads, dim], the layout a transformers attention function returns."""
+    strides (views of a slot cache); counts [rows]: row r attends to its first counts[r] positions,
+    or with a `window` only to the last `window` of them. Returns [rows, 1, heads, dim], the layout
+    a transformers attention function returns."""
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     if key.stride() != value.stride() or query.stride(-1) != 1:
@@ -142,9 +159,11 @@ def decode_attention(
     longest = int(counts.max())
     if int(counts.min()) < 1 or longest > key.shape[2]:
         raise ValueError(f"decode_attention: counts must lie in 1..{key.shape[2]}")
+    starts = window_starts(counts, window).contiguous()
     out = query.new_empty(rows, 1, heads, dim)
     failed = kernel()(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), counts.data_ptr(),
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), starts.data_ptr(),
+        counts.data_ptr(),
         rows, kv_heads, heads // kv_heads, dim,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
         scale, longest,
@@ -154,15 +173,19 @@ def decode_attention(
     return out
 
 
-def _dispatching(original: str):
+def _dispatching(original: str, layout: AttentionLayout):
     """A transformers attention function: decode calls that carry `slot_counts` (and that the
-    kernel supports) run on the kernel; every other call (prefill) on the model's own `original`."""
+    kernel supports) run on the kernel, over each layer's window in `layout`; every other call
+    (prefill, and attention the kernel does not compute: gpt-oss sinks, logit soft-capping) on
+    the model's own `original`."""
     fallback = ALL_ATTENTION_FUNCTIONS[original]
 
     def attention(module, query, key, value, attention_mask, scaling=None, slot_counts=None, **kwargs):
-        if slot_counts is not None and query.shape[2] == 1 and supported(query, key):
+        plain = kwargs.get("s_aux") is None and kwargs.get("softcap") is None
+        if slot_counts is not None and plain and query.shape[2] == 1 and supported(query, key):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return decode_attention(query, key, value, slot_counts, scale), None
+            window = layout.windows[module.layer_idx]
+            return decode_attention(query, key, value, slot_counts, scale, window), None
         return fallback(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     return attention
@@ -191,7 +214,7 @@ def slot_attention(model) -> Iterator[bool]:
         return
     original = model.config._attn_implementation
     name = f"draftsmith-slots:{original}"
-    AttentionInterface.register(name, _dispatching(original))
+    AttentionInterface.register(name, _dispatching(original, attention_layout(model.config)))
     model.config._attn_implementation = name
     try:
         yield True

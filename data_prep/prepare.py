@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 
 from conf.compose import hydra_main
 from conf.errors import UserError, exit_on_user_error
-from conf.schema import RootConfig, to_root_config
+from conf.schema import TEMPLATE_FIELDS, RootConfig, to_root_config
 from data_prep.capture import LAYER_CONVENTION, CaptureSpec, capture_shard
 from data_prep.linears import DataLinears, resolve_matmul_dtype
 from data_prep.regen_vllm import check_vllm_installed
@@ -43,6 +43,7 @@ from data_prep.sources import (
     held_out,
     iter_samples,
     prompt_uid,
+    row_uid,
     source_fingerprint,
     split_hash,
 )
@@ -59,14 +60,24 @@ from data_prep.store import (
 )
 from data_prep.target import (
     cache_root,
+    load_generation_config,
     load_target_from_config,
     load_tokenizer,
     resolve_device,
     resolve_dtype,
     resolve_target_path,
+    stop_token_ids,
     tokenizer_hash,
 )
-from data_prep.template import Tokenized, prompt_ids, tokenize_conversation
+from data_prep.template import (
+    ChatTemplate,
+    TemplateError,
+    Tokenized,
+    build_rows,
+    conversation_turns,
+    load_chat_template,
+    note_refusal,
+)
 from data_prep.vocab import (
     VOCAB_FILE,
     build_draft_vocab,
@@ -113,8 +124,12 @@ def draft_vocab_size(cfg: RootConfig, vocab_size: int) -> int | None:
 
 def check_source(cfg: RootConfig) -> None:
     """The data checks that need the outside world (the schema did the rest), before any model is
-    loaded: a missing local source file, and vLLM missing for `data.regenerate.backend=vllm`."""
+    loaded: a missing local source file or chat template, and vLLM missing for
+    `data.regenerate.backend=vllm`."""
     check_source_exists(cfg.data)
+    template = cfg.data.chat_template
+    if template and not Path(template).expanduser().is_file():
+        raise UserError(f"data.chat_template={template!r}: no such file (expected a .jinja chat template)")
     if cfg.data.regenerate.enabled and cfg.data.regenerate.backend == "vllm":
         check_vllm_installed()
 
@@ -141,13 +156,24 @@ def _precision(cfg: RootConfig) -> dict:
     return {} if mm == dtype else {"matmul_dtype": str(mm)}
 
 
-def samples_key(cfg: RootConfig, identity: dict) -> dict:
-    """What the tokenised samples depend on: the target, its dtype (regeneration), the source and
-    the data config but its cache folder and `hidden_states` (which only decides what is stored)."""
+def chat_template(cfg: RootConfig, tok) -> ChatTemplate:
+    """The template every render of this run uses (`data.chat_template*`), with the target's stop
+    tokens (its generation config's too)."""
+    d = cfg.data
+    generation = load_generation_config(resolve_target_path(cfg.target.name_or_path), cfg.target.revision)
+    return load_chat_template(
+        tok, d.chat_template, d.chat_template_kwargs, d.template_date, stop_token_ids(tok, generation)
+    )
+
+
+
+def samples_key(cfg: RootConfig, identity: dict, tpl: ChatTemplate) -> dict:
+    """What the tokenised samples depend on: the target, its dtype (regeneration), the source, the
+    chat template as rendered and the data config but its cache folder and `hidden_states`
+    (which only decides what is stored)."""
     data = asdict(cfg.data)
-    data.pop("cache_dir")
-    data.pop("hidden_states")
-    data.pop("matmul_dtype")  # as resolved, in `_precision`
+    for k in ("cache_dir", "hidden_states", "matmul_dtype", *TEMPLATE_FIELDS):  # matmul: `_precision`
+        data.pop(k)
     data["regenerate"].pop("workers")  # scheduling only (keys of folders built before it stand)
     return {
         "format": FORMAT_VERSION,
@@ -155,22 +181,31 @@ def samples_key(cfg: RootConfig, identity: dict) -> dict:
         "dtype": str(resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))),
         "data": data,
         "source": source_fingerprint(cfg.data),
+        "chat_template": tpl.digest,
     } | _precision(cfg)
 
 
-def data_folder(cfg: RootConfig, identity: dict, spec: CaptureSpec, vocab: int | None, mode: str) -> Path:
+def data_folder(
+    cfg: RootConfig, identity: dict, tpl: ChatTemplate, spec: CaptureSpec, vocab: int | None, mode: str
+) -> Path:
     """`data_base/<key>`; the key covers everything the shards depend on. An online folder holds
     no hidden states, so its key differs (offline keys stay those of folders built before the
     mode existed, which are reused)."""
-    key = samples_key(cfg, identity) | {"capture": asdict(spec), "draft_vocab_size": vocab}
+    key = samples_key(cfg, identity, tpl) | {"capture": asdict(spec), "draft_vocab_size": vocab}
     return data_base(cfg) / _hash(key | ({"hidden_states": mode} if mode == "online" else {}))
 
 
-def regen_cache_file(cfg: RootConfig, identity: dict) -> Path:
+# Version of the regeneration cache's lines: 2 = token ids per turn (1 held answer text).
+REGEN_FORMAT = 2
+
+
+def regen_cache_file(cfg: RootConfig, identity: dict, tpl: ChatTemplate) -> Path:
     """Keyed by everything an answer depends on, but not by max_samples or capture settings."""
     d = cfg.data
     key = _hash(
         {
+            "format": REGEN_FORMAT,
+            "chat_template": tpl.digest,
             "target": identity,
             "source": source_fingerprint(d),
             "max_length": d.max_length,
@@ -184,10 +219,10 @@ def regen_cache_file(cfg: RootConfig, identity: dict) -> Path:
     return data_base(cfg) / "regenerated" / f"{key}.jsonl"
 
 
-def select_samples(cfg: RootConfig, tok, stats: Counter) -> Iterator[Sample]:
+def select_samples(cfg: RootConfig, tpl: ChatTemplate, stats: Counter) -> Iterator[Sample]:
     """The first `max_samples` usable samples, lazily (the source is read as far as they take);
     with regeneration, those whose first prompt leaves room for a whole answer within max_length
-    (so no generation is wasted on truncated text)."""
+    (so no generation is wasted on truncated text) and that the template renders."""
     d = cfg.data
     samples = iter_samples(d, stats)
     if d.regenerate.enabled:
@@ -195,7 +230,11 @@ def select_samples(cfg: RootConfig, tok, stats: Counter) -> Iterator[Sample]:
 
         def fits(s: Sample) -> bool:
             first_user = next(i for i, m in enumerate(s.messages) if m["role"] == "user")
-            ok = len(prompt_ids(tok, s.messages[: first_user + 1])) <= budget
+            try:
+                ok = len(tpl.prompt_ids(s.messages[: first_user + 1], s.tools)) <= budget
+            except TemplateError as err:
+                note_refusal(stats, tpl, s.where or s.uid, err)
+                return False
             stats["skipped_prompt_too_long"] += not ok
             return ok
 
@@ -203,23 +242,55 @@ def select_samples(cfg: RootConfig, tok, stats: Counter) -> Iterator[Sample]:
     return itertools.islice(samples, d.max_samples or None)
 
 
-def iter_tokenized(
-    samples: Iterable[Sample], tok, max_length: int, stats: Counter
+def iter_rows(
+    samples: Iterable[Sample], tpl: ChatTemplate, max_length: int, stats: Counter
 ) -> Iterator[tuple[str, Tokenized]]:
-    """(uid, Tokenized) per sample, each tokenised once; samples with nothing to learn (no
-    assistant token left) are dropped."""
+    """(row uid, Tokenized) of every row of conversations used as they are (no regeneration),
+    each tokenised once; turns and conversations that cannot be trained are counted by reason.
+    Raises a UserError when most assistant turns were dropped: a template that does not fit the
+    data, which would otherwise train on almost nothing."""
+    first_bad = None
     for s in samples:
-        t = tokenize_conversation(tok, s.messages, max_length)
-        stats["truncated"] += t.truncated
-        if not any(t.loss_mask):
-            stats["skipped_no_assistant_token"] += 1
-            continue
-        yield s.uid, t
+        turns_in = sum(m["role"] == "assistant" for m in s.messages)
+        stats["assistant_turns"] += turns_in
+        raw_before = stats["turns_raw_text"]
+        try:
+            turns = conversation_turns(tpl, s.messages, s.tools, stats)
+        except TemplateError as err:
+            note_refusal(stats, tpl, s.where or s.uid, err)
+            stats["turns_dropped_refused"] += turns_in
+            turns = []
+        if len(turns) < turns_in:
+            first_bad = first_bad or s.where or s.uid
+        if stats["turns_raw_text"] and not raw_before:
+            print(
+                f"data: {tpl.name} drops part of an assistant turn (e.g. its reasoning), first at "
+                f"{s.where or s.uid}: such turns train as the generation prompt followed by the "
+                "assistant's raw text, as the model emits it"
+            )
+        for r, t in enumerate(build_rows(turns, max_length)):
+            stats["truncated"] += t.truncated
+            if not any(t.loss_mask):
+                stats["skipped_no_assistant_token"] += 1
+                continue
+            yield row_uid(s.uid, r), t
+    if first_bad and 2 * _dropped_turns(stats) > stats["assistant_turns"]:
+        raise UserError(
+            f"{tpl.name}: {_dropped_turns(stats)} of {stats['assistant_turns']} assistant turns could not be "
+            f"trained (first at {first_bad}; counts: {_drop_counts(stats)}); check data.chat_template and "
+            "data.chat_template_kwargs against the data"
+        )
 
 
-def tokenize_all(samples: Iterable[Sample], tok, max_length: int, stats: Counter) -> dict[str, Tokenized]:
-    """uid -> Tokenized, in memory: for benchmarks over a few samples (`prepare` streams)."""
-    return dict(iter_tokenized(samples, tok, max_length, stats))
+_DROPS = ("turns_dropped_unaligned", "turns_dropped_empty", "turns_dropped_refused")
+
+
+def _drop_counts(stats: Counter) -> dict:
+    return {k: stats[k] for k in _DROPS if stats[k]}
+
+
+def _dropped_turns(stats: Counter) -> int:
+    return sum(stats[k] for k in _DROPS)
 
 
 def _progress(cfg: RootConfig):
@@ -254,42 +325,67 @@ def _summary(manifest: dict, folder: Path, reused: bool) -> str:
         parts.append(f"regenerated {stats['regenerated_tokens']} tokens at {rate:.1f} tokens/s")
     if vocab:
         parts.append(f"draft vocab {vocab['size']} coverage {vocab['coverage']:.4f}")
-    counted = ("skipped", "trunc", "turns", "answers")
+    counted = ("skipped", "trunc", "turns", "answers", "conversations")
     skipped = {k: v for k, v in stats.items() if k.startswith(counted)}
     if skipped:
         parts.append(" ".join(f"{k}={v}" for k, v in sorted(skipped.items())))
     return ", ".join(parts) + f" -> {folder}"
 
 
+def regenerated_rows(
+    answered: Iterable[tuple[str, list]], max_length: int, stats: Counter
+) -> Iterator[tuple[str, Tokenized]]:
+    """(row uid, Tokenized) of regenerated conversations: prompt ids and generated ids."""
+    for uid, turns in answered:
+        for r, t in enumerate(build_rows(turns, max_length)):
+            stats["truncated"] += t.truncated
+            yield row_uid(uid, r), t
+
+
+def sample_rows(
+    cfg: RootConfig,
+    tpl: ChatTemplate,
+    target_model: Callable[[], object],
+    identity: dict,
+    stats: Counter,
+    progress,
+) -> Iterator[tuple[str, Tokenized]]:
+    """(row uid, Tokenized) of the selected samples: regenerated by the target when enabled (its
+    prompts held in memory), else the conversations as they are, streamed."""
+    d = cfg.data
+    samples = select_samples(cfg, tpl, stats)
+    if not d.regenerate.enabled:
+        return iter_rows(samples, tpl, d.max_length, stats)
+    answered = regenerate(
+        list(samples),
+        target_model(),
+        tpl,
+        d.regenerate,
+        d.max_length,
+        regen_cache_file(cfg, identity, tpl),
+        stats,
+        progress,
+        target_path=resolve_target_path(cfg.target.name_or_path),
+        matmul_dtype=matmul_dtype(cfg),
+    )
+    return regenerated_rows(answered, d.max_length, stats)
+
+
 def spill_samples(
     cfg: RootConfig,
-    tok,
+    tpl: ChatTemplate,
     target_model: Callable[[], object],
     identity: dict,
     spill: TokenSpill,
     stats: Counter,
     progress,
 ) -> None:
-    """Stream the selected samples (regenerated, when enabled) into `spill`, each tokenised once.
-    Regeneration holds its prompts in memory; without it nothing but the spill's index does."""
+    """Stream the selected samples' rows into `spill`, each tokenised once."""
     d = cfg.data
-    samples: Iterable[Sample] = select_samples(cfg, tok, stats)
-    if d.regenerate.enabled:
-        samples = regenerate(
-            list(samples),
-            target_model(),
-            tok,
-            d.regenerate,
-            d.max_length,
-            regen_cache_file(cfg, identity),
-            stats,
-            progress,
-            target_path=resolve_target_path(cfg.target.name_or_path),
-            matmul_dtype=matmul_dtype(cfg),
-        )
+    rows = sample_rows(cfg, tpl, target_model, identity, stats, progress)
     # A context manager, so that a bad row's error starts on a line of its own, not after the bar.
     with progress(unit="sample", desc="tokenize") if progress else contextlib.nullcontext() as bar:
-        for uid, t in iter_tokenized(samples, tok, d.max_length, stats):
+        for uid, t in rows:
             spill.append(uid, t, split_hash(prompt_uid(uid), d.seed))
             if bar is not None:
                 bar.update(1)
@@ -338,12 +434,13 @@ def prepare(cfg: RootConfig, target=None) -> Path:
             trust_remote_code=cfg.target.trust_remote_code,
         )
     identity = target_identity(cfg, tok, model_config)
+    tpl = chat_template(cfg, tok)
     spec = capture_spec(cfg, identity["num_hidden_layers"])
     vocab_k = draft_vocab_size(cfg, identity["vocab_size"])
     # auto reuses a folder of either mode: the choice was made when it was built.
     modes = ("offline", "online") if d.hidden_states == "auto" else (d.hidden_states,)
     for mode in modes:
-        folder = data_folder(cfg, identity, spec, vocab_k, mode)
+        folder = data_folder(cfg, identity, tpl, spec, vocab_k, mode)
         if (folder / MANIFEST).exists():
             manifest = load_manifest(folder)
             check_target(manifest, identity, f"data folder {str(folder)!r}")
@@ -365,17 +462,17 @@ def prepare(cfg: RootConfig, target=None) -> Path:
 
     stats: Counter = Counter()
     progress = _progress(cfg)
-    spill_dir = data_base(cfg) / f".spill-{_hash(samples_key(cfg, identity))}"
+    spill_dir = data_base(cfg) / f".spill-{_hash(samples_key(cfg, identity, tpl))}"
     shutil.rmtree(spill_dir, ignore_errors=True)  # what a killed run left
     try:
         spill = TokenSpill(spill_dir)
-        spill_samples(cfg, tok, target_model, identity, spill, stats, progress)
+        spill_samples(cfg, tpl, target_model, identity, spill, stats, progress)
         mode = (
             modes[0]
             if len(modes) == 1
             else choose_hidden_states(spec, spill.tokens, identity["hidden_size"], data_base(cfg))
         )
-        folder = data_folder(cfg, identity, spec, vocab_k, mode)
+        folder = data_folder(cfg, identity, tpl, spec, vocab_k, mode)
         # Online shards hold what Medusa-2's do: tokens only.
         stored = spec if mode == "offline" else CaptureSpec((), None, spec.storage_dtype)
         held = held_out(spill.split_hashes(), d.val_fraction)

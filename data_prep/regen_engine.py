@@ -15,7 +15,10 @@ as long in PyTorch's attention as in all its matmuls.
 
 The model is any Hugging Face causal LM with standard attention: `SlotCache` stands in for its
 KV cache (the model calls only its `update`), and the masks and position ids are passed in, so
-the architecture is not re-implemented.
+the architecture is not re-implemented. A slot keeps every position on every layer; a sliding
+layer's mask (and the kernel) reads only its window, which is what transformers computes with
+its rolling sliding-window caches. A target whose layers are neither full nor sliding attention
+is refused (`masks.attention_layout`).
 """
 
 from __future__ import annotations
@@ -31,27 +34,33 @@ import torch
 
 from data_prep.decode_attention import slot_attention
 from data_prep.linears import DataLinears
-from data_prep.masks import additive_mask as _additive
+from data_prep.masks import AttentionLayout, attention_layout
 
 
-def prefill_mask(lengths: torch.Tensor, width: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
-    """[k] prompt lengths -> [k, 1, width - offset, width]: the queries are positions
-    offset..width-1 (the first `offset` are a shared prefix already in the cache); causal, and no
-    key past a prompt's end.
+def prefill_mask(
+    layout: AttentionLayout, lengths: torch.Tensor, width: int, dtype: torch.dtype, offset: int = 0
+) -> torch.Tensor:
+    """[k] prompt lengths -> [kinds, k, 1, width - offset, width] (see `AttentionLayout.masks`):
+    the queries are positions offset..width-1 (the first `offset` are a shared prefix already in
+    the cache); causal, no key past a prompt's end, and on sliding layers none out of the window.
 
-    Padding queries (past the end) still see the prompt, so no row is fully masked (no NaN);
-    their K/V land past the prompt in the slot, where decoding overwrites them before use.
+    Padding queries (past the end) are never fully masked into NaN (the masks are finite); their
+    K/V land past the prompt in the slot, where decoding overwrites them before use.
     """
     keys = torch.arange(width, device=lengths.device)
     keep = (keys[None, :] <= keys[offset:, None])[None] & (keys[None, None, :] < lengths[:, None, None])
-    return _additive(keep, dtype)[:, None]
+    return layout.masks(keep[:, None], keys[offset:, None] - keys[None, :], dtype)
 
 
-def decode_mask(lengths: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """[n] cached lengths -> [n, 1, 1, width]: row i sees its positions 0..lengths[i] (the new
-    token sits at lengths[i]); the rest of the slot is stale or another prompt's padding."""
-    keep = torch.arange(width, device=lengths.device)[None, :] <= lengths[:, None]
-    return _additive(keep, dtype)[:, None, None]
+def decode_mask(
+    layout: AttentionLayout, lengths: torch.Tensor, width: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[n] cached lengths -> [kinds, n, 1, 1, width]: row i sees its positions 0..lengths[i] (the
+    new token sits at lengths[i]), on sliding layers only the window's; the rest of the slot is
+    stale or another prompt's padding."""
+    keys = torch.arange(width, device=lengths.device)
+    keep = keys[None, :] <= lengths[:, None]
+    return layout.masks(keep[:, None, None], (lengths[:, None] - keys[None, :])[:, None, None], dtype)
 
 
 def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -264,7 +273,8 @@ def generate(
     workers: int = 1,
     matmul_dtype: torch.dtype | None = None,
 ) -> list[list[int]]:
-    """Each prompt's new token ids, up to (not including) the first EOS, at most `max_new_tokens`.
+    """Each prompt's new token ids, through the first stop token (`eos_token_ids`), at most
+    `max_new_tokens` in all.
 
     `batch_size` slots decode together, split over `workers` engines that run side by side in
     threads, each on every workers-th prompt (0: `default_workers`). In an engine a finished
@@ -283,6 +293,7 @@ def generate(
         raise ValueError("every prompt needs at least one token")
     if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
         raise ValueError("sampling needs one seed per prompt")
+    layout = attention_layout(model.config)  # refuses a target it cannot mask, before any forward
     if not prompts:
         return []
     workers = min(workers or default_workers(model, batch_size), batch_size, len(prompts))
@@ -311,6 +322,7 @@ def generate(
             on_finish=finished,
             prefill_tokens=prefill_tokens,
             counted=counted,
+            layout=layout,
         )
 
     linears = DataLinears(model, matmul_dtype, rows=slots)  # packed for the decode steps' row count
@@ -338,9 +350,11 @@ def _decode_all(
     on_finish: Callable[[int, list[int]], None],
     prefill_tokens: int,
     counted: bool,
+    layout: AttentionLayout,
 ) -> None:
     """One engine: `slots` rows decoding `prompts` with continuous batching (see `generate`).
-    `counted`: decode forwards pass each row's cache length as `slot_counts` (`slot_attention`)."""
+    `counted`: decode forwards pass each row's cache length as `slot_counts` (`slot_attention`).
+    `layout`: which positions each layer sees (`masks.attention_layout`)."""
     sampling = temperature > 0
     device = model.get_input_embeddings().weight.device
     dtype = model.dtype
@@ -353,11 +367,12 @@ def _decode_all(
     cache_kwarg = _cache_kwarg(model)
 
     def forward(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keep, **counts):
-        """Each row's logits at its last kept position; `counts`: `slot_counts` on decode steps."""
+        """Each row's logits at its last kept position; `mask`: one per kind of layer (see
+        `prefill_mask`); `counts`: `slot_counts` on decode steps."""
         out = model(
             input_ids=ids,
             position_ids=positions,
-            attention_mask=mask,
+            attention_mask=layout.argument(mask),
             use_cache=True,
             logits_to_keep=keep,
             **{cache_kwarg: cache},
@@ -376,10 +391,10 @@ def _decode_all(
         return sample_next(logits, temperature, top_p, noise)
 
     def record(slot: int, token: int) -> None:
-        """Append a token to the slot's answer; free the slot when the answer is done."""
+        """Append a token to the slot's answer (a stop token too: the answer's ids are what the
+        target emits); free the slot when the answer is done."""
         made = rows.made[slot]
-        if token not in eos:
-            made.append(token)
+        made.append(token)
         if token in eos or len(made) == max_new_tokens:
             on_finish(rows.owner[slot], made)
             rows.owner[slot], rows.made[slot], rows.generator[slot] = None, [], None
@@ -397,7 +412,7 @@ def _decode_all(
             where = torch.tensor(chosen, device=device)
             cache.prefill(where, shared, slots)
             positions = torch.arange(shared, width, device=device).expand(group, width - shared)
-            mask = prefill_mask(lengths, width, dtype, shared)
+            mask = prefill_mask(layout, lengths, width, dtype, shared)
             logits = forward(ids, positions, mask, (lengths - 1 - shared)[:, None])
             for slot, i in zip(chosen, index):
                 rows.owner[slot], rows.length[slot] = i, len(prompts[i])
@@ -418,7 +433,7 @@ def _decode_all(
         """The shared prefix's K/V, once, into the spare slot that admissions copy from."""
         cache.prefill(torch.tensor([slots], device=device))
         ids = torch.tensor([prompts[0][:shared]], device=device)
-        mask = prefill_mask(torch.tensor([shared], device=device), shared, dtype)
+        mask = prefill_mask(layout, torch.tensor([shared], device=device), shared, dtype)
         forward(ids, torch.arange(shared, device=device)[None], mask, 1)
 
     def step(n: int) -> None:
@@ -426,7 +441,7 @@ def _decode_all(
         width = max(rows.length[:n]) + 1
         positions = rows.positions[:n]
         cache.decode(positions, width)
-        mask = decode_mask(positions, width, dtype)
+        mask = decode_mask(layout, positions, width, dtype)
         counts = {"slot_counts": positions + 1} if counted else {}
         logits = forward(rows.tokens[:n, None], positions[:, None], mask, 1, **counts)
         new = draw(logits, list(range(n)))

@@ -56,7 +56,7 @@ def vllm_generate(
     seeds: list[int],
     dtype: torch.dtype,
 ) -> list[list[int]]:
-    """Each prompt's new token ids up to (not including) the first EOS, as `regen_engine.generate`
+    """Each prompt's new token ids through the first stop token, as `regen_engine.generate`
     returns them; one vLLM engine per process and target."""
     check_vllm_installed()
     from vllm import SamplingParams
@@ -78,6 +78,6 @@ def vllm_generate(
     answers = []
     for out in outs:
         ids = list(out.outputs[0].token_ids)
-        end = next((i for i, t in enumerate(ids) if t in eos_token_ids), len(ids))
-        answers.append(ids[:end])
+        end = next((i + 1 for i, t in enumerate(ids) if t in eos_token_ids), len(ids))
+        answers.append(ids[:end])  # through the stop token, as the hf engine's
     return answers

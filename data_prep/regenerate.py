@@ -1,9 +1,16 @@
 """Replace assistant turns with the target's own answers, so the head learns what it will draft.
 
+The data is token ids, not text: each turn is the prompt ids the chat template rendered
+(generation prompt and `data.chat_template_kwargs` included) and the ids the target generated,
+through its stop token; the loss mask is exactly the generated ids and nothing re-renders an
+answer's text. A multi-turn conversation is answered turn by turn in the context the template
+gives that turn at serving time (Qwen3's history without earlier reasoning, gpt-oss's without the
+analysis channel); `template.build_rows` keeps one row per conversation where the template only
+appends, one per turn where it rewrites history.
+
 Generation was the slowest stage of data prep, so it runs on `regen_engine` (continuous batching
 over a static KV cache) or on vLLM, and it is resumable: every finished conversation is appended
-to a JSONL cache, and a rerun skips the ids already there. Multi-turn conversations are answered
-turn by turn, each turn seeing the target's earlier answers.
+to a JSONL cache (ids, and the answers' text for reading), and a rerun skips the ids already there.
 """
 
 from __future__ import annotations
@@ -21,9 +28,8 @@ import torch
 
 from conf.schema import RegenerateConfig
 from data_prep.regen_engine import generate
-from data_prep.sources import Message, Sample, answer_uid
-from data_prep.target import eos_token_ids
-from data_prep.template import prompt_ids
+from data_prep.sources import Sample, answer_uid
+from data_prep.template import ChatTemplate, Message, TemplateError, Turn, note_refusal, parse_answer
 
 
 @dataclass
@@ -31,22 +37,20 @@ class _Pending:
     sample: Sample
     system: list[Message]
     users: list[Message]
-    answers: list[str] = field(default_factory=list)
-
-    def answered(self) -> list[Message]:
-        """The conversation so far: system prompt, then each answered user turn and its answer."""
-        msgs = list(self.system)
-        for user, answer in zip(self.users, self.answers):
-            msgs += [user, {"role": "assistant", "content": answer}]
-        return msgs
+    turns: list[dict] = field(default_factory=list)  # {"prompt_ids", "answer_ids", "answer"}
 
     def prompt(self) -> list[Message]:
-        return self.answered() + [self.users[len(self.answers)]]
+        """The next turn's conversation: system prompt, each answered user turn with the target's
+        answer (as a message: the template decides what of it history keeps), the next user turn."""
+        msgs = list(self.system)
+        for user, turn in zip(self.users, self.turns):
+            msgs += [user, parse_answer(turn["answer"])]
+        return msgs + [self.users[len(self.turns)]]
 
 
-def read_cache(path: Path) -> dict[str, list[Message]]:
-    """Finished conversations by uid; a torn last line (a killed run) is cut off the file."""
-    done: dict[str, list[Message]] = {}
+def read_cache(path: Path) -> dict[str, list[dict]]:
+    """Finished conversations' turns by uid; a torn last line (a killed run) is cut off the file."""
+    done: dict[str, list[dict]] = {}
     if not path.exists():
         return done
     good = 0
@@ -56,11 +60,21 @@ def read_cache(path: Path) -> dict[str, list[Message]]:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 break
-            done[row["uid"]] = row["messages"]
+            done[row["uid"]] = row["turns"]
             good += len(line)
     if good != path.stat().st_size:
         os.truncate(path, good)
     return done
+
+
+def answer_text(tok, ids: list[int], stop_ids: frozenset[int]) -> str:
+    """An answer's text as history shows it: special tokens kept (gpt-oss channels), the stop
+    token dropped."""
+    return tok.decode(ids[:-1] if ids and ids[-1] in stop_ids else ids, skip_special_tokens=False)
+
+
+def cached_turns(turns: list[dict]) -> list[Turn]:
+    return [Turn(t["prompt_ids"], t["answer_ids"]) for t in turns]
 
 
 def turn_seed(uid: str, turn: int) -> int:
@@ -94,7 +108,7 @@ def answer_all(model, prompts: list[list[int]], cfg: RegenerateConfig, eos: set[
 def regenerate(
     samples: list[Sample],
     model,
-    tok,
+    tpl: ChatTemplate,
     cfg: RegenerateConfig,
     max_length: int,
     cache_file: Path,
@@ -102,9 +116,9 @@ def regenerate(
     progress: Callable | None = None,
     target_path: str | None = None,
     matmul_dtype: torch.dtype | None = None,
-) -> list[Sample]:
-    """Every sample with target-written answers (`cfg.num_samples` per prompt, each its own sample
-    with uid `answer_uid(uid, k)`), in input order; reuses and extends `cache_file`.
+) -> list[tuple[str, list[Turn]]]:
+    """(uid, turns) of every sample answered by the target (`cfg.num_samples` per prompt, each
+    its own sample with uid `answer_uid(uid, k)`), in input order; reuses and extends `cache_file`.
 
     A turn is answered only when its prompt leaves room for `max_new_tokens` within
     `max_length`; later turns of that conversation are dropped (they would be truncated away).
@@ -113,7 +127,11 @@ def regenerate(
     precision of the engine's linear layers (`data_prep.linears`).
     """
     done = read_cache(cache_file)
-    wanted = [Sample(answer_uid(s.uid, k), s.messages) for s in samples for k in range(cfg.num_samples)]
+    wanted = [
+        Sample(answer_uid(s.uid, k), s.messages, s.tools, s.where)
+        for s in samples
+        for k in range(cfg.num_samples)
+    ]
     todo = []
     for s in wanted:
         if s.uid not in done:
@@ -121,37 +139,42 @@ def regenerate(
             todo.append(_Pending(s, system, [m for m in s.messages if m["role"] == "user"]))
     stats["regenerated_from_cache"] += len(wanted) - len(todo)
     budget = max_length - cfg.max_new_tokens
-    eos = eos_token_ids(model, tok)
     bar = progress(total=None, unit="tok", desc="regenerate") if progress and todo else None
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     started, new_tokens = time.perf_counter(), 0
     with open(cache_file, "a", encoding="utf-8") as out:
 
-        def finish(p: _Pending) -> None:
-            if len(p.answers) < len(p.users):
-                stats["turns_dropped_too_long"] += len(p.users) - len(p.answers)
-            done[p.sample.uid] = p.answered() if p.answers else []
-            out.write(json.dumps({"uid": p.sample.uid, "messages": done[p.sample.uid]}) + "\n")
+        def finish(p: _Pending, reason: str = "turns_dropped_too_long") -> None:
+            if len(p.turns) < len(p.users):
+                stats[reason] += len(p.users) - len(p.turns)
+            done[p.sample.uid] = p.turns
+            out.write(json.dumps({"uid": p.sample.uid, "turns": p.turns}) + "\n")
             out.flush()
 
         while todo:  # one round per turn: each round answers every conversation's next turn
             ready = []
             for p in todo:
-                ids = prompt_ids(tok, p.prompt())
+                try:
+                    ids = tpl.prompt_ids(p.prompt(), p.sample.tools)
+                except TemplateError as err:  # e.g. roles that must alternate
+                    note_refusal(stats, tpl, p.sample.where or p.sample.uid, err)
+                    finish(p, "turns_dropped_refused")
+                    continue
                 if len(ids) > budget:
                     finish(p)
                 else:
                     ready.append((len(ids), p.sample.uid, ids, p))
             ready.sort(key=lambda r: (r[0], r[1]))  # similar lengths prefill together
-            pending, todo = [r[3] for r in ready], []
+            pending, todo = [(r[2], r[3]) for r in ready], []
 
             def answered(i: int, new: list[int], pending=pending, todo=todo) -> None:
                 nonlocal new_tokens
-                p = pending[i]
-                p.answers.append(tok.decode(new, skip_special_tokens=True).strip())
+                context, p = pending[i]
+                answer = answer_text(tpl.tok, new, tpl.stop_ids)
+                p.turns.append({"prompt_ids": context, "answer_ids": new, "answer": answer})
                 new_tokens += len(new)
-                stats["answers_cut_at_max_new_tokens"] += len(new) == cfg.max_new_tokens
-                if len(p.answers) < len(p.users):
+                stats["answers_cut_at_max_new_tokens"] += new[-1] not in tpl.stop_ids
+                if len(p.turns) < len(p.users):
                     todo.append(p)
                 else:
                     finish(p)
@@ -159,11 +182,12 @@ def regenerate(
                     bar.update(len(new))
                     bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - started):.1f}")
 
-            seeds = [turn_seed(p.sample.uid, len(p.answers)) for p in pending]
-            answer_all(model, [r[2] for r in ready], cfg, eos, seeds, answered, target_path, matmul_dtype)
+            seeds = [turn_seed(p.sample.uid, len(p.turns)) for _, p in pending]
+            answer_all(model, [r[2] for r in ready], cfg, set(tpl.stop_ids), seeds, answered, target_path,
+                       matmul_dtype)
     if bar is not None:
         bar.close()
     stats["regenerated_tokens"] += new_tokens
     stats["regenerate_seconds"] += round(time.perf_counter() - started, 2)
     stats["skipped_prompt_too_long"] += sum(1 for s in wanted if not done[s.uid])
-    return [Sample(s.uid, done[s.uid]) for s in wanted if done[s.uid]]
+    return [(s.uid, cached_turns(done[s.uid])) for s in wanted if done[s.uid]]

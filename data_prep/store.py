@@ -1,6 +1,7 @@
 """The captured-data folder: sharded safetensors, a manifest, and the Dataset the trainer reads.
 
-Layout: `<folder>/manifest.json`, `<folder>/<split>/shard-00000.safetensors`, ...
+Layout: `<folder>/manifest.json`, `<folder>/<split>/shard-00000.safetensors`, ... Each shard's
+header metadata names its samples' uids (`shard_uids`), so a row can be traced to its source.
 Samples reach it through a `TokenSpill`, so that a source of any size is sharded from disk. A
 folder is built as `<folder>.partial` and renamed when its manifest is written, so a folder
 with a manifest is always complete. Inside the partial folder each shard is written to a temp
@@ -23,12 +24,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conf.errors import UserError
-from conf.files import atomic_write
-from data_prep.capture import CaptureSpec, capture_batch, decode
+from conf.files import atomic_write, check_sha256, sha256_file
+from data_prep.capture import CaptureSpec, checked_capture, decode
 from data_prep.linears import DataLinears
 from data_prep.template import Tokenized
 
-FORMAT_VERSION = 1
+# 2: rows are token ids as the template renders them and the target emits them (one row per turn
+# where the template rewrites history), shards name their uids.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 SPLITS = ("train", "validation")
@@ -36,16 +39,15 @@ SPLITS = ("train", "validation")
 TARGET_FIELDS = ("tokenizer_hash", "vocab_size", "hidden_size", "num_hidden_layers", "weights")
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
+
+
+def shard_uids(path: Path) -> list[str]:
+    """The uids of a shard's samples, in order ([] for a shard written without them)."""
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    return json.loads(meta.get("uids", "[]"))
 
 
 def open_partial(folder: Path, plan: dict) -> Path:
@@ -76,7 +78,9 @@ def write_split(
         fresh = not path.exists()
         if fresh:
             tensors = make_shard(chunk)
-            atomic_write(path, lambda p, t=tensors: save_file(t, str(p)))
+            uids = [s.uid for s in chunk] if chunk and isinstance(chunk[0], Tokenized) else None
+            meta = {"uids": json.dumps(uids)} if uids else None
+            atomic_write(path, lambda p, t=tensors, m=meta: save_file(t, str(p), metadata=m))
         with safe_open(str(path), "pt") as f:
             offsets = f.get_tensor("offsets")
             mask_tokens = int(f.get_tensor("loss_mask").sum())
@@ -100,8 +104,8 @@ class TokenSpill:
     Shards are length-sorted, and the validation split and the draft vocabulary are decided
     over the whole set, so `prepare` sees every sample before it writes a shard; a source of
     any size must still not sit in memory. Ids (int32) and masks (a byte each) go to two flat
-    files in arrival order; memory keeps 36 bytes per sample: where its tokens start, how many,
-    its prompt's split hash and a digest of its uid and tokens (for the build plan).
+    files in arrival order; memory keeps ~100 bytes per sample: where its tokens start, how many,
+    its prompt's split hash, a digest of its uid and tokens (for the build plan) and its uid.
     """
 
     def __init__(self, folder: Path):
@@ -110,6 +114,7 @@ class TokenSpill:
         self._writers = [open(p, "wb") for p in self.files]
         self.starts, self.lengths = array("q"), array("i")
         self.hashes, self.digests = array("d"), bytearray()
+        self.uids: list[str] = []
         self.tokens = 0
 
     def __len__(self) -> int:
@@ -120,6 +125,7 @@ class TokenSpill:
         for out, data in zip(self._writers, (ids, mask)):
             out.write(data)
         self.digests += hashlib.sha256(uid.encode() + b"\0" + ids + mask).digest()[:16]
+        self.uids.append(uid)
         self.starts.append(self.tokens)
         self.lengths.append(len(t.input_ids))
         self.hashes.append(split_hash)
@@ -155,14 +161,25 @@ class TokenSpill:
                 ids_file.seek(4 * start)
                 mask_file.seek(start)
                 ids = array("i", ids_file.read(4 * n)).tolist()
-                out.append(Tokenized(ids, list(map(bool, mask_file.read(n))), False))
+                out.append(Tokenized(ids, list(map(bool, mask_file.read(n))), False, self.uids[i]))
         return out
 
 
+def with_vocab_checksum(partial: Path, manifest: dict) -> dict:
+    """`manifest` with the sha256 of its draft vocabulary file, the one file `write_split` does not
+    record, so that every file a training run reads is checked (`check_file`)."""
+    vocab = manifest.get("draft_vocab")
+    if not vocab or "sha256" in vocab:
+        return manifest
+    return manifest | {"draft_vocab": vocab | {"sha256": sha256_file(partial / vocab["file"])}}
+
+
 def finish(partial: Path, folder: Path, manifest: dict) -> None:
-    """Write the manifest and move the partial folder into place: the folder is now complete."""
+    """Write the manifest (`with_vocab_checksum`) and move the partial folder into place: the
+    folder is now complete."""
     (partial / PLAN).unlink(missing_ok=True)
-    atomic_write(partial / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2)))
+    sealed = with_vocab_checksum(partial, manifest)
+    atomic_write(partial / MANIFEST, lambda p: p.write_text(json.dumps(sealed, indent=2)))
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(partial, folder)
@@ -179,6 +196,23 @@ def load_manifest(folder: str | Path) -> dict:
             f"{FORMAT_VERSION}; delete the folder to rebuild it"
         )
     return manifest
+
+
+def rebuild_hint(folder: Path) -> str:
+    """The command that rebuilds a data folder, for errors about one of its files."""
+    return (
+        f"delete the folder and build it again: rm -r {folder} && python -m data_prep.prepare "
+        "<the run's overrides> (a training run rebuilds a missing folder itself)"
+    )
+
+
+def check_file(folder: Path, record: dict) -> None:
+    """A file the manifest lists (a shard, the draft vocabulary: `record` holds its "file" and
+    "sha256") against its checksum, once per process: a flipped bit on disk or a bad copy
+    would otherwise train on wrong values without a word. Records from before checksums pass."""
+    if "sha256" in record:
+        path, where = folder / record["file"], f"data folder {str(folder)!r}"
+        check_sha256(path, record["sha256"], where, folder / MANIFEST, rebuild_hint(folder))
 
 
 def check_target(manifest: dict, target: dict, where: str) -> None:
@@ -198,8 +232,9 @@ def check_target(manifest: dict, target: dict, where: str) -> None:
 
 def online_capture(manifest: dict, model) -> Callable[[dict], dict] | None:
     """For a folder prepared with `data.hidden_states=online`: the per-batch capture the training
-    loop runs with `model` (the target), computing the hidden states the folder does not hold.
-    None when the folder holds them, or when the head reads none (Medusa-2)."""
+    loop runs with `model` (the target), computing the hidden states the folder does not hold,
+    and where they overflowed (`capture.NONFINITE`). None when the folder holds them, or when
+    the head reads none (Medusa-2)."""
     m = manifest
     spec = CaptureSpec(tuple(m["aux_layer_ids"]), m["final_layer_id"], m["storage_dtype"])
     if manifest.get("hidden_states") != "online" or not spec.needs_forward:
@@ -210,7 +245,7 @@ def online_capture(manifest: dict, model) -> Callable[[dict], dict] | None:
 
     def capture(batch: dict) -> dict:
         with linears:
-            return capture_batch(model, spec, batch)
+            return checked_capture(model, spec, batch)
 
     return capture
 
@@ -221,6 +256,7 @@ class CapturedDataset(torch.utils.data.Dataset):
     item: input_ids LongTensor[T], loss_mask BoolTensor[T], and when captured aux_hidden [T, 3H]
     and final_hidden [T, H]: bf16 as stored (half the bytes to pad and copy; the trainer widens
     them on the device), float32 when stored as fp8. `lengths` serves length-grouped batching.
+    Opening it checks each shard against its checksum (`check_file`) before anything is read.
     """
 
     def __init__(self, folder: str | Path, split: str):
@@ -229,10 +265,12 @@ class CapturedDataset(torch.utils.data.Dataset):
         if split not in self.manifest["splits"]:
             raise UserError(f"split={split!r}: expected one of {', '.join(self.manifest['splits'])}")
         self.split = split
-        self.shards = [self.folder / s["file"] for s in self.manifest["splits"][split]["shards"]]
+        records = self.manifest["splits"][split]["shards"]
+        self.shards = [self.folder / s["file"] for s in records]
         self._index: list[tuple[int, int, int]] = []
         self.fields: dict[str, list[str]] = {}
-        for k, path in enumerate(self.shards):
+        for k, (path, record) in enumerate(zip(self.shards, records)):
+            check_file(self.folder, record)
             with safe_open(str(path), "pt") as f:
                 offsets = f.get_tensor("offsets").tolist()
                 names = set(f.keys())
@@ -248,6 +286,14 @@ class CapturedDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def describe(self, i: int) -> str:
+        """Where sample `i` lives, for error messages: split, shard, row and uid when recorded."""
+        k = self._index[i][0]
+        row = i - next(j for j, (shard, _, _) in enumerate(self._index) if shard == k)
+        uids = shard_uids(self.shards[k])
+        uid = f", uid {uids[row]!r}" if row < len(uids) else ""
+        return f"sample {i} of the {self.split} split ({self.shards[k]} row {row}{uid})"
 
     def __getstate__(self):  # open handles stay in the process that opened them
         return {**self.__dict__, "_handles": {}}

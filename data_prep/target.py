@@ -205,10 +205,24 @@ def tokenizer_hash(tok) -> str:
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
 
 
-def eos_token_ids(model, tokenizer) -> set[int]:
+def stop_token_ids(tokenizer, generation_config=None) -> set[int]:
     """Every id that ends an answer: the tokenizer's EOS and the generation config's (chat models
-    often list several, e.g. <|eot_id|> and <|end_of_text|>)."""
+    often list several, e.g. <|eot_id|> and <|end_of_text|>; gpt-oss <|return|> and <|call|>)."""
     ids = {tokenizer.eos_token_id}
-    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    extra = getattr(generation_config, "eos_token_id", None)
     ids |= set(extra) if isinstance(extra, list) else {extra}
     return {i for i in ids if i is not None}
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    return stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+
+
+def load_generation_config(path: str, revision: str | None = None):
+    """The target's generation config (its stop tokens), or None when it ships none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path, revision=revision)
+    except OSError:
+        return None

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conf.errors import UserError
+from data_prep.store import MANIFEST, check_file, load_manifest
 
 VOCAB_FILE = "draft_vocab.safetensors"
 
@@ -58,11 +59,14 @@ def save_draft_vocab(folder: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None
 
 
 def load_draft_vocab(folder: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of a data folder, checked against the manifest's checksum when it has one."""
     path = Path(folder) / VOCAB_FILE
     if not path.exists():
         raise UserError(
             f"data folder {str(folder)!r}: no {VOCAB_FILE} (it is written for EAGLE-3 heads "
             "only; prepare the data with +head=eagle3)"
         )
+    if (Path(folder) / MANIFEST).exists():
+        check_file(Path(folder), load_manifest(folder).get("draft_vocab") or {})
     tensors = load_file(str(path))
     return tensors["d2t"], tensors["t2d"]

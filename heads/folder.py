@@ -1,13 +1,15 @@
 """The project's own head folder: `draftsmith_head.json` + `model.safetensors`, written atomically.
 
 Both head kinds save through here, so the target fingerprint that stops a head from loading
-against the wrong target is recorded and checked in one place.
+against the wrong target is recorded and checked in one place; so are the weights' checksum
+(`weights_sha256`: a damaged copy is refused, not served) and their finiteness (a head from a
+diverged run is never evaluated, exported or pushed: every consumer loads through `load_head`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -18,11 +20,12 @@ from safetensors.torch import load_file, save_file
 
 from conf.compose import compose_root
 from conf.errors import UserError, first_line
-from conf.files import atomic_dir, commit_dir, read_json
-from conf.schema import HEAD_CONFIGS, RootConfig
+from conf.files import atomic_dir, check_sha256, commit_dir, read_json, sha256_file
+from conf.schema import HEAD_CONFIGS, TEMPLATE_FIELDS, RootConfig
 
 CONFIG_NAME = "draftsmith_head.json"
 WEIGHTS_NAME = "model.safetensors"
+CHECKSUM = "weights_sha256"  # optional in CONFIG_NAME: heads saved before it load unchecked
 
 
 @dataclass(frozen=True)
@@ -58,9 +61,10 @@ def save_head(
 ) -> Path:
     out = Path(out_dir)
     tmp = atomic_dir(out)
-    meta = {"kind": kind, "target": asdict(target), "config": config}
-    (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True))
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / WEIGHTS_NAME)
+    meta = {"kind": kind, "target": asdict(target), "config": config}
+    meta[CHECKSUM] = sha256_file(tmp / WEIGHTS_NAME)
+    (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True))
     commit_dir(tmp, out)
     return out
 
@@ -85,13 +89,6 @@ def read_weights(path: Path, what: str) -> dict[str, torch.Tensor]:
         return load_file(path)
 
 
-def check_weights(path: Path, what: str) -> None:
-    """Read only the header, which also proves the file is not cut off: a cheap check that lets
-    commands refuse a broken head before they load a target."""
-    with _weights_file(path, what), safe_open(path, "pt"):
-        pass
-
-
 def read_head_meta(path: str | Path) -> dict:
     """`draftsmith_head.json` of a head folder: {kind, target, config}, or one line naming the
     file and what is wrong (missing, cut off, not UTF-8, fields missing or malformed), so that no
@@ -113,16 +110,45 @@ def read_head_meta(path: str | Path) -> dict:
         raise UserError(f"{where}: {meta_file}: 'target' must hold exactly {', '.join(spec_fields)}")
     if not isinstance(meta["config"], dict):
         raise UserError(f"{where}: {meta_file}: 'config' must be an object")
+    digest = meta.get(CHECKSUM)
+    if digest is not None and not (isinstance(digest, str) and len(digest) == 64):
+        raise UserError(f"{where}: {meta_file}: {CHECKSUM!r} must be a sha256 hex digest")
     return meta
+
+
+def nonfinite_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the floating tensors holding a NaN or an infinity, in name order."""
+    return sorted(k for k, v in tensors if v.is_floating_point() and not torch.isfinite(v).all())
+
+
+def check_head_weights(path: Path, meta: dict, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Refuse weights that differ from the checksum saved with them, or that are not finite (a
+    diverged run's: they would decode garbage, and engines serve them without a word).
+    `tensors`: (name, tensor) pairs, loaded or read one at a time."""
+    where, weights = f"head={str(path)!r}", path / WEIGHTS_NAME
+    if CHECKSUM in meta:
+        retrain = (
+            f"restore the folder from a good copy or train it again (python -m trainer.train "
+            f"with the overrides in {path.parent / 'config.json'})"
+        )
+        check_sha256(weights, meta[CHECKSUM], where, path / CONFIG_NAME, retrain)
+    bad = nonfinite_tensors(tensors)
+    if bad:
+        raise UserError(
+            f"{where}: {weights} holds non-finite weights ({len(bad)} tensor(s), first {bad[0]}): "
+            "the run that wrote it diverged; it is not evaluated, exported or pushed (train again "
+            "with a lower optim.lr)"
+        )
 
 
 def load_head(path: str | Path, kind: str) -> tuple[dict, TargetSpec, dict[str, torch.Tensor]]:
     """(config, target fingerprint, tensors) of a saved head of `kind`, or one line naming the
-    file that is missing, cut off or of another kind."""
+    file that is missing, cut off, of another kind, damaged (checksum) or not finite."""
     meta = read_head_meta(path)
     if meta["kind"] != kind:
         raise UserError(f"head={str(path)!r}: a {meta['kind']!r} head, expected {kind!r}")
     tensors = read_weights(Path(path) / WEIGHTS_NAME, f"head={str(path)!r}")
+    check_head_weights(Path(path), meta, tensors.items())
     return meta["config"], TargetSpec(**meta["target"]), tensors
 
 
@@ -131,16 +157,39 @@ def head_kind(path: str | Path) -> str:
     return read_head_meta(path)["kind"]
 
 
-def compose_for_head(head_path: str, overrides: list[str]) -> RootConfig:
-    """The root config for an existing head: its kind, and its target unless overridden.
+def run_config(head_path: Path) -> dict:
+    """The config the head was trained with, from the run folder around it ({} if none)."""
+    run_dir = head_path.resolve().parent
+    if (run_dir / "config.json").exists():
+        return read_json(run_dir / "config.json", "run config")
+    hydra_cfg = run_dir / "hydra" / "config.yaml"
+    if hydra_cfg.exists():
+        from omegaconf import OmegaConf
 
-    The head folder is checked first (metadata and the weights' header), so a broken head is one
-    line before any command built on this loads a target."""
+        return OmegaConf.to_container(OmegaConf.load(hydra_cfg))
+    return {}
+
+
+def compose_for_head(head_path: str, overrides: list[str]) -> RootConfig:
+    """The root config for an existing head: its kind, its target and the chat template settings
+    of the run that trained it (prompts render as they were trained on), unless overridden.
+
+    The head folder is checked first (metadata, the weights' header, checksum and finiteness, a
+    tensor at a time: a Medusa head of a large target holds several vocabulary-sized matrices), so
+    a broken head is one line before any command built on this loads a target."""
     if not head_path:
         raise UserError("head=<path> is required (a folder written by trainer.train)")
     meta = read_head_meta(head_path)
-    check_weights(Path(head_path) / WEIGHTS_NAME, f"head={head_path!r}")
+    weights = Path(head_path) / WEIGHTS_NAME
+    with _weights_file(weights, f"head={head_path!r}"), safe_open(weights, "pt") as f:
+        check_head_weights(Path(head_path), meta, ((k, f.get_tensor(k)) for k in f.keys()))
     extra = [f"+head={meta['kind']}"]
     if not any(o.startswith("target.name_or_path=") for o in overrides):
         extra.append(f"target.name_or_path={meta['target']['name_or_path']}")
-    return compose_root(extra + overrides)
+    cfg = compose_root(extra + overrides)
+    data = run_config(Path(head_path)).get("data") or {}
+    for key in TEMPLATE_FIELDS:  # a head evaluates on prompts rendered as it was trained
+        if data.get(key) is not None and not any(o.startswith(f"data.{key}=") for o in overrides):
+            setattr(cfg.data, key, data[key])
+    cfg.data.check()
+    return cfg

@@ -25,7 +25,7 @@ from hydra import compose, initialize_config_module
 from conf.schema import to_root_config
 from data_prep.capture import bare_forward, capture_shard
 from data_prep.linears import DataLinears
-from data_prep.prepare import capture_spec, matmul_dtype, select_samples, tokenize_all
+from data_prep.prepare import capture_spec, chat_template, iter_rows, matmul_dtype, select_samples
 from data_prep.store import open_partial, write_split
 from data_prep.target import load_target_from_config
 
@@ -50,8 +50,9 @@ def main() -> None:
     n_layers = model.config.get_text_config().num_hidden_layers
     spec = capture_spec(cfg, n_layers)
     d = cfg.data
-    tokenized = tokenize_all(select_samples(cfg, tok, Counter()), tok, d.max_length, Counter())
-    items = sorted(tokenized.values(), key=lambda t: len(t.input_ids))
+    tpl = chat_template(cfg, tok)
+    rows = iter_rows(select_samples(cfg, tpl, Counter()), tpl, d.max_length, Counter())
+    items = sorted((t for _, t in rows), key=lambda t: len(t.input_ids))
     shards = [items[i : i + d.shard_samples] for i in range(0, len(items), d.shard_samples)]
     tokens = sum(len(t.input_ids) for t in items)
 

@@ -70,7 +70,7 @@ def main(argv: list[str]) -> None:
             for mode, shape in shapes.items()
         },
     }
-    encoded = encode_all(tokenizer, prompts)
+    encoded = encode_all(tokenizer, prompts, cfg.data)
     for run in methods.values():  # warm-up, not measured
         run(encoded[0][1][:32])
     records: dict[str, list[Record]] = {"chain": [], "tree": []}

@@ -26,7 +26,7 @@ from conf.errors import UserError, exit_on_user_error
 from data_prep.capture import bare_forward
 from data_prep.decode_attention import applies
 from data_prep.linears import DataLinears
-from data_prep.prepare import check_source, matmul_dtype, select_samples, tokenize_all
+from data_prep.prepare import chat_template, check_source, matmul_dtype, regenerated_rows, select_samples
 from data_prep.regen_engine import default_workers
 from data_prep.regenerate import regenerate
 from data_prep.target import load_target_from_config, resolve_target_path
@@ -43,14 +43,15 @@ def main(argv: list[str]) -> None:
     cfg.data.max_samples = prompts
     check_source(cfg)
     model, tok = load_target_from_config(cfg.target)
-    samples = list(select_samples(cfg, tok, Counter()))
+    tpl = chat_template(cfg, tok)
+    samples = list(select_samples(cfg, tpl, Counter()))
     stats: Counter = Counter()
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         answered = regenerate(
             samples,
             model,
-            tok,
+            tpl,
             regen,
             cfg.data.max_length,
             Path(tmp) / "regen.jsonl",
@@ -59,8 +60,8 @@ def main(argv: list[str]) -> None:
             matmul_dtype=matmul_dtype(cfg),
         )
         regen_s = time.perf_counter() - start
-    tokenized = tokenize_all(answered, tok, cfg.data.max_length, Counter())
-    items = sorted(tokenized.values(), key=lambda t: len(t.input_ids))
+    rows = regenerated_rows(answered, cfg.data.max_length, Counter())
+    items = sorted((t for _, t in rows), key=lambda t: len(t.input_ids))
     shards = [items[i : i + cfg.data.shard_samples] for i in range(0, len(items), cfg.data.shard_samples)]
     tokens = sum(len(t.input_ids) for t in items)
     with DataLinears(model, matmul_dtype(cfg)):  # the capture's forward, as data prep runs it

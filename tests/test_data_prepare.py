@@ -152,9 +152,10 @@ def test_bf16_gemms_key_their_own_answers_and_folders(tiny_llama_dir, source, tm
     model, tok = load_target(str(tiny_llama_dir))
     identity = P.target_identity(root(tiny_llama_dir, source, tmp_path), tok, model.config)
     own, bf16 = (root(tiny_llama_dir, source, tmp_path, matmul_dtype=m) for m in ("target", "bfloat16"))
-    assert "matmul_dtype" not in P.samples_key(own, identity)
-    assert P.samples_key(bf16, identity)["matmul_dtype"] == "torch.bfloat16"
-    assert P.regen_cache_file(own, identity) != P.regen_cache_file(bf16, identity)
+    tpl = P.chat_template(own, tok)
+    assert "matmul_dtype" not in P.samples_key(own, identity, tpl)
+    assert P.samples_key(bf16, identity, tpl)["matmul_dtype"] == "torch.bfloat16"
+    assert P.regen_cache_file(own, identity, tpl) != P.regen_cache_file(bf16, identity, tpl)
     folder = prepare(bf16)
     assert load_manifest(folder)["matmul_dtype"] == "bfloat16" and folder != prepare(own)
     assert load_manifest(prepare(own))["matmul_dtype"] == "float32"
@@ -201,3 +202,33 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny_llama_dir, tmp_path):
     assert proc.returncode == 2, proc.stderr
     lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert lines == [f"error: {bad}:2: malformed JSON (Expecting value at column 20)"]
+
+
+MIXTRAL = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "chat-templates",
+                       "mixtral-8x7b-instruct-v0.1.jinja")
+
+
+@pytest.mark.skipif(not os.path.exists(MIXTRAL), reason="the shared chat templates are absent")
+def test_conversations_the_template_refuses_are_counted_and_most_refused_is_one_line(
+    tiny_llama_dir, tmp_path, capsys
+):
+    """Mixtral's template refuses a system message ("roles must alternate"): such conversations
+    are skipped, named once and counted in the manifest; a source where most turns are refused
+    stops with one line naming the template and the first bad row."""
+    rows = conversations(6)
+    for r in rows[:2]:
+        r["conversations"].insert(0, {"from": "system", "value": "Be brief."})
+    src = tmp_path / "some.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    folder = prepare(root(tiny_llama_dir, src, tmp_path / "c", chat_template=MIXTRAL))
+    stats = load_manifest(folder)["stats"]
+    assert stats["conversations_refused_by_template"] == 2 and stats["turns_dropped_refused"] == 2
+    out = capsys.readouterr().out
+    assert out.count("refuses") == 1 and f"{src}:1: Conversation roles must alternate" in out
+    assert "conversations_refused_by_template=2" in out  # the prepare summary line
+    for r in rows[2:5]:
+        r["conversations"].insert(0, {"from": "system", "value": "Be brief."})
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    most = r"mixtral.*5 of 6 assistant turns could not be trained \(first at .*some.jsonl:1"
+    with pytest.raises(UserError, match=most):
+        prepare(root(tiny_llama_dir, src, tmp_path / "c", chat_template=MIXTRAL))

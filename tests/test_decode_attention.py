@@ -1,5 +1,6 @@
 """The regeneration engine's decode attention kernel computes what PyTorch's attention computes
-over each row's own positions, read from strided slot-cache views, and only where it applies.
+over each row's own positions (on a sliding layer, its window's), read from strided slot-cache
+views, and only where it applies.
 (The engine's answers with it and without it: `test_regen_engine`.)"""
 
 from __future__ import annotations
@@ -41,6 +42,29 @@ def test_kernel_equals_masked_sdpa_over_each_rows_own_positions(kv_heads, group,
     for bad in (counts - 1, counts + 1):  # a row with no position; one past the view
         with pytest.raises(ValueError, match="counts must lie in"):
             da.decode_attention(query, k, v, bad, scale=0.3)
+
+
+@pytest.mark.parametrize("window", [1, 6, 64])
+def test_kernel_on_a_sliding_layer_reads_only_each_rows_window(window):
+    """A sliding layer (Mistral, Gemma 3) sees a row's last `window` positions only, as
+    transformers' mask `key > query - window` says; positions before them are never read."""
+    if da.kernel() is None:
+        pytest.skip("no C compiler")
+    torch.manual_seed(1)
+    rows, kv_heads, group, dim, width = 5, 2, 2, 16, 40
+    keys, values = (torch.randn(rows, kv_heads, width, dim) for _ in range(2))
+    query = torch.randn(rows, 1, kv_heads * group, dim).transpose(1, 2)
+    counts = torch.tensor([1, 7, 20, 40, 33])
+    got = da.decode_attention(query, keys, values, counts, scale=0.25, window=window)
+
+    pos, last = torch.arange(width), counts[:, None] - 1  # the query sits at position count - 1
+    seen = (pos <= last) & (pos > last - window)
+    mask = torch.zeros(rows, 1, 1, width).masked_fill(~seen[:, None, None], float("-inf"))
+    want = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    before = (pos[None] <= last - window)[:, None, :, None].expand_as(keys)
+    keys[before], values[before] = float("nan"), float("nan")
+    assert torch.equal(da.decode_attention(query, keys, values, counts, scale=0.25, window=window), got)
 
 
 def test_slot_attention_applies_to_a_float32_cpu_model_only_and_restores_it(tiny_llama_dir):

@@ -148,13 +148,13 @@ def test_prepare_streams_and_tokenises_once(tiny_llama_dir, chat_file, tmp_path,
     """Each sample is tokenised once, the source is read only as far as `max_samples` takes
     (a broken line after them is never seen), and no spill is left behind."""
     calls = Counter()
-    real = P.tokenize_conversation
+    real = P.conversation_turns
 
-    def counted(tok, messages, max_length):
+    def counted(*args):
         calls["n"] += 1
-        return real(tok, messages, max_length)
+        return real(*args)
 
-    monkeypatch.setattr(P, "tokenize_conversation", counted)
+    monkeypatch.setattr(P, "conversation_turns", counted)
     source = tmp_path / "chats.jsonl"
     source.write_text(chat_file.read_text() + "{not json\n")
     cfg = cfg_for(tiny_llama_dir, source, tmp_path / "cache", max_samples=40, hidden_states="online")

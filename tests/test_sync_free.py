@@ -29,6 +29,7 @@ from heads.medusa import MedusaHead
 from trainer.batching import batch_loader, collate
 from trainer.distributed import build_accelerator
 from trainer.eagle3_trainee import Eagle3Trainee
+from trainer.health import NonFiniteWatch
 from trainer.loop import lr_lambda, train_step
 from trainer.medusa_trainee import JointMedusaTrainee, MedusaTrainee
 
@@ -172,8 +173,8 @@ def assert_steps_never_sync(
     trainee, items: list[dict[str, torch.Tensor]], tmp_path: Path, capture=None, packed: bool = False
 ):
     """Two rounds of `train_step` (+ the LR schedule) over one loader batch of `items`, the way
-    `fit` runs them (`capture`: online mode's target forward; `packed`: two samples a row),
-    counting syncs."""
+    `fit` runs them (`capture`: online mode's target forward; `packed`: two samples a row), with
+    the loop's non-finite watch, counting syncs."""
     order = [[[0, 1], [2, 3]]] if packed else [[0, 1, 2, 3]]
     batches = list(batch_loader(items, order, 0, False, trainee.batch_index, packed))
     optim = OptimConfig()
@@ -188,12 +189,14 @@ def assert_steps_never_sync(
         no sync on a GPU either."""
         return [s["step"] for s in opt.state.values() if "step" in s]
 
+    watch = NonFiniteWatch(acc.device, 0, check_grad_norm=True)  # the loop's non-finite record
     with counting_syncs(step_counters) as syncs:
         for batch in batches * 2:
-            loss = train_step(acc, trainee, opt, params, optim.grad_clip, batch, capture)
+            loss = train_step(acc, trainee, opt, params, optim.grad_clip, batch, capture, watch)
             sched.step()
     assert not syncs, "\n".join(f"{n} x {where}" for where, n in sorted(Counter(syncs).items()))
     assert torch.isfinite(loss)  # read back as a logging step would
+    assert watch.read(acc) is None and watch.step.item() == 3
 
 
 @pytest.mark.parametrize("build", [eagle3, medusa1, medusa2], ids=["eagle3", "medusa1", "medusa2-lora"])

@@ -22,6 +22,7 @@ class TrainState:
     batch_in_epoch: int = 0  # batches of this rank already consumed in `epoch`
     best_score: float = float("-inf")  # by optim.select_by, of the head in run_dir/head
     best_step: int = 0  # the step that head was kept at
+    skipped: int = 0  # optimizer steps skipped for a non-finite gradient norm (optim.skip_nonfinite)
 
 
 def checkpoint_root(run_dir: Path) -> Path:

@@ -14,7 +14,9 @@ see it, the optimizer never holds it and checkpoints never save it: each rank ke
 
 A training step reads nothing back from the device: on a GPU each read (`.item()`, a shape that
 depends on values) waits for every kernel queued before it, and the GPU idles until the next
-ones are launched. Values are read at logging and validation steps only.
+ones are launched. Values are read at logging, validation and checkpoint steps only; that is
+also where the record of non-finite values each step keeps on the device is read
+(`trainer.health`): one stops the run in one line, before anything is kept.
 """
 
 from __future__ import annotations
@@ -33,8 +35,21 @@ from tqdm import tqdm
 from conf.errors import UserError
 from conf.files import atomic_write_text
 from conf.schema import OptimConfig, RootConfig
+from data_prep.capture import NONFINITE, overflow_message
 from trainer.batching import batch_loader, length_grouped_batches, packed_batches, shard_batches
 from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.health import (
+    HIDDEN,
+    NonFiniteWatch,
+    blame,
+    collapse,
+    collapse_line,
+    describe,
+    explain,
+    never_rose,
+    sample_at,
+    stop_line,
+)
 from trainer.logger import RunLogger
 from trainer.trainee import Batch, BatchIndex
 
@@ -63,12 +78,23 @@ def _batches(ds, optim: OptimConfig, seed: int, epoch: int, rank: int, world: in
     return shard_batches(all_batches, rank, world)
 
 
-def device_batch(batch: Batch, device, capture: Capture | None = None) -> Batch:
+def checked_device_batch(
+    batch: Batch, device, capture: Capture | None = None
+) -> tuple[Batch, torch.Tensor | None]:
     """A loader batch as the objective reads it, on the device: stored hidden states travel as
-    stored (bf16) and widen to float32 there; online, `capture` computes them from the ids."""
+    stored (bf16) and widen to float32 there; online, `capture` computes them from the ids. And
+    where the capture found them non-finite (`data_prep.capture.NONFINITE`; None if it says not)."""
     moved = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     moved = {k: v.float() if v.is_floating_point() else v for k, v in moved.items()}
-    return moved if capture is None else moved | capture(moved)
+    if capture is None:
+        return moved, None
+    captured = capture(moved)
+    return moved | {k: v for k, v in captured.items() if k != NONFINITE}, captured.get(NONFINITE)
+
+
+def device_batch(batch: Batch, device, capture: Capture | None = None) -> Batch:
+    """`checked_device_batch`'s batch."""
+    return checked_device_batch(batch, device, capture)[0]
 
 
 def _loader(ds, batches: list, optim: OptimConfig, device: torch.device, index: BatchIndex):
@@ -95,21 +121,42 @@ def validation_metrics(
     model = accelerator.unwrap_model(trainee)
     trainee.eval()
     sums: dict[str, torch.Tensor] = {}
+    flags: list[torch.Tensor] = []
     batches = _batches(
         val_ds, cfg.optim, cfg.seed, 0, accelerator.process_index, accelerator.num_processes
     )
     for batch in _loader(val_ds, batches, cfg.optim, accelerator.device, model.batch_index):
-        out = trainee(device_batch(batch, accelerator.device, capture))
+        moved, flag = checked_device_batch(batch, accelerator.device, capture)
+        out = trainee(moved)
+        flags += [] if flag is None else [flag]
         for k, v in out.items():
             v = v.detach().float().reshape(-1)
             sums[k] = sums[k] + v if k in sums else v
     trainee.train()
+    if flags:
+        check_validation_capture(accelerator, flags, val_ds, cfg)
     if not sums:
         return {}
     reduced = {k: accelerator.reduce(v, reduction="sum") for k, v in sums.items()}
     metrics = model.summarize(reduced)
     metrics["loss"] = (reduced["loss"] / max(1, len(batches) * accelerator.num_processes)).item()
     return metrics
+
+
+def check_validation_capture(accelerator, flags: list[torch.Tensor], val_ds, cfg: RootConfig) -> None:
+    """Refuse, on every rank alike, validation batches whose online hidden states overflowed,
+    naming the layer and the sample. `flags`: one `capture.NONFINITE` per batch of this rank
+    (every rank has as many batches), read once here, where validation reads anyway."""
+    world, n = accelerator.num_processes, len(flags)
+    rows = accelerator.gather(torch.stack(flags)).tolist()  # [world * n, 3]
+    hit = next((k for k, (layer, _, _) in enumerate(rows) if layer >= 0), None)
+    if hit is None:
+        return
+    rank, b = divmod(hit, n)
+    layer, row, position = rows[hit]
+    batch = _batches(val_ds, cfg.optim, cfg.seed, 0, rank, world)[b]
+    i, position = sample_at(batch, row, position, val_ds.lengths)
+    raise UserError(f"validation: {overflow_message(layer, position, describe(val_ds, i))}")
 
 
 def decoded_validation(accelerator, trainee, val_decode: ValDecode) -> float:
@@ -162,20 +209,24 @@ def train_step(
     grad_clip: float,
     batch: Batch,
     capture: Capture | None = None,
+    watch: NonFiniteWatch | None = None,
 ) -> torch.Tensor:
     """One micro-batch from the loader: to the device (through `capture` online), forward,
-    backward and, at the end of an accumulation, clip and step. Returns the loss as a device
-    tensor, for logging steps to read: nothing here reads the device (tests/test_sync_free.py
-    and tests/test_online.py count), not even the gradient norm."""
-    batch = device_batch(batch, accelerator.device, capture)
+    backward and, at the end of an accumulation, clip and step. `watch` records on the device
+    whether the loss, the gradient norm and the captured hidden states were finite. Returns the
+    loss as a device tensor, for logging steps to read: nothing here reads the device
+    (tests/test_sync_free.py and tests/test_online.py count), not even the gradient norm, unless
+    `optim.skip_nonfinite` asks for it (`NonFiniteWatch`)."""
+    batch, hidden = checked_device_batch(batch, accelerator.device, capture)
     with accelerator.accumulate(trainee):
         out = trainee(batch)
+        loss = out["loss"].detach()
         accelerator.backward(out["loss"])
-        if accelerator.sync_gradients:
-            accelerator.clip_grad_norm_(params, grad_clip)
-        opt.step()
+        norm = accelerator.clip_grad_norm_(params, grad_clip) if accelerator.sync_gradients else None
+        if watch is None or watch.observe(loss, norm, hidden, accelerator.sync_gradients):
+            opt.step()
         opt.zero_grad()
-    return out["loss"].detach()
+    return loss
 
 
 def fit(
@@ -229,6 +280,32 @@ def fit(
             f"data: {len(train_ds)} training samples make no full step of "
             f"{world} rank(s) x {optim.grad_accum} accumulation: add data or lower optim.*"
         )
+    # fp16 loss scaling makes non-finite gradients routine (the scaler skips those steps itself).
+    grad_norms = accelerator.mixed_precision != "fp16"
+    watch = NonFiniteWatch(accelerator.device, state.step, grad_norms, optim.skip_nonfinite, state.skipped)
+    checked_at, collapsed = -1, None
+
+    def stop(step: int, problem: str, hint: str | None) -> UserError:
+        checkpoint = latest_checkpoint(run_dir)  # written only after a clean `check`: good
+        return UserError(stop_line(step, problem, hint, head_dir, state.best_step, checkpoint))
+
+    def explained(fault) -> tuple[str, str | None]:
+        """`health.explain` with the fault's batches, rebuilt from the deterministic order."""
+        places = [watch.place(fault)] if fault.what == HIDDEN else watch.step_places(fault.step)
+        batches = [
+            _batches(train_ds, optim, cfg.seed, epoch, fault.rank, world)[i] for _, epoch, i in places
+        ]
+        return explain(fault, batches, train_ds, optim)
+
+    def check() -> None:
+        """Read the watch (once per step): stop at the first non-finite value of any rank."""
+        nonlocal checked_at
+        if checked_at == state.step:
+            return
+        checked_at = state.step
+        fault = watch.read(accelerator)
+        if fault is not None:
+            raise stop(fault.step, *explained(fault))
     while state.step < total_steps:
         batches = _batches(train_ds, optim, cfg.seed, state.epoch, rank, world)
         # A resumed epoch starts at the batch it stopped before.
@@ -237,14 +314,28 @@ def fit(
             if state.step >= total_steps:
                 break
             tokens += int(batch["attention_mask"].sum()) * world  # still on the CPU: no sync
-            last_loss = train_step(accelerator, trainee, opt, params, optim.grad_clip, batch, capture)
+            watch.places.append((state.step + 1, state.epoch, state.batch_in_epoch))
+            last_loss = train_step(
+                accelerator, trainee, opt, params, optim.grad_clip, batch, capture, watch
+            )
             state.batch_in_epoch += 1
             if not accelerator.sync_gradients:
                 continue
+            skipped = watch.take_skip()
+            if skipped is not None:
+                problem, hint = explained(skipped)
+                if watch.skipped > optim.skip_nonfinite:
+                    raise stop(skipped.step, f"{problem}, after {optim.skip_nonfinite} skipped step(s)", hint)
+                if accelerator.is_main_process:
+                    tqdm.write(
+                        f"step {skipped.step}: {problem}: optimizer step skipped "
+                        f"({watch.skipped} of optim.skip_nonfinite={optim.skip_nonfinite})"
+                    )
             sched.step()
             state.step += 1
             bar.update(1)
             if state.step % cfg.logging.log_every == 0 or state.step == total_steps:
+                check()
                 loss = accelerator.reduce(last_loss, reduction="mean").item()
                 rate = tokens / (time.perf_counter() - t0)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
@@ -252,10 +343,15 @@ def fit(
                 history.append({"step": state.step, "loss": loss})
             last = state.step == total_steps
             if state.step % optim.val_every == 0 or last:
+                check()
                 metrics = validation_metrics(accelerator, trainee, val_ds, cfg, capture)
+                if not math.isfinite(metrics.get("loss", 0.0)):  # reduced: alike on every rank
+                    every = [list(range(len(val_ds)))]
+                    raise stop(state.step, *blame("non-finite validation loss", every, val_ds, optim))
                 if val_decode is not None:
                     metrics[DECODED] = decoded_validation(accelerator, trainee, val_decode)
                 logger.log(state.step, metrics, "val")
+                fell = collapse(history, metrics, state.step)
                 history.append({"step": state.step, "val": metrics})
                 if accelerator.is_main_process:
                     shown = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
@@ -271,7 +367,14 @@ def fit(
                     state.best_score = float("-inf") if score is None else score
                     state.best_step = state.step
                     save_best(accelerator, trainee, head_dir)
+                if fell is not None:
+                    fell["message"] = collapse_line(fell, optim, state.best_step)
+                    collapsed = collapsed or fell
+                    if accelerator.is_main_process:
+                        tqdm.write(fell["message"])
             if state.step % optim.save_every == 0 or last:
+                check()
+                state.skipped = watch.skipped
                 save_checkpoint(accelerator, run_dir, state)
                 if accelerator.is_main_process:
                     write_history(run_dir, history)
@@ -280,6 +383,12 @@ def fit(
             state.batch_in_epoch = 0
     bar.close()
     logger.close()
+    if collapsed is None:
+        collapsed = never_rose(history)
+        if collapsed is not None:
+            collapsed["message"] = collapse_line(collapsed, optim, state.best_step)
+            if accelerator.is_main_process:
+                tqdm.write(collapsed["message"])
     elapsed = time.perf_counter() - t0
     return {
         "world_size": world,
@@ -288,6 +397,8 @@ def fit(
         "best_score": state.best_score,
         "best_step": state.best_step,
         "select_by": optim.select_by,
+        "skipped_steps": watch.skipped,
+        "acceptance_collapse": collapsed,
         "train_tokens_per_s": tokens / max(elapsed, 1e-9),
         "data_wait_fraction": waited[0] / max(elapsed, 1e-9),
         "head_dir": str(head_dir),

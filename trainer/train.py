@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from conf.compose import hydra_main
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import RootConfig, to_root_config
+from data_prep.masks import check_target_attention
 from data_prep.target import load_target_from_config
 from trainer.checkpoint import latest_checkpoint
 
@@ -50,6 +51,15 @@ def prepare_data(cfg: RootConfig, acc, target) -> Path:
     return folder
 
 
+def decodes_on_static_caches(cfg: RootConfig) -> bool:
+    """Whether this run decodes with draftsmith's own engine or decoder (regeneration on the
+    `hf` backend, decoded validation, the evaluation), which mask the target's attention
+    themselves and refuse what they cannot mask."""
+    regen = cfg.data.regenerate
+    own_regen = regen.enabled and regen.backend == "hf"
+    return own_regen or cfg.optim.val_decode_prompts > 0 or cfg.pipeline.evaluate
+
+
 def run(cfg: RootConfig) -> dict:
     from data_prep.prepare import check_source
     from data_prep.store import CapturedDataset, load_manifest, online_capture
@@ -69,6 +79,8 @@ def run(cfg: RootConfig) -> dict:
     acc = build_accelerator(cfg.dist, cfg.optim, str(run_dir))
     if cfg.target.device == "auto":
         cfg.target.device = str(acc.device)
+    if decodes_on_static_caches(cfg):
+        check_target_attention(cfg.target)  # refused before any weights load
     target, tokenizer = load_target_from_config(cfg.target)
     data_dir = prepare_data(cfg, acc, (target, tokenizer))
     manifest = load_manifest(data_dir)

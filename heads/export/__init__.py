@@ -26,7 +26,7 @@ from heads.export import medusa as em
 from heads.export.card import CardFacts, hub_id, render
 from heads.export.check import KINDS, verify_export
 from heads.export.core import cast_weights
-from heads.folder import TargetSpec, head_kind, load_head
+from heads.folder import TargetSpec, head_kind, load_head, run_config
 
 Tensors = dict[str, torch.Tensor]
 DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
@@ -81,19 +81,6 @@ LAYOUTS: dict[str, Layout] = {
 def formats_for(head_path: str | Path, formats: list[str] | None) -> list[str]:
     """The formats to write for a head: those asked for, or every one that holds its kind."""
     return list(formats or EXPORT_FORMATS[head_kind(head_path)])
-
-
-def run_config(head_path: Path) -> dict:
-    """The config the head was trained with, from the run folder around it ({} if none)."""
-    run_dir = head_path.resolve().parent
-    if (run_dir / "config.json").exists():
-        return read_json(run_dir / "config.json", "run config")
-    hydra_cfg = run_dir / "hydra" / "config.yaml"
-    if hydra_cfg.exists():
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(OmegaConf.load(hydra_cfg))
-    return {}
 
 
 def _verifier(spec: TargetSpec, target_model) -> tuple[str, list[str]]:

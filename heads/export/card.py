@@ -220,6 +220,15 @@ def data_section(data: dict | None) -> str:
             f"{regen.get('temperature')}, up to {regen.get('max_new_tokens')} new tokens), so "
             "the head learns the target's own distribution"
         )
+    template, kwargs = data.get("chat_template"), data.get("chat_template_kwargs") or {}
+    if template or kwargs:
+        # Acceptance holds for prompts rendered as the head was trained and measured: say how.
+        which = f"the chat template `{Path(template).name}`" if template else "the target's chat template"
+        args = f" and `chat_template_kwargs` {json.dumps(kwargs, sort_keys=True)}" if kwargs else ""
+        lines.append(
+            f"- prompts rendered with {which}{args}; serve with the same (vLLM: `--chat-template`, "
+            "`chat_template_kwargs` per request)"
+        )
     return "\n".join(["## Training data", "", *lines, ""])
 
 

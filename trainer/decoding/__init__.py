@@ -1,6 +1,6 @@
 """The built-in speculative decoder: pure acceptance/tree rules, drafters and one loop."""
 
-from trainer.decoding.baselines import greedy_generate, prompt_lookup_generate
+from trainer.decoding.baselines import greedy_generate, prompt_lookup_generate, reference_generate
 from trainer.decoding.decoder import DecodeStats, Generation, speculative_generate
 from trainer.decoding.drafters import (
     Chain,
@@ -25,5 +25,6 @@ __all__ = [
     "Tree",
     "greedy_generate",
     "prompt_lookup_generate",
+    "reference_generate",
     "speculative_generate",
 ]

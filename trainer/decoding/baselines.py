@@ -1,9 +1,14 @@
-"""What a head is compared against: plain greedy decoding on the same cache code, and
-transformers' prompt-lookup decoding (n-gram drafts copied from the prompt) through `generate`."""
+"""What a head is compared against: plain greedy decoding on the same cache code, transformers'
+prompt-lookup decoding (n-gram drafts copied from the prompt) through `generate`, and the target's
+own greedy `generate`, the reference both decoders are held to."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+from transformers import GenerationConfig
 
 from trainer.decoding.decoder import DecodeStats, Generation, clock, extend
 from trainer.decoding.kv_cache import TargetKV
@@ -34,6 +39,53 @@ def greedy_generate(
     return Generation(out, stats)
 
 
+@contextmanager
+def _bare_generation_config(model) -> Iterator[None]:
+    """Within: `model.generate` starts from transformers' defaults, not from the target's own
+    generation config, whose unset values it would otherwise fill in (a repetition penalty, a
+    forced or suppressed token) and so change which token greedy decoding picks."""
+    own = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = own
+
+
+def _hf_greedy(
+    target, input_ids: torch.Tensor, max_new_tokens: int, eos_ids: tuple[int, ...] | set[int], **extra
+) -> tuple[list[int], float]:
+    """transformers' own greedy `generate` on one prompt [T] -> (new tokens up to the first EOS
+    (kept) or the budget, seconds)."""
+    ids = input_ids.reshape(1, -1).to(target.device)
+    eos = sorted(eos_ids) or None
+    with _bare_generation_config(target):
+        start = clock(ids.device)
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0] if eos else 0,
+            **extra,
+        )
+        seconds = clock(ids.device) - start
+    tokens: list[int] = []
+    extend(tokens, out[0, ids.shape[1] :].tolist(), max_new_tokens, set(eos_ids))
+    return tokens, seconds
+
+
+@torch.no_grad()
+def reference_generate(
+    target, input_ids: torch.Tensor, max_new_tokens: int, eos_ids: tuple[int, ...] | set[int] = ()
+) -> list[int]:
+    """What the target itself writes greedily (`generate(do_sample=False)` on transformers' own
+    caches and masks): the reference the evaluator holds its greedy baseline to, since a fault in
+    the static caches would make the baseline and the speculative output wrong alike."""
+    return _hf_greedy(target, input_ids, max_new_tokens, eos_ids)[0]
+
+
 @torch.no_grad()
 def prompt_lookup_generate(
     target,
@@ -46,27 +98,12 @@ def prompt_lookup_generate(
     stats = DecodeStats()
     calls = []
     hook = target.register_forward_hook(lambda *_: calls.append(1))
-    ids = input_ids.reshape(1, -1).to(target.device)
-    eos = sorted(eos_ids) or None
     try:
-        start = clock(ids.device)
-        out = target.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            prompt_lookup_num_tokens=num_tokens,
-            eos_token_id=eos,
-            pad_token_id=eos[0] if eos else None,
+        tokens, stats.total_s = _hf_greedy(
+            target, input_ids, max_new_tokens, eos_ids, prompt_lookup_num_tokens=num_tokens
         )
-        stats.total_s = clock(ids.device) - start
     finally:
         hook.remove()
-    tokens: list[int] = []
-    extend(tokens, out[0, ids.shape[1] :].tolist(), max_new_tokens, set(eos_ids))
     stats.new_tokens = len(tokens)
     stats.target_forwards = len(calls)
     return Generation(tokens, stats)

@@ -6,7 +6,9 @@ an explicit mask of the slots each new token may see. Rolling back rejected draf
 of the committed length (a tree's accepted path is first gathered into place), and a forward of T
 new tokens has the same shapes at any length, so on CUDA one graph per width replays it
 (`graphs.py`). Chains and trees run the same way: a chain is a causal mask among the new tokens,
-a tree its ancestor mask with tree position ids.
+a tree its ancestor mask with tree position ids. A target's sliding-window layers read a mask of
+their own that also hides what lies outside their window (`data_prep.masks.AttentionLayout`), so
+the cache keeps every position on every layer and still computes what transformers does.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from data_prep.masks import additive_mask
+from data_prep.masks import additive_mask, attention_layout
 from trainer.decoding.graphs import StepGraphs
 from trainer.decoding.tree import tree_attention_mask, tree_position_ids, with_prefix
 
@@ -82,13 +84,24 @@ class StaticCache:
             for tensor in store.values():
                 tensor[:, :, start:end] = tensor[:, :, index]
 
+    def keep(self, local: torch.Tensor, prefix: int) -> torch.Tensor:
+        """bool [1, 1, T, capacity] for T new tokens: each sees the `prefix` committed slots, and
+        the n slots after them as `local` [T, n] says (the last T of those are the new tokens'
+        own); nothing else."""
+        return F.pad(with_prefix(local, prefix), (0, self.capacity - prefix - local.shape[1]))
+
     def mask(self, local: torch.Tensor, prefix: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive [1, 1, T, capacity] mask for T new tokens: each sees the `prefix` committed
-        slots, and the n slots after them as `local` [T, n] says (the last T of those are the new
-        tokens' own); nothing else."""
-        keep = with_prefix(local, prefix)
-        keep = F.pad(keep, (0, self.capacity - keep.shape[-1]))
-        return additive_mask(keep, dtype)
+        """`keep` as an additive mask: what a model whose every layer sees all it keeps reads."""
+        return additive_mask(self.keep(local, prefix), dtype)
+
+
+def slot_positions(prefix: int, positions: torch.Tensor, capacity: int) -> torch.Tensor:
+    """long [capacity]: the position whose K/V each slot holds during a forward of new tokens at
+    `positions` [T]: the committed prefix in order (slot i, position i: a tree's accepted path is
+    gathered into place), then the new tokens'; the slots after them hold nothing a mask lets be
+    seen (0)."""
+    held = torch.cat([torch.arange(prefix), positions])
+    return F.pad(held, (0, capacity - held.numel()))
 
 
 def causal(n: int, device: torch.device | None = None) -> torch.Tensor:
@@ -126,6 +139,7 @@ class TargetKV:
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
         self.device = model.get_input_embeddings().weight.device
+        self.layout = attention_layout(model.config)  # refuses a target it cannot mask
         self.cache, self.graphs = _cache_and_graphs(model, self.device)
         self.cache.owner = self._token = object()
         self.length = 0
@@ -170,27 +184,26 @@ class TargetKV:
             local, positions = causal(n), torch.arange(start, start + n)
         else:
             local, positions = tree_attention_mask(parents), tree_position_ids(parents, start)
+        distance = None  # batch 1 pays for every small op: only a sliding layer reads it
+        if self.layout.sliding:
+            distance = positions[:, None] - slot_positions(start, positions, self.cache.capacity)[None]
+        masks = self.layout.masks(self.cache.keep(local, start), distance, self.model.dtype)
         inputs = [
-            t.to(self.device)
-            for t in (
-                tokens[None],
-                positions[None],
-                self.cache.mask(local, start, self.model.dtype),
-                torch.arange(start, start + n),
-            )
+            t.to(self.device) for t in (tokens[None], positions[None], masks, torch.arange(start, start + n))
         ]
         step = partial(self._step, keep=keep)
         out = self.graphs(("target", self.hidden_layers, keep), step, *inputs) if graphed else step(*inputs)
         self._pending = n
         return out
 
-    def _step(self, ids, positions, mask, slots, keep: int):
-        """The forward a graph records: inputs on the device, K/V written at `slots`."""
+    def _step(self, ids, positions, masks, slots, keep: int):
+        """The forward a graph records: inputs on the device (`masks`: one per kind of layer, see
+        `AttentionLayout.masks`), K/V written at `slots`."""
         self.cache.slots = slots
         out = self.model(
             ids,
             position_ids=positions,
-            attention_mask=mask,
+            attention_mask=self.layout.argument(masks),
             use_cache=True,
             output_hidden_states=bool(self.hidden_layers),
             logits_to_keep=keep,

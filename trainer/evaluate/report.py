@@ -10,31 +10,41 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from conf.files import atomic_write
+from conf.files import atomic_write, atomic_write_text
 from trainer.decoding import DecodeStats
 from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
 
 
 @dataclass
 class Record:
-    """One prompt: the speculative run, the plain greedy run, optionally prompt lookup, and
-    `verdict`, how greedy speculative output compared with plain greedy (`run.greedy_verdict`:
-    "same", "tie" when it parted only at a float-rounding tie of the target's top tokens, or
-    "mismatch")."""
+    """One prompt, the `prompt`-th of its task: the speculative run, the plain greedy run,
+    optionally prompt lookup, `verdict`, how greedy speculative output compared with plain greedy
+    (`run.greedy_verdict`: "same", "tie" when it parted only at a float-rounding tie of the
+    target's top tokens, or "mismatch"), and `reference`, how plain greedy compared with the
+    target's own `generate` (None: not checked on this prompt)."""
 
     task: str
     spec: DecodeStats
     greedy: DecodeStats
     prompt_lookup: DecodeStats | None
     verdict: str
+    reference: str | None = None
+    prompt: int = 0
+
+    @property
+    def mismatches(self) -> list[str]:
+        """What this prompt's output failed to equal: "greedy" (the speculative output parted
+        from plain greedy), "generate" (plain greedy parted from the target's `generate`)."""
+        checks = (("greedy", self.verdict), ("generate", self.reference))
+        return [against for against, verdict in checks if verdict == "mismatch"]
 
     @property
     def lossless(self) -> bool:
-        return self.verdict != "mismatch"
+        return not self.mismatches
 
     @property
     def tie(self) -> bool:
-        return self.verdict == "tie"
+        return "tie" in (self.verdict, self.reference)
 
 
 def _rate(num: float, den: float) -> float | None:
@@ -76,6 +86,7 @@ def task_metrics(records: list[Record]) -> dict:
         "lossless": all(r.lossless for r in records),
         "mismatched_prompts": sum(not r.lossless for r in records),
         "numerical_ties": sum(r.tie for r in records),
+        "checked_against_generate": sum(r.reference is not None for r in records),
     }
     lookup = [r.prompt_lookup for r in records if r.prompt_lookup is not None]
     if lookup:
@@ -90,7 +101,8 @@ def task_metrics(records: list[Record]) -> dict:
 
 
 def summarise(records: list[Record], settings: dict) -> dict:
-    """The eval.json object: settings, overall, per task, and the lossless verdict."""
+    """The eval.json object: settings, overall, per task, the lossless verdict, and each prompt
+    that broke it (task, index in the task, what its output failed to equal)."""
     tasks: dict[str, list[Record]] = {}
     for r in records:
         tasks.setdefault(r.task, []).append(r)
@@ -98,6 +110,11 @@ def summarise(records: list[Record], settings: dict) -> dict:
     return {
         "settings": settings,
         "lossless": all(r.lossless for r in records),
+        "mismatches": [
+            {"task": r.task, "prompt": r.prompt, "against": against}
+            for r in records
+            for against in r.mismatches
+        ],
         "overall": task_metrics(records),
         "tasks": per_task,
     }
@@ -125,6 +142,15 @@ def _drafting(s: dict) -> str:
     )
 
 
+def _mismatch_lines(mismatches: list[dict]) -> list[str]:
+    """eval.md's list of the prompts that broke losslessness, if any."""
+    if not mismatches:
+        return []
+    named = {"greedy": "speculative != plain greedy", "generate": "plain greedy != generate"}
+    shown = ", ".join(f"{m['task']} #{m['prompt']} ({named[m['against']]})" for m in mismatches)
+    return ["", f"Mismatched prompts: {shown}."]
+
+
 def markdown(result: dict) -> str:
     s = result["settings"]
     rows = {**result["tasks"], "overall": result["overall"]}
@@ -141,7 +167,9 @@ def markdown(result: dict) -> str:
         f"Target `{s['target']}`, {_drafting(s)}, temperature {s['temperature']}, "
         f"top_p {s['top_p']}, "
         f"max {s['max_new_tokens']} new tokens. Lossless (greedy speculative output == plain "
-        f"greedy): **{fmt(result['lossless'])}**.",
+        f"greedy == the target's own `generate`, checked on "
+        f"{result['overall']['checked_against_generate']} prompts): **{fmt(result['lossless'])}**.",
+        *_mismatch_lines(result["mismatches"]),
         "",
         "| " + " | ".join(cols) + " |",
         "|" + "---|" * len(cols),
@@ -178,6 +206,14 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=100)
     plt.close(fig)
+
+
+def write_outputs(outputs: list[dict], out_dir: str | Path) -> Path:
+    """outputs.jsonl under out_dir: one line per prompt, {"task", "prompt_ids", "output_ids"} (the
+    speculative output), so that anyone can run the target on the prompts and compare."""
+    path = Path(out_dir) / "outputs.jsonl"
+    atomic_write_text(path, "".join(json.dumps(o) + "\n" for o in outputs))
+    return path
 
 
 def write_report(result: dict, out_dir: str | Path) -> Path:

@@ -1,8 +1,11 @@
 """How much a head speeds up its target (`python -m trainer.evaluate head=<path> [overrides]`).
 
 For every prompt: plain greedy decoding (the baseline and the reference for the lossless check),
-speculative decoding with the head, and optionally transformers' prompt lookup. The head is
-checked against the target before anything is decoded.
+speculative decoding with the head, and optionally transformers' prompt lookup. Both decoders run
+on the same static caches, so a fault there would make them wrong alike and still agree: the
+greedy baseline is itself held to the target's own `generate` (each task's first prompt, or every
+prompt with `eval.reference=generate`). The head is checked against the target before anything
+is decoded; `eval.save_outputs` writes every speculative output, so anyone can check it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 from conf.errors import UserError
 from conf.schema import EvalConfig, RootConfig
+from data_prep.masks import check_target_attention
 from data_prep.target import eos_token_ids, load_target_from_config
 from heads.folder import head_kind
 from trainer.decoding import (
@@ -25,12 +29,13 @@ from trainer.decoding import (
     Tree,
     greedy_generate,
     prompt_lookup_generate,
+    reference_generate,
     speculative_generate,
 )
 from trainer.decoding.drafters import Shape
 from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
 from trainer.evaluate.progress import EvalProgress
-from trainer.evaluate.report import Record, summarise, write_report
+from trainer.evaluate.report import Record, summarise, write_outputs, write_report
 from trainer.evaluate.tasks import encode_all, load_prompts
 
 
@@ -95,11 +100,19 @@ def tie_tolerance(dtype: torch.dtype, top_logit: float) -> float:
     return 4 * torch.finfo(dtype).eps * max(1.0, abs(top_logit))
 
 
+def checks_reference(cfg: EvalConfig, index: int) -> bool:
+    """Whether prompt `index` of its task has its greedy baseline held to the target's own
+    `generate`: every prompt with `eval.reference=generate`, else each task's first (a fault in
+    the static caches shows on any prompt longer than a sliding window)."""
+    return cfg.reference == "generate" or index == 0
+
+
 @torch.no_grad()
 def greedy_verdict(model, prompt: torch.Tensor, plain: list[int], spec: list[int]) -> str:
-    """"same" when greedy speculative output equals plain greedy; "tie" when they part where the
-    target's two tokens score within rounding of each other (both are its argmax up to float
-    error, so the decoder did nothing wrong); else "mismatch"."""
+    """"same" when the greedy output `spec` (speculative, or the baseline against `generate`)
+    equals the reference `plain`; "tie" when they part where the target's two tokens score within
+    rounding of each other (both are its argmax up to float error, so the decoder did nothing
+    wrong); else "mismatch"."""
     if plain == spec:
         return "same"
     i = next((j for j, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
@@ -121,13 +134,15 @@ def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target
     """
     ev = cfg.eval
     prompts = load_prompts(ev)
+    if target is None:
+        check_target_attention(cfg.target)  # before any weights load
     model, tokenizer = target if target is not None else load_target_from_config(cfg.target)
     mode = resolve_mode(ev.mode, head_kind(head_path))
     shape = draft_shape(ev, mode)
     drafter, verifier = load_drafter(head_path, model, cfg.target.name_or_path, [shape])
     eos = eos_token_ids(verifier, tokenizer)
     sampling = eval_sampling(cfg)
-    encoded = encode_all(tokenizer, prompts)
+    encoded = encode_all(tokenizer, prompts, cfg.data)
 
     def spec(ids, how: Sampling = sampling, max_new_tokens=ev.max_new_tokens):
         return speculative_generate(verifier, drafter, ids, max_new_tokens, shape, how, eos)
@@ -136,8 +151,9 @@ def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target
     greedy_generate(verifier, encoded[0][1], 8, eos)
     spec(encoded[0][1], max_new_tokens=8)
     progress = EvalProgress(len(encoded), cfg.logging.progress)
-    records = []
+    records, outputs, index = [], [], {}
     for task, ids in encoded:
+        index[task] = index.get(task, -1) + 1
         greedy = greedy_generate(verifier, ids, ev.max_new_tokens, eos)
         run = spec(ids)
         check = run if sampling.greedy else spec(ids, GREEDY)
@@ -147,7 +163,12 @@ def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target
                 verifier, ids, ev.max_new_tokens, eos, ev.prompt_lookup_num_tokens
             ).stats
         verdict = greedy_verdict(verifier, ids, greedy.tokens, check.tokens)
-        records.append(Record(task, run.stats, greedy.stats, lookup, verdict))
+        reference = None
+        if checks_reference(ev, index[task]):
+            made = reference_generate(verifier, ids, ev.max_new_tokens, eos)
+            reference = greedy_verdict(verifier, ids, made, greedy.tokens)
+        records.append(Record(task, run.stats, greedy.stats, lookup, verdict, reference, index[task]))
+        outputs.append({"task": task, "prompt_ids": ids.tolist(), "output_ids": run.tokens})
         progress.show(records)
     progress.close()
 
@@ -163,9 +184,13 @@ def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target
         "draft_sampling": ev.draft_sampling,
         "max_new_tokens": ev.max_new_tokens,
         "max_prompts_per_task": ev.max_prompts_per_task,
+        "reference": ev.reference,
+        "chat_template_kwargs": dict(cfg.data.chat_template_kwargs or {}),
         "seed": cfg.seed,
         "threads": torch.get_num_threads(),
     }
     result = summarise(records, settings)
     write_report(result, out_dir)
+    if ev.save_outputs:
+        write_outputs(outputs, out_dir)
     return result

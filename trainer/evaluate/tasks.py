@@ -16,7 +16,8 @@ import torch
 
 from conf.errors import UserError
 from conf.files import package_file
-from conf.schema import EvalConfig
+from conf.schema import DataConfig, EvalConfig
+from data_prep.template import ChatTemplate, load_chat_template
 
 
 @dataclass
@@ -126,20 +127,35 @@ def load_prompts(cfg: EvalConfig) -> dict[str, list[Prompt]]:
     return tasks
 
 
-def encode_all(tokenizer, prompts: dict[str, list[Prompt]]) -> list[tuple[str, torch.Tensor]]:
+def prompt_template(tokenizer, data: DataConfig | None = None) -> ChatTemplate | None:
+    """The template prompts are rendered with: the run's (`data.chat_template`, its kwargs and
+    date), exactly as data prep rendered its prompts, so acceptance is measured on what is
+    served (a thinking target thinks unless the kwargs turn it off); None for a tokenizer without
+    a template."""
+    d = data or DataConfig()
+    if not d.chat_template and not tokenizer.chat_template:
+        return None
+    return load_chat_template(tokenizer, d.chat_template, d.chat_template_kwargs, d.template_date)
+
+
+def encode_all(
+    tokenizer, prompts: dict[str, list[Prompt]], data: DataConfig | None = None
+) -> list[tuple[str, torch.Tensor]]:
     """(task, token ids) of every prompt, task by task, as the evaluator and the benchmark
     decode them."""
-    return [(task, encode(tokenizer, p)) for task, ps in prompts.items() for p in ps]
+    tpl = prompt_template(tokenizer, data)
+    return [(task, _encode(tokenizer, p, tpl)) for task, ps in prompts.items() for p in ps]
 
 
-def encode(tokenizer, prompt: Prompt) -> torch.Tensor:
+def encode(tokenizer, prompt: Prompt, data: DataConfig | None = None) -> torch.Tensor:
     """Token ids [T] of the prompt as the target sees it in chat: its template, generation
     prompt added. A tokenizer without a template gets the user turns' text."""
-    if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template(
-            prompt.messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
+    return _encode(tokenizer, prompt, prompt_template(tokenizer, data))
+
+
+def _encode(tokenizer, prompt: Prompt, tpl: ChatTemplate | None) -> torch.Tensor:
+    if tpl is not None:
+        ids = tpl.prompt_ids(prompt.messages)
     else:
-        text = "\n\n".join(m["content"] for m in prompt.messages)
-        ids = tokenizer(text)["input_ids"]
+        ids = tokenizer("\n\n".join(m["content"] for m in prompt.messages))["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
