@@ -167,9 +167,10 @@ class DataConfig(_Checked):
     # Where the head's hidden states come from. offline: captured once into the data folder,
     # (aux layers + 1) x hidden x 2 bytes per token in bf16 (4.6 KB for SmolLM2, 32 KiB for an
     # 8B target). online: the frozen target computes them in the training loop, per batch; the
-    # folder keeps ids and masks (~5 bytes per token). auto: online when the captured shards
-    # would take more than half of the free disk under the cache.
-    hidden_states: str = "offline"
+    # folder keeps ids and masks (~5 bytes per token). auto (default): online when the captured
+    # shards would take more than half of the free disk under the cache, else offline (deciding
+    # costs one statvfs, and offline folders keep their keys, so auto reuses them).
+    hidden_states: str = "auto"
     shard_samples: int = 64
     capture_batch_tokens: int = 4096
     # EAGLE-3 only: ids kept in the draft vocabulary (the head's lm_head rows), most frequent
@@ -415,7 +416,8 @@ class Eagle3Config(ObjectiveConfig):
     DEFAULT_EPOCHS: ClassVar[int] = 2
     name: str = "eagle3"
     # Architecture. HF `hidden_states` indices (k = residual stream after k decoder layers).
-    # None: the engines' default (2, N//2, N-3); checked against the target's N when it is read.
+    # None: the engines' default (2, N//2, N-3), or distinct ids where those collide (fewer than 7
+    # layers: `heads.eagle3.default_aux_layer_ids`); checked against the target's N when it is read.
     aux_layer_ids: list[int] | None = None
     # None: copy the target's values.
     intermediate_size: int | None = None

@@ -24,12 +24,15 @@ from dataclasses import dataclass
 import torch
 
 from conf.errors import UserError
+from data_prep.masks import attention_layout
 from data_prep.template import Tokenized
 
 LAYER_CONVENTION = "hf_hidden_states"
 # `checked_capture`'s extra field: int64 [3] (layer id, row, position) of the first non-finite
 # hidden state of the batch, or -1s.
 NONFINITE = "nonfinite_hidden"
+# Bytes every shard holds per token whatever is captured: an int32 id and a bool loss mask.
+TOKEN_BYTES = 5
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 
@@ -52,7 +55,7 @@ class CaptureSpec:
 
     def bytes_per_token(self, hidden_size: int) -> int:
         """Stored hidden-state bytes per token: 2 per value in bf16, 1 plus a float32 scale per
-        layer in fp8 (token ids and masks add 5)."""
+        layer in fp8 (token ids and masks add `TOKEN_BYTES`)."""
         layers = len(self.aux_layer_ids) + (self.final_layer_id is not None)
         return layers * (hidden_size + 4 if self.storage_dtype == "fp8" else 2 * hidden_size)
 
@@ -129,19 +132,39 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return ((keys <= t[None, :, None]) & (keys >= start))[:, None]
 
 
-def document_inputs(position_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The model's keyword arguments for packed rows: each document is run as if alone (its own
-    positions, no attention across documents)."""
-    return {"attention_mask": document_mask(position_ids), "position_ids": position_ids}
+def attention_masks(config, keep: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """The `attention_mask` a forward of `config`'s target takes, from `keep` (bool [B|1, 1, T, T],
+    causal or per document) and `positions` [B|1, T]: additive 4D masks built as the regeneration
+    engine and the decoder build theirs (`masks.AttentionLayout`), one per layer kind, a sliding
+    layer's also hiding the keys past its window. A ready-made 4D mask is used as it is, so a
+    bool one would give every sliding layer full attention (and eager attention, gpt-oss's,
+    would add it as 0/1): the hidden states would not be those the target computes. A target
+    with layers the layout cannot describe (linear attention) keeps `keep` as it is."""
+    try:
+        layout = attention_layout(config)
+    except UserError:
+        return keep
+    distance = positions[:, None, :, None] - positions[:, None, None, :] if layout.sliding else None
+    return layout.argument(layout.masks(keep, distance, dtype))
+
+
+def document_inputs(model, position_ids: torch.Tensor) -> dict:
+    """`model`'s keyword arguments for packed rows: each document is run as if alone (its own
+    positions, no attention across documents, each sliding layer's window within it)."""
+    mask = attention_masks(model.config, document_mask(position_ids), position_ids, model.dtype)
+    return {"attention_mask": mask, "position_ids": position_ids}
 
 
 def _all_layers(model, ids: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """Every layer's residual stream [B, T, H] for right-padded ids [B, T] (packed rows if
     `position_ids` are given): the one forward of offline capture and online training."""
     if position_ids is None:
-        attention = {"attention_mask": causal_mask(ids.shape[1], ids.device)}
+        width = ids.shape[1]
+        positions = torch.arange(width, device=ids.device)[None]
+        mask = attention_masks(model.config, causal_mask(width, ids.device), positions, model.dtype)
+        attention = {"attention_mask": mask}
     else:
-        attention = document_inputs(position_ids)
+        attention = document_inputs(model, position_ids)
     # logits_to_keep=1: the lm_head over the whole vocabulary is not needed here.
     return model(
         input_ids=ids,

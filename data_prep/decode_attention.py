@@ -12,10 +12,10 @@ against PyTorch's 3.9 ms, and one engine regenerates 1.5x faster. On a sliding-w
 it; attention with more than a softmax over scores (gpt-oss sinks, soft-capping) stays PyTorch's.
 
 It is a short C function compiled on first use with the system's C compiler (`cc -O3 -march=native`)
-into the draftsmith cache and loaded through ctypes, which releases the GIL, so the engine's
-worker threads run it side by side. Without a compiler `kernel()` is None and the engine keeps
-PyTorch's attention: same answers, slower. float32 only (what a CPU target decodes in); a GPU
-never comes here.
+into the draftsmith cache (once, under a lock, however many runs start together) and loaded
+through ctypes, which releases the GIL, so the engine's worker threads run it side by side.
+Without a compiler `kernel()` is None and the engine keeps PyTorch's attention: same answers,
+slower. float32 only (what a CPU target decodes in); a GPU never comes here.
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from conf.files import build_once, lock_path
 from data_prep.linears import cpu_flags
 from data_prep.masks import AttentionLayout, attention_layout
 from data_prep.target import cache_root
@@ -94,11 +96,22 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared"]
 _I64 = ctypes.c_int64
 
 
+def _compile(compiler: str, path: Path) -> Path:
+    """Build the kernel into `path`, through a temporary name: a reader never loads half a file."""
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        src, lib = os.path.join(tmp, "k.c"), os.path.join(tmp, "k.so")
+        with open(src, "w") as fh:
+            fh.write(_SOURCE)
+        subprocess.run([compiler, *_FLAGS, src, "-o", lib, "-lm"], check=True, capture_output=True)
+        os.replace(lib, path)
+    return path
+
+
 @functools.cache
 def kernel():
     """The compiled kernel, or None where no C compiler is found or it fails (PyTorch's attention
-    is used instead). Built once per source, flags and machine, into the draftsmith cache; the
-    build writes a temporary name and renames it, so concurrent processes never load half a file."""
+    is used instead). Built once per source, flags and machine, into the draftsmith cache, by one
+    process at a time: runs started together compile it once (`conf.files.build_once`)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
@@ -107,14 +120,9 @@ def kernel():
     key = hashlib.sha256(build.encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"decode_attention-{key}.so"
     try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                src, lib = os.path.join(tmp, "k.c"), os.path.join(tmp, "k.so")
-                with open(src, "w") as fh:
-                    fh.write(_SOURCE)
-                subprocess.run([compiler, *_FLAGS, src, "-o", lib, "-lm"], check=True, capture_output=True)
-                os.replace(lib, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        what, found = f"decode-attention kernel {path}", lambda: path if path.exists() else None
+        build_once(lock_path(path), what, found, lambda: _compile(compiler, path))
         fn = ctypes.CDLL(str(path)).decode_attention
     except (OSError, subprocess.CalledProcessError):
         return None

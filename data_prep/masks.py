@@ -1,5 +1,6 @@
 """Attention masks. The regeneration engine and the decoder both own their model's KV cache and
-pass every mask in explicitly; both build it here, so they agree on the one convention that eager
+pass every mask in explicitly, and capture hands its forward ready-made 4D masks
+(`capture.attention_masks`); all build them here, so they agree on the one convention that eager
 and SDPA attention read the same way, and on which positions each layer of the target may see.
 
 A target's layers need not all see the same positions: Mistral slides every layer over a window,

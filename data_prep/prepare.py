@@ -8,6 +8,12 @@ finished folder (keyed by target, data config, what is captured and the mode), t
 answers (keyed without `max_samples`, so growing the set reuses them) and, inside an unfinished
 folder, each shard. Samples stream from the source through tokenisation to a `TokenSpill` on
 disk, so memory holds a few dozen bytes per sample, not the source.
+
+Caches are shared by the runs of a sweep: a folder is built under a lock file beside it
+(`<key>.lock`, `conf.files.build_lock`), so runs started together build it once and the others
+reuse it; the regeneration cache has its own lock. Offline capture checks the free disk against
+its known size before it starts, and a disk that still fills is one line; the partial folder
+resumes.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import hydra
@@ -31,8 +37,9 @@ from omegaconf import DictConfig
 
 from conf.compose import hydra_main
 from conf.errors import UserError, exit_on_user_error
+from conf.files import build_once, disk_full_is_one_line, free_bytes, human_bytes
 from conf.schema import TEMPLATE_FIELDS, RootConfig, to_root_config
-from data_prep.capture import LAYER_CONVENTION, CaptureSpec, capture_shard
+from data_prep.capture import LAYER_CONVENTION, TOKEN_BYTES, CaptureSpec, capture_shard
 from data_prep.linears import DataLinears, resolve_matmul_dtype
 from data_prep.regen_vllm import check_vllm_installed
 from data_prep.regenerate import regenerate
@@ -83,6 +90,7 @@ from data_prep.vocab import (
     build_draft_vocab,
     count_masked_tokens,
     coverage,
+    draft_vocab_bytes,
     save_draft_vocab,
 )
 from heads.eagle3 import resolve_aux_layer_ids
@@ -402,14 +410,73 @@ def choose_hidden_states(spec: CaptureSpec, tokens: int, hidden_size: int, base:
     free disk under the cache (the rest is for checkpoints, exports and other runs). One line
     says which and why."""
     per_token = spec.bytes_per_token(hidden_size)
-    need, free = tokens * per_token, shutil.disk_usage(base).free
+    need, free = tokens * per_token, free_bytes(base)
     mode = "online" if need > free / 2 else "offline"
     print(
-        f"data.hidden_states=auto: {mode} (captured hidden states would take {need / 2**30:.2f} GiB "
+        f"data.hidden_states=auto: {mode} (captured hidden states would take {human_bytes(need)} "
         f"= {tokens} tokens x {per_token} bytes, {'more than' if mode == 'online' else 'within'} "
-        f"half of the {free / 2**30:.1f} GiB free under {base})"
+        f"half of the {human_bytes(free)} free under {base})"
     )
     return mode
+
+
+def check_space(cfg: RootConfig, spec: CaptureSpec, tokens: int, hidden_size: int, partial: Path,
+                fixed: int) -> None:
+    """Refuse, before capture starts, a capture whose shards (and `fixed` bytes more: the draft
+    vocabulary) cannot fit under the cache: their size is known (tokens x bytes per token), and a
+    disk that fills mid-capture wastes the capture so far. Shards a killed run already wrote into
+    `partial` count as written."""
+    per_token = spec.bytes_per_token(hidden_size) + TOKEN_BYTES
+    written = sum(f.stat().st_size for f in partial.rglob("shard-*.safetensors"))
+    need, free = tokens * per_token + fixed - written, free_bytes(partial)
+    if need > free:
+        raise UserError(
+            f"data.hidden_states={cfg.data.hidden_states}: capturing {tokens} tokens x {per_token} "
+            f"bytes needs {human_bytes(need)} more under {data_base(cfg)}, which has "
+            f"{human_bytes(free)} free; free space, set data.cache_dir to a larger disk, or use "
+            f"data.hidden_states=online (the target runs in training; {TOKEN_BYTES} bytes per token)"
+        )
+
+
+@dataclass(frozen=True)
+class FolderKey:
+    """What names this config's data folder, but the mode: one build lock and one spill serve
+    every mode, since `auto` decides only once the samples are spilled."""
+
+    cfg: RootConfig
+    identity: dict
+    tpl: ChatTemplate
+    spec: CaptureSpec
+    vocab: int | None
+
+    def folder(self, mode: str) -> Path:
+        return data_folder(self.cfg, self.identity, self.tpl, self.spec, self.vocab, mode)
+
+    def sibling(self, suffix: str) -> Path:
+        """`<key>.lock`, `<key>.spill`: beside the folders, named by the offline folder."""
+        return self.folder("offline").with_suffix(suffix)
+
+
+def built_folder(key: FolderKey, modes: tuple[str, ...]) -> Path | None:
+    """The finished folder of one of `modes`, checked against the target and announced; None
+    when none is built yet."""
+    for mode in modes:
+        folder = key.folder(mode)
+        if (folder / MANIFEST).exists():
+            manifest = load_manifest(folder)
+            check_target(manifest, key.identity, f"data folder {str(folder)!r}")
+            if len(modes) > 1:
+                print(f"data.hidden_states=auto: {mode} (its data folder is built already)")
+            print(_summary(manifest, folder, reused=True))
+            return folder
+    return None
+
+
+# What a full disk during data prep leaves and how to go on.
+DISK_FULL_THEN = (
+    "free space (or set data.cache_dir to a larger disk, or use data.hidden_states=online) and run "
+    "the same command again: it keeps the answers and shards written and resumes after them"
+)
 
 
 def prepare(cfg: RootConfig, target=None) -> Path:
@@ -417,6 +484,8 @@ def prepare(cfg: RootConfig, target=None) -> Path:
 
     `target` may be an already loaded `(model, tokenizer)` pair of `cfg.target`, so a caller that
     holds the target does not load it twice; otherwise it is loaded only if a stage needs it.
+    Runs that prepare one folder at once build it once: the first under its lock, the others
+    wait and reuse it.
     """
     check_source(cfg)
     d = cfg.data
@@ -436,24 +505,29 @@ def prepare(cfg: RootConfig, target=None) -> Path:
     identity = target_identity(cfg, tok, model_config)
     tpl = chat_template(cfg, tok)
     spec = capture_spec(cfg, identity["num_hidden_layers"])
-    vocab_k = draft_vocab_size(cfg, identity["vocab_size"])
+    key = FolderKey(cfg, identity, tpl, spec, draft_vocab_size(cfg, identity["vocab_size"]))
     # auto reuses a folder of either mode: the choice was made when it was built.
     modes = ("offline", "online") if d.hidden_states == "auto" else (d.hidden_states,)
-    for mode in modes:
-        folder = data_folder(cfg, identity, tpl, spec, vocab_k, mode)
-        if (folder / MANIFEST).exists():
-            manifest = load_manifest(folder)
-            check_target(manifest, identity, f"data folder {str(folder)!r}")
-            if d.hidden_states == "auto":
-                print(f"data.hidden_states=auto: {mode} (its data folder is built already)")
-            print(_summary(manifest, folder, reused=True))
-            return folder
 
     def target_model():
         nonlocal model
         if model is None:
             model, _ = load_target_from_config(cfg.target)
         return model
+
+    def build() -> Path:
+        with disk_full_is_one_line(data_base(cfg), DISK_FULL_THEN):
+            return build_folder(key, modes, target_model)
+
+    what = f"data folder {key.folder(modes[0])}"
+    return build_once(key.sibling(".lock"), what, lambda: built_folder(key, modes), build)
+
+
+def build_folder(key: FolderKey, modes: tuple[str, ...], target_model: Callable[[], object]) -> Path:
+    """Build the data folder of `key` (`prepare` holds its lock): spill the samples, choose the mode,
+    capture the shards into the partial folder (resuming a killed build's), move it into place."""
+    cfg, identity, tpl, spec, vocab_k = key.cfg, key.identity, key.tpl, key.spec, key.vocab
+    d = cfg.data
 
     @functools.cache
     def capturing() -> DataLinears:
@@ -462,7 +536,7 @@ def prepare(cfg: RootConfig, target=None) -> Path:
 
     stats: Counter = Counter()
     progress = _progress(cfg)
-    spill_dir = data_base(cfg) / f".spill-{_hash(samples_key(cfg, identity, tpl))}"
+    spill_dir = key.sibling(".spill")
     shutil.rmtree(spill_dir, ignore_errors=True)  # what a killed run left
     try:
         spill = TokenSpill(spill_dir)
@@ -472,7 +546,7 @@ def prepare(cfg: RootConfig, target=None) -> Path:
             if len(modes) == 1
             else choose_hidden_states(spec, spill.tokens, identity["hidden_size"], data_base(cfg))
         )
-        folder = data_folder(cfg, identity, tpl, spec, vocab_k, mode)
+        folder = key.folder(mode)
         # Online shards hold what Medusa-2's do: tokens only.
         stored = spec if mode == "offline" else CaptureSpec((), None, spec.storage_dtype)
         held = held_out(spill.split_hashes(), d.val_fraction)
@@ -481,6 +555,9 @@ def prepare(cfg: RootConfig, target=None) -> Path:
         order = {"train": spill.by_length(every[~held]), "validation": spill.by_length(every[held])}
         plan = {"folder": folder.name, "splits": {k: spill.digest(v) for k, v in order.items()}}
         partial = open_partial(folder, plan)
+        if stored.needs_forward:
+            fixed = draft_vocab_bytes(vocab_k, identity["vocab_size"])
+            check_space(cfg, stored, spill.tokens, identity["hidden_size"], partial, fixed)
 
         manifest: dict = {
             "format_version": FORMAT_VERSION,

@@ -11,6 +11,7 @@ appends, one per turn where it rewrites history.
 Generation was the slowest stage of data prep, so it runs on `regen_engine` (continuous batching
 over a static KV cache) or on vLLM, and it is resumable: every finished conversation is appended
 to a JSONL cache (ids, and the answers' text for reading), and a rerun skips the ids already there.
+Runs that share the cache (a sweep started together) take turns under a lock file beside it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from conf.files import build_lock, lock_path
 from conf.schema import RegenerateConfig
 from data_prep.regen_engine import generate
 from data_prep.sources import Sample, answer_uid
@@ -123,71 +125,76 @@ def regenerate(
     A turn is answered only when its prompt leaves room for `max_new_tokens` within
     `max_length`; later turns of that conversation are dropped (they would be truncated away).
     Conversations are written to the cache as they finish, so a killed run loses only the ones
-    in flight. `target_path` is the target's folder, for the vLLM backend; `matmul_dtype` the
-    precision of the engine's linear layers (`data_prep.linears`).
+    in flight. Runs sharing `cache_file` take turns under its lock. `target_path` is the target's
+    folder, for the vLLM backend; `matmul_dtype` the precision of the engine's linear layers
+    (`data_prep.linears`).
     """
-    done = read_cache(cache_file)
-    wanted = [
-        Sample(answer_uid(s.uid, k), s.messages, s.tools, s.where)
-        for s in samples
-        for k in range(cfg.num_samples)
-    ]
-    todo = []
-    for s in wanted:
-        if s.uid not in done:
-            system = [m for m in s.messages[:1] if m["role"] == "system"]
-            todo.append(_Pending(s, system, [m for m in s.messages if m["role"] == "user"]))
-    stats["regenerated_from_cache"] += len(wanted) - len(todo)
-    budget = max_length - cfg.max_new_tokens
-    bar = progress(total=None, unit="tok", desc="regenerate") if progress and todo else None
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    started, new_tokens = time.perf_counter(), 0
-    with open(cache_file, "a", encoding="utf-8") as out:
+    # One run at a time per cache: a run that waited then finds the other's answers cached
+    # instead of computing them again, every run trains on the same answer for a prompt (bf16
+    # GEMMs may break near-ties by batch), and `read_cache` may cut a torn line (no other writer).
+    with build_lock(lock_path(cache_file), f"regeneration cache {cache_file}"):
+        done = read_cache(cache_file)
+        wanted = [
+            Sample(answer_uid(s.uid, k), s.messages, s.tools, s.where)
+            for s in samples
+            for k in range(cfg.num_samples)
+        ]
+        todo = []
+        for s in wanted:
+            if s.uid not in done:
+                system = [m for m in s.messages[:1] if m["role"] == "system"]
+                todo.append(_Pending(s, system, [m for m in s.messages if m["role"] == "user"]))
+        stats["regenerated_from_cache"] += len(wanted) - len(todo)
+        budget = max_length - cfg.max_new_tokens
+        bar = progress(total=None, unit="tok", desc="regenerate") if progress and todo else None
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        started, new_tokens = time.perf_counter(), 0
+        with open(cache_file, "a", encoding="utf-8") as out:
 
-        def finish(p: _Pending, reason: str = "turns_dropped_too_long") -> None:
-            if len(p.turns) < len(p.users):
-                stats[reason] += len(p.users) - len(p.turns)
-            done[p.sample.uid] = p.turns
-            out.write(json.dumps({"uid": p.sample.uid, "turns": p.turns}) + "\n")
-            out.flush()
-
-        while todo:  # one round per turn: each round answers every conversation's next turn
-            ready = []
-            for p in todo:
-                try:
-                    ids = tpl.prompt_ids(p.prompt(), p.sample.tools)
-                except TemplateError as err:  # e.g. roles that must alternate
-                    note_refusal(stats, tpl, p.sample.where or p.sample.uid, err)
-                    finish(p, "turns_dropped_refused")
-                    continue
-                if len(ids) > budget:
-                    finish(p)
-                else:
-                    ready.append((len(ids), p.sample.uid, ids, p))
-            ready.sort(key=lambda r: (r[0], r[1]))  # similar lengths prefill together
-            pending, todo = [(r[2], r[3]) for r in ready], []
-
-            def answered(i: int, new: list[int], pending=pending, todo=todo) -> None:
-                nonlocal new_tokens
-                context, p = pending[i]
-                answer = answer_text(tpl.tok, new, tpl.stop_ids)
-                p.turns.append({"prompt_ids": context, "answer_ids": new, "answer": answer})
-                new_tokens += len(new)
-                stats["answers_cut_at_max_new_tokens"] += new[-1] not in tpl.stop_ids
+            def finish(p: _Pending, reason: str = "turns_dropped_too_long") -> None:
                 if len(p.turns) < len(p.users):
-                    todo.append(p)
-                else:
-                    finish(p)
-                if bar is not None:
-                    bar.update(len(new))
-                    bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - started):.1f}")
+                    stats[reason] += len(p.users) - len(p.turns)
+                done[p.sample.uid] = p.turns
+                out.write(json.dumps({"uid": p.sample.uid, "turns": p.turns}) + "\n")
+                out.flush()
 
-            seeds = [turn_seed(p.sample.uid, len(p.turns)) for _, p in pending]
-            answer_all(model, [r[2] for r in ready], cfg, set(tpl.stop_ids), seeds, answered, target_path,
-                       matmul_dtype)
-    if bar is not None:
-        bar.close()
-    stats["regenerated_tokens"] += new_tokens
-    stats["regenerate_seconds"] += round(time.perf_counter() - started, 2)
-    stats["skipped_prompt_too_long"] += sum(1 for s in wanted if not done[s.uid])
-    return [(s.uid, cached_turns(done[s.uid])) for s in wanted if done[s.uid]]
+            while todo:  # one round per turn: each round answers every conversation's next turn
+                ready = []
+                for p in todo:
+                    try:
+                        ids = tpl.prompt_ids(p.prompt(), p.sample.tools)
+                    except TemplateError as err:  # e.g. roles that must alternate
+                        note_refusal(stats, tpl, p.sample.where or p.sample.uid, err)
+                        finish(p, "turns_dropped_refused")
+                        continue
+                    if len(ids) > budget:
+                        finish(p)
+                    else:
+                        ready.append((len(ids), p.sample.uid, ids, p))
+                ready.sort(key=lambda r: (r[0], r[1]))  # similar lengths prefill together
+                pending, todo = [(r[2], r[3]) for r in ready], []
+
+                def answered(i: int, new: list[int], pending=pending, todo=todo) -> None:
+                    nonlocal new_tokens
+                    context, p = pending[i]
+                    answer = answer_text(tpl.tok, new, tpl.stop_ids)
+                    p.turns.append({"prompt_ids": context, "answer_ids": new, "answer": answer})
+                    new_tokens += len(new)
+                    stats["answers_cut_at_max_new_tokens"] += new[-1] not in tpl.stop_ids
+                    if len(p.turns) < len(p.users):
+                        todo.append(p)
+                    else:
+                        finish(p)
+                    if bar is not None:
+                        bar.update(len(new))
+                        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - started):.1f}")
+
+                seeds = [turn_seed(p.sample.uid, len(p.turns)) for _, p in pending]
+                answer_all(model, [r[2] for r in ready], cfg, set(tpl.stop_ids), seeds, answered, target_path,
+                           matmul_dtype)
+        if bar is not None:
+            bar.close()
+        stats["regenerated_tokens"] += new_tokens
+        stats["regenerate_seconds"] += round(time.perf_counter() - started, 2)
+        stats["skipped_prompt_too_long"] += sum(1 for s in wanted if not done[s.uid])
+        return [(s.uid, cached_turns(done[s.uid])) for s in wanted if done[s.uid]]

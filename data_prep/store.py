@@ -7,13 +7,14 @@ folder is built as `<folder>.partial` and renamed when its manifest is written, 
 with a manifest is always complete. Inside the partial folder each shard is written to a temp
 name and renamed, so every shard file present is complete: a killed run resumes after the last
 one, and because shards are a pure function of their samples the result is byte-identical.
+`prepare` builds a folder only under its build lock (`conf.files.build_once`), so two runs never
+write into one partial folder.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from array import array
 from collections.abc import Callable, Iterable
@@ -24,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conf.errors import UserError
-from conf.files import atomic_write, check_sha256, sha256_file
+from conf.files import atomic_write, check_sha256, replace_dir, sha256_file
 from data_prep.capture import CaptureSpec, checked_capture, decode
 from data_prep.linears import DataLinears
 from data_prep.template import Tokenized
@@ -180,9 +181,7 @@ def finish(partial: Path, folder: Path, manifest: dict) -> None:
     (partial / PLAN).unlink(missing_ok=True)
     sealed = with_vocab_checksum(partial, manifest)
     atomic_write(partial / MANIFEST, lambda p: p.write_text(json.dumps(sealed, indent=2)))
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(partial, folder)
+    replace_dir(partial, folder)
 
 
 def load_manifest(folder: str | Path) -> dict:

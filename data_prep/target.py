@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from conf.errors import UserError, first_line
-from conf.files import atomic_dir, package_file
+from conf.files import atomic_dir, build_once, commit_dir, disk_full_is_one_line, lock_path, package_file
 from conf.schema import TargetConfig
 
 # alias -> (distribution that ships the file, file name inside it)
@@ -66,8 +66,9 @@ def fingerprint_file(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantise a GGUF once into a plain safetensors folder, checked by comparing logits."""
+def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
+    """Dequantise a GGUF once into a plain safetensors folder `out_dir`, checked by comparing
+    logits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -88,17 +89,22 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(quantised.state_dict())
     tmp = atomic_dir(out_dir)
-    plain.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
-    probe = torch.arange(16).unsqueeze(0) + 100
-    with torch.no_grad():
-        ok = torch.allclose(quantised(probe).logits, reloaded(probe).logits, atol=1e-4)
-    if not ok:
-        shutil.rmtree(tmp)
-        raise RuntimeError(f"converted copy of {gguf} does not reproduce its logits")
-    (tmp / "draftsmith_source.json").write_text(json.dumps({"gguf": str(gguf)}))
-    os.replace(tmp, out_dir)
+    try:  # a failed conversion leaves nothing: the float32 copy is large (0.5 GB for SmolLM2)
+        with disk_full_is_one_line(out_dir.parent, "free space and run again (or set $DRAFTSMITH_CACHE)"):
+            plain.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+        probe = torch.arange(16).unsqueeze(0) + 100
+        with torch.no_grad():
+            ok = torch.allclose(quantised(probe).logits, reloaded(probe).logits, atol=1e-4)
+        if not ok:
+            raise RuntimeError(f"converted copy of {gguf} does not reproduce its logits")
+        (tmp / "draftsmith_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+        commit_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
 
 
 def gguf_cache_dir(gguf: Path) -> Path:
@@ -135,8 +141,13 @@ def resolve_target_path(name_or_path: str) -> str:
         else:
             return name_or_path  # a Hub id
     out = gguf_cache_dir(gguf)
-    if not (out / "config.json").exists():
-        _convert_gguf(gguf, out)
+    # Runs started together convert once: the others wait for the first, then load its folder.
+    build_once(
+        lock_path(out),
+        f"converted target {out}",
+        lambda: out if (out / "config.json").exists() else None,
+        lambda: _convert_gguf(gguf, out),
+    )
     return str(out)
 
 

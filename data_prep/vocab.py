@@ -52,6 +52,12 @@ def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:
     return float(counts[t2d].sum()) / total if total else 0.0
 
 
+def draft_vocab_bytes(draft_vocab_size: int | None, vocab_size: int) -> int:
+    """What `save_draft_vocab` writes, less the file's header: d2t int64 [Vd] and t2d bool [V]
+    (0 without a draft vocabulary), for the space a data folder needs."""
+    return 8 * min(draft_vocab_size, vocab_size) + vocab_size if draft_vocab_size else 0
+
+
 def save_draft_vocab(folder: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     """Only what a head is built from: the counts behind it (8 bytes per target id, 0.4 MB for a
     49k vocabulary) would dominate an online data folder, which keeps ~5 bytes per token."""

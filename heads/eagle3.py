@@ -56,21 +56,50 @@ def norm_flags(config: LlamaConfig | dict) -> dict[str, bool]:
     return {k: bool(values.get(k, False)) for k in NORM_FLAGS}
 
 
+def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
+    """The engines' default (2, N//2, N-3) where its ids are distinct (7+ layers). On a shallower
+    target they collide (4 layers: 2, 2, 1), so take the lowest, middle and highest of the layer
+    outputs every engine captures (1..N-1; 4 layers: 1, 2, 3); 3 layers have only two, so the
+    embeddings (0) join them: vLLM serves that head, SGLang and TensorRT-LLM capture no id 0."""
+    n = num_hidden_layers
+    engines = [2, n // 2, n - 3]
+    if engines[0] < engines[1] < engines[2]:
+        return engines
+    outputs = list(range(1 if n >= 4 else 0, n))
+    return [outputs[0], outputs[len(outputs) // 2], outputs[-1]] if outputs else []
+
+
 def resolve_aux_layer_ids(
     ids: list[int] | None, num_hidden_layers: int, where: str = "head.aux_layer_ids"
 ) -> list[int]:
-    """The three captured layers, sorted: `ids`, or the engines' default (2, N//2, N-3).
+    """The three captured layers, sorted: `ids`, or `default_aux_layer_ids`.
 
     The one place that knows the default and the valid range, so that data capture, the head
     and the evaluator can never disagree about which layers a head reads."""
     n = num_hidden_layers
-    aux = sorted(set(ids)) if ids else [2, n // 2, n - 3]
+    chosen = ids or default_aux_layer_ids(n)
+    aux = sorted(set(chosen))
     if len(aux) != 3 or aux[0] < 0 or aux[-1] > n:
+        default = "" if ids else f" (the default for {n} layers)"
         raise UserError(
-            f"{where}={ids}: expected 3 distinct ids in 0..{n} (HF hidden_states indices of "
-            f"this {n}-layer target)"
+            f"{where}={chosen}{default}: expected 3 distinct ids in 0..{n} (HF hidden_states "
+            f"indices of this {n}-layer target); train with head.aux_layer_ids=[a, b, c]"
         )
     return aux
+
+
+def draft_rope(text_config) -> dict:
+    """The rope the draft layer runs and its exported config names: the target's own (theta,
+    scaling, `max_position_embeddings` beside it), so the draft rotates positions as the target
+    does at every length it serves. A target with one rope per layer type (Gemma 3's local and
+    global) gives its global layers' rope: the draft attends over every position, as they do.
+    `partial_rotary_factor` is left out: the draft is a Llama layer that rotates every dimension,
+    and the engines serve it from a config that does not carry the factor."""
+    params = dict(text_config.rope_parameters)
+    if isinstance(params.get("full_attention"), dict):
+        params = dict(params["full_attention"])
+    params.pop("partial_rotary_factor", None)
+    return params
 
 
 def draft_layer_config(target_config, cfg: Eagle3Config, draft_vocab_size: int) -> LlamaConfig:
@@ -91,7 +120,7 @@ def draft_layer_config(target_config, cfg: Eagle3Config, draft_vocab_size: int) 
         max_position_embeddings=t.max_position_embeddings,
         vocab_size=t.vocab_size,
         hidden_act="silu",
-        rope_parameters=dict(t.rope_parameters),
+        rope_parameters=draft_rope(t),
         attention_bias=False,
         mlp_bias=False,
         tie_word_embeddings=False,

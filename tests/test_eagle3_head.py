@@ -9,7 +9,7 @@ import torch
 from conf.errors import UserError
 from conf.schema import Eagle3Config
 from data_prep.target import load_target
-from heads.eagle3 import Eagle3Head, norm_flags
+from heads.eagle3 import Eagle3Head, default_aux_layer_ids, norm_flags, resolve_aux_layer_ids
 from tests.conftest import build_tiny_target
 from trainer.eagle3_trainee import Eagle3Trainee, ttt_attention_mask
 from trainer.trainee import simulated_acceptance_length
@@ -129,6 +129,38 @@ def test_refuses_other_target(tiny, tmp_path, smol_tokenizer):
     other, _ = load_target(str(other_dir))
     with pytest.raises(UserError, match="num_hidden_layers 8 != 6"):
         Eagle3Head.from_pretrained(tmp_path / "h", other, str(other_dir))
+
+
+
+def test_default_aux_layer_ids_are_distinct_on_any_target_of_three_layers_or_more():
+    """The engines' default (2, N//2, N-3) from 7 layers on; below, where it collides (4 layers:
+    2, 2, 1), distinct layer outputs every engine captures (1..N-1), the embeddings only at 3."""
+    shallow = {3: [0, 1, 2], 4: [1, 2, 3], 5: [1, 3, 4], 6: [1, 3, 5]}
+    for n in range(3, 81):
+        ids = resolve_aux_layer_ids(None, n)
+        assert ids == default_aux_layer_ids(n) == shallow.get(n, [2, n // 2, n - 3]), n
+        assert len(set(ids)) == 3 and ids[-1] < n, n  # never the final norm's output (index N)
+        assert ids[0] >= (1 if n >= 4 else 0), n
+    assert resolve_aux_layer_ids([5, 1, 3], 6) == [1, 3, 5]  # the user's ids, sorted
+
+
+@pytest.mark.parametrize(
+    "ids, n, shown",
+    [
+        ([2, 2, 1], 4, "[2, 2, 1]"),
+        ([1, 2, 9], 8, "[1, 2, 9]"),
+        (None, 2, "[0, 1, 1] (the default for 2 layers)"),
+    ],
+)
+def test_aux_layer_ids_error_names_the_main_jobs_override(ids, n, shown):
+    """One line naming the ids and the override the main job takes (`head.aux_layer_ids`), not
+    `head=`, which only `trainer.evaluate` has."""
+    with pytest.raises(UserError) as err:
+        resolve_aux_layer_ids(ids, n)
+    msg = str(err.value)
+    assert msg.startswith(f"head.aux_layer_ids={shown}: expected 3 distinct ids in 0..{n} ")
+    assert msg.endswith("train with head.aux_layer_ids=[a, b, c]") and "head=" not in msg
+    assert "\n" not in msg
 
 
 # ---- layer variants (vLLM `llama_eagle3` / speculators flags) --------------------------------

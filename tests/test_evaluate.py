@@ -157,7 +157,12 @@ def test_aux_layer_ids_outside_the_target_are_refused(tiny, tiny_llama_dir, eagl
     meta = json.loads((bad / CONFIG_NAME).read_text())
     meta["config"]["aux_layer_ids"] = [2, 4, 12]
     (bad / CONFIG_NAME).write_text(json.dumps(meta))
-    with pytest.raises(UserError, match=r"aux_layer_ids=\[2, 4, 12\]: expected 3 distinct ids in 0\.\.8"):
+    # Named as the main job and `trainer.evaluate` alike take it: no `head=`, the fix an override.
+    expected = (
+        r"^the head at '.*': aux_layer_ids=\[2, 4, 12\]: expected 3 distinct ids in 0\.\.8 "
+        r".*; train with head\.aux_layer_ids=\[a, b, c\]$"
+    )
+    with pytest.raises(UserError, match=expected):
         evaluate(config("eagle3", tiny_llama_dir), bad, tmp_path / "eval", target=tiny)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ from heads.export.check import KINDS, verify_export
 from heads.export.core import cast_weights
 from heads.export.eagle3 import engine_layer_ids, read_native, read_speculators, serving_notes
 from heads.folder import load_head
+from tests.cli_helpers import cli_env
 
 # Checkpoint names the engines load for a one-layer EAGLE-3 head, written down from their source:
 # vLLM 0.32 `llama_eagle3.py` (Eagle3LlamaForCausalLM.load_weights + WeightsMapper "midlayer." ->
@@ -516,3 +518,60 @@ def test_serving_notes_name_the_engines_that_ignore_flags(variant_head_dir, head
     assert "serve it with vLLM" in note and "SGLang" in note and "TensorRT-LLM" in note
     assert serving_notes(variant, "speculators") == []  # vLLM only
     assert serving_notes(load_head(head_dir, "eagle3")[0], "eagle3") == []
+
+
+# `python -m heads.export` that SIGKILLs itself at `argv[1]`: "writing" (the new folder written
+# under its temporary name, not yet checked), "swapping" (the old export renamed aside, the new
+# one not yet in place), "cleaning" (the new one in place, the old one half deleted).
+KILLED_EXPORT = r"""
+import os, shutil, signal, sys
+from pathlib import Path
+import heads.export as E
+point = sys.argv[1]
+die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+real_write, real_replace, real_rmtree = E._write, os.replace, shutil.rmtree
+def write(folder, *args):
+    real_write(folder, *args)
+    if point == "writing":
+        die()
+def replace(src, dst):
+    real_replace(src, dst)
+    if point == "swapping" and ".old-" in str(dst):
+        die()
+def rmtree(path, *args, **kwargs):
+    if point == "cleaning" and ".old-" in str(path):
+        next(p for p in Path(path).iterdir() if p.is_file()).unlink()
+        die()
+    real_rmtree(path, *args, **kwargs)
+E._write, os.replace, shutil.rmtree = write, replace, rmtree
+from heads.export.__main__ import main
+main(sys.argv[2:])
+"""
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["writing", "swapping", "cleaning"])
+def test_export_killed_leaves_no_half_folder_under_its_name(head_dir, tiny_llama_dir, tmp_path, point):
+    """A second head exported over a first one's export, killed at each step: under the export's
+    name lies the old export whole, nothing, or the new one whole; the same command then
+    exports, and nothing of the killed run is left beside it but its temporary folder (hidden:
+    `.export.tmp-*`) when it was killed before that folder was moved into place."""
+    out = tmp_path / "export"
+    export_head(head_dir, "eagle3", out)
+    old = folder_bytes(out)
+    new_head = make_head(tiny_llama_dir, tmp_path / "head-2", seed=1)
+    cmd = [sys.executable, "-c", KILLED_EXPORT, point, f"head={new_head}", "format=eagle3", f"out={out}"]
+    killed = subprocess.run(cmd, env=cli_env(), capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    after_kill = folder_bytes(out) if out.exists() else None
+
+    export_head(new_head, "eagle3", out)
+    new = folder_bytes(out)
+    assert new != old
+    assert after_kill == {"writing": old, "swapping": None, "cleaning": new}[point]
+    left = {p.name.split("-")[0] for p in tmp_path.iterdir() if p.name.startswith(".export.")}
+    assert left == (set() if point == "cleaning" else {".export.tmp"})

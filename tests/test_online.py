@@ -86,11 +86,32 @@ def test_online_folder_keeps_tokens_only(tiny_llama_dir, chat_file, tmp_path):
     assert all(torch.equal(v, load_file(offline / vocab)[k]) for k, v in load_file(online / vocab).items())
 
 
+def assert_online_batch_is_the_offline_batch(
+    offline: Path, online: Path, model, batches: list[list[int]] | None = None
+) -> None:
+    """The same loader batches (of training sample indices), offline as read from `offline`,
+    online through `model`'s forward over `online`'s ids: equal fields, bit for bit (float32 on
+    the CPU), rounded through the storage dtype alike. By default other groupings and paddings
+    than the capture's batches."""
+    capture = online_capture(load_manifest(online), model)
+    assert online_capture(load_manifest(offline), model) is None
+    batches = batches or [[3, 0, 7, 11], [5, 2]]
+    loaded = {
+        mode: list(batch_loader(CapturedDataset(folder, "train"), batches, 0, False))
+        for mode, folder in (("offline", offline), ("online", online))
+    }
+    for off, on in zip(loaded["offline"], loaded["online"], strict=True):
+        want = device_batch(off, "cpu")
+        got = device_batch(on, "cpu", capture)
+        assert got.keys() == want.keys() and {"final_hidden"} <= got.keys()
+        for k in want:
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+            assert not got[k].is_inference()  # autograd may save it
+
+
 @pytest.mark.parametrize("storage", ["bfloat16", "fp8"])
 @pytest.mark.parametrize("head", [Eagle3Config(), MedusaConfig()], ids=["eagle3", "medusa"])
 def test_online_batch_is_the_offline_batch(tiny_llama_dir, chat_file, tmp_path, storage, head):
-    """The same loader batch, offline as read from disk, online through the target's forward:
-    equal fields, bit for bit (float32 on the CPU), rounded through the storage dtype alike."""
     model, _ = load_target(str(tiny_llama_dir), device="cpu", num_threads=1)
     folders = {
         mode: P.prepare(
@@ -98,20 +119,7 @@ def test_online_batch_is_the_offline_batch(tiny_llama_dir, chat_file, tmp_path, 
         )
         for mode in ("offline", "online")
     }
-    capture = online_capture(load_manifest(folders["online"]), model)
-    assert online_capture(load_manifest(folders["offline"]), model) is None
-    batches = [[3, 0, 7, 11], [5, 2]]  # other groupings and paddings than the capture's batches
-    loaded = {
-        mode: list(batch_loader(CapturedDataset(folder, "train"), batches, 0, False))
-        for mode, folder in folders.items()
-    }
-    for off, on in zip(loaded["offline"], loaded["online"]):
-        want = device_batch(off, "cpu")
-        got = device_batch(on, "cpu", capture)
-        assert got.keys() == want.keys() and {"final_hidden"} <= got.keys()
-        for k in want:
-            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
-            assert not got[k].is_inference()  # autograd may save it
+    assert_online_batch_is_the_offline_batch(folders["offline"], folders["online"], model)
 
 
 @pytest.mark.usefixtures("single_thread")
@@ -179,11 +187,17 @@ def test_datasets_data_folder_is_streamed(chat_file, tmp_path, monkeypatch):
 
 
 def assert_same_training(offline: Path, online: Path, steps: int) -> None:
-    """Equal per-step losses (every step logged), a falling loss, replicas that agree, and the
-    summary naming the mode and the prepared splits' tokens."""
+    """Per-step losses that agree (every step logged), a falling loss, replicas that agree, and
+    the summary naming the mode and the prepared splits' tokens.
+
+    Not bit for bit: capture pads a batch to its longest sample and training groups samples
+    otherwise, so the target's float32 attention reduces over differently blocked keys and about
+    one stored value in 10^5 rounds to the neighbouring bf16 value (where the paddings agree,
+    `test_online_batch_is_the_offline_batch` is bit-exact). The losses then drift apart by ~1e-4
+    of their value over 20 steps; a wrong layer, sample or mask differs by orders more."""
     a, b = train_losses(offline), train_losses(online)
     assert len(a) == len(b) == steps
-    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+    assert max(abs(x - y) / abs(x) for x, y in zip(a, b)) <= 5e-4, (a, b)
     assert b[-1] < b[0]
     s_off, s_on = summary(offline), summary(online)
     assert (s_off["hidden_states"], s_on["hidden_states"]) == ("offline", "online")

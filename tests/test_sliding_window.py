@@ -14,7 +14,7 @@ import types
 
 import pytest
 import torch
-from conftest import TINY, tiny_run_args
+from conftest import TINY, WINDOW, F, S, hf_greedy, tiny_family_target, tiny_run_args
 from decode_helpers import (
     SHAPES,
     NoisyOracle,
@@ -22,15 +22,7 @@ from decode_helpers import (
     single_thread,  # noqa: F401 (fixture)
 )
 from test_decode_greedy import medusa_drafter
-from transformers import (
-    AutoModelForCausalLM,
-    Gemma3TextConfig,
-    GptOssConfig,
-    LlamaConfig,
-    MistralConfig,
-    Qwen2Config,
-    Qwen3NextConfig,
-)
+from transformers import Gemma3TextConfig, Qwen2Config, Qwen3NextConfig
 
 from conf.compose import compose_root
 from conf.errors import UserError
@@ -44,64 +36,28 @@ from trainer.decoding.tree import tree_attention_mask, tree_position_ids
 from trainer.train import run
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-WINDOW, NEW, VOCAB = 16, 72, 256
-S, F = "sliding_attention", "full_attention"
-# family -> (config class, settings past TINY, seed). A larger init than the default, so greedy
-# text varies with the context (at the default a tiny target repeats one token forever, which a
-# decoder blind to the window would reproduce); Gemma 3 untied for the same reason.
-FAMILIES = {
-    "mistral": (MistralConfig, dict(sliding_window=WINDOW), 0),
-    "gemma3_text": (
-        Gemma3TextConfig,
-        dict(sliding_window=WINDOW, layer_types=[S, S, S, F] * 2, head_dim=16,
-             tie_word_embeddings=False, initializer_range=0.5),
-        1,
-    ),
-    "gpt_oss": (
-        GptOssConfig,
-        dict(sliding_window=WINDOW, head_dim=16, num_local_experts=4, num_experts_per_tok=2),
-        0,
-    ),
-    "llama": (LlamaConfig, {}, 0),  # full attention: nothing changes
-}
+NEW, VOCAB = 72, 256
+# The tiny targets of conftest's `TINY_FAMILIES` (8 layers, hidden 64, 16-token windows).
+FAMILIES = ["mistral", "gemma3_text", "gpt_oss", "llama"]  # llama: full attention, nothing changes
 SLIDING = ["mistral", "gemma3_text", "gpt_oss"]
 
 
-def tiny_target(family: str, vocab: int = VOCAB):
-    """A tiny random-weight target of `family`, built from its config (8 layers, hidden 64)."""
-    cls, extra, seed = FAMILIES[family]
-    config = cls(vocab_size=vocab, **{**TINY, "initializer_range": 0.2, **extra})
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
-
-
-def hf_greedy(model, prompt: list[int], new: int = NEW) -> list[int]:
-    """transformers' `generate`, greedy, one prompt, no EOS: the ground truth. (The attention
-    mask is explicit: without it `generate` hides every prompt token equal to the pad id.)"""
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-        eos_token_id=[], pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=FAMILIES)
 def case(request):
     """(family, model, prompts, generate's answers). The prompts share a 20-token header, longer
     than the window (the engine prefills it once and copies it into each slot), then run 3 to 60
     tokens more; 72 new tokens take every answer far past the window."""
-    model = tiny_target(request.param)
+    model = tiny_family_target(request.param)
     g = torch.Generator().manual_seed(0)
     header = torch.randint(0, VOCAB, (20,), generator=g).tolist()
     prompts = [header + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 60, 11, 42)]
-    want = [hf_greedy(model, p) for p in prompts]
+    want = [hf_greedy(model, p, NEW) for p in prompts]
     assert len(set(want[0])) >= 20  # varied text: a wrong mask shows within a few tokens
     return request.param, model, prompts, want
 
 
 def test_layouts_are_read_as_transformers_reads_them():
-    layout = lambda family: attention_layout(tiny_target(family).config)  # noqa: E731
+    layout = lambda family: attention_layout(tiny_family_target(family).config)  # noqa: E731
     assert layout("mistral").windows == (WINDOW,) * 8
     assert layout("gemma3_text").windows == (WINDOW, WINDOW, WINDOW, None) * 2
     assert layout("gpt_oss").windows == (WINDOW, None) * 4
@@ -162,16 +118,16 @@ def test_decoder_writes_what_generate_writes_past_the_window(case):
 def test_a_decoder_blind_to_the_window_would_be_caught(family, monkeypatch):
     """The comparison is sharp: static caches that masked every layer as full attention (the
     fault this suite guards against) part from `generate` within a few tokens."""
-    model = tiny_target(family)
+    model = tiny_family_target(family)
     prompt = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     monkeypatch.setattr(kv_cache, "attention_layout", lambda config: AttentionLayout((None,) * 8))
     blind = greedy_generate(model, torch.tensor(prompt), NEW).tokens
-    want = hf_greedy(model, prompt)
+    want = hf_greedy(model, prompt, NEW)
     assert blind != want and next(i for i, (a, b) in enumerate(zip(blind, want)) if a != b) < 8
 
 
 def test_a_full_attention_target_reads_the_mask_it_always_read():
-    model = tiny_target("llama")
+    model = tiny_family_target("llama")
     kv = TargetKV(model, [], room=40)
     kv.prefill(torch.arange(30))
     parents = [-1, 0, 0, 1]

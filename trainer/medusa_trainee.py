@@ -288,7 +288,7 @@ class JointMedusaTrainee(nn.Module):
         positions and a ready-made 4D mask (`document_inputs`), which it takes as they are."""
         batch = indexed(batch, self.batch_index)
         ids, mask = batch["input_ids"], batch["loss_mask"]
-        packed = document_inputs(batch["position_ids"]) if "position_ids" in batch else {}
+        packed = document_inputs(self.target, batch["position_ids"]) if "position_ids" in batch else {}
         hidden = self.target.get_decoder()(input_ids=ids, **packed).last_hidden_state
         rows, targets, counted = offset_rows(ids, mask, batch[LABEL_INDEX], 1, batch[LABEL_POSITION])
         teacher_project = teacher_rows = None

@@ -77,7 +77,7 @@ def load_drafter(head_path: str | Path, model, target_name: str, shapes: list[Sh
         from heads.eagle3 import Eagle3Head, resolve_aux_layer_ids
 
         head = Eagle3Head.from_pretrained(head_path, model, target_name)
-        resolve_aux_layer_ids(head.aux_layer_ids, n_layers, f"head={str(head_path)!r}: aux_layer_ids")
+        resolve_aux_layer_ids(head.aux_layer_ids, n_layers, f"the head at {str(head_path)!r}: aux_layer_ids")
         return Eagle3Drafter(head.to(device).eval()), model
     if kind == "medusa":
         from heads.medusa import MedusaHead, load_joint_target
