@@ -174,7 +174,6 @@ def chat_template(cfg: RootConfig, tok) -> ChatTemplate:
     )
 
 
-
 def samples_key(cfg: RootConfig, identity: dict, tpl: ChatTemplate) -> dict:
     """What the tokenised samples depend on: the target, its dtype (regeneration), the source, the
     chat template as rendered and the data config but its cache folder and `hidden_states`

@@ -105,8 +105,8 @@ class ChatTemplate:
 
     tok: Any
     source: str  # the Jinja text
-    kwargs: dict = field(default_factory=dict)  # data.chat_template_kwargs
-    date: str = "2026-01-01"  # what strftime_now sees
+    kwargs: dict  # data.chat_template_kwargs
+    date: str  # data.template_date: what strftime_now sees
     stop_ids: frozenset[int] = frozenset()
     name: str = "the tokenizer's chat template"  # for messages
     reasoning_field: str | None = field(init=False, default=None)
