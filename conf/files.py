@@ -38,6 +38,14 @@ OFFLINE_PACKAGES_LINE = (
 )
 
 
+def installed(dist_name: str) -> bool:
+    try:
+        importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def package_file(dist_name: str, suffix: str, needed_by: str) -> Path:
     """A data file shipped inside an installed distribution, found through its RECORD without
     importing the package (these data packages declare dependencies we do not install)."""

@@ -40,6 +40,7 @@ SELECT_BY = ("simulated", "decoded")
 # The data fields that decide how prompts and rows render (`data_prep.template.ChatTemplate`).
 TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "template_date")
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
 
 
 class _Checked:
@@ -76,6 +77,15 @@ class _Checked:
 
 def _probability(v: float) -> bool:
     return 0 < v <= 1
+
+
+def duration_seconds(text: str) -> float | None:
+    """'20m', '1h', '1h30m', '90s' -> seconds; None for anything else (or a zero duration)."""
+    m = _DURATION.fullmatch(text.strip())
+    if not text.strip() or m is None:
+        return None
+    h, mi, se = (float(g) if g else 0.0 for g in m.groups())
+    return 3600 * h + 60 * mi + se or None
 
 
 def _iso_date(v: str) -> bool:
@@ -153,7 +163,9 @@ class DataConfig(_Checked):
     # folder or Hub name.
     source: str = "sharegpt"
     split: str = "train"  # for `datasets` sources
-    max_samples: int = 560  # 0 = all
+    # Conversations used; 0 = all. None: planned by the main job's `budget`, else DEFAULT_SAMPLES.
+    DEFAULT_SAMPLES: ClassVar[int] = 560
+    max_samples: int | None = None
     max_length: int = 512
     max_turns: int = 1  # user/assistant exchanges kept per conversation; 0 = all
     val_fraction: float = 0.1
@@ -190,7 +202,8 @@ class DataConfig(_Checked):
         self._require("source", bool, "sharegpt, a .jsonl/.json file or a `datasets` folder or name")
         self._require("chat_template", lambda v: v is None or bool(v), "null or a .jinja file")
         self._require("template_date", _iso_date, "a date as YYYY-MM-DD")
-        self._at_least(0, "max_samples", "max_turns")
+        self._require("max_samples", lambda v: v is None or v >= 0, "null or a number >= 0 (0 = all)")
+        self._at_least(0, "max_turns")
         self._at_least(2, "max_length")
         self._at_least(1, "shard_samples", "capture_batch_tokens", "draft_vocab_size")
         self._require("val_fraction", lambda v: 0 <= v < 1, "a value in [0, 1)")
@@ -509,10 +522,22 @@ class RootConfig:
     seed: int = 0
     run_dir: str = "outputs"
     resume: bool = False
+    # The main job's time budget ('20m', '1h30m'; null = none; each target group sets its own):
+    # `trainer.plan` sizes the data and epochs to fill it from rates measured on this machine.
+    # Off when data.max_samples or optim.epochs is given, which then win.
+    budget: str | None = None
 
     def __post_init__(self) -> None:
         if not self.run_dir:
             raise UserError("run_dir='': expected a folder")
+        if self.budget is not None and self.budget != "off" and duration_seconds(self.budget) is None:
+            raise UserError(f"budget={self.budget!r}: expected a duration like 20m, 1h or 1h30m, or null")
+        # Read by the main job (trainer.plan) before the defaults below fill the planned values.
+        planned = self.budget not in (None, "off") and self.data.max_samples is None
+        planned = planned and self.optim.epochs is None
+        self.plan_budget_s = duration_seconds(self.budget) if planned else None
+        if self.data.max_samples is None:
+            self.data.max_samples = DataConfig.DEFAULT_SAMPLES
         if self.optim.epochs is None and self.head is not None:
             self.optim.epochs = self.head.DEFAULT_EPOCHS
         if self.optim.val_decode_prompts and self.data.val_fraction == 0:

@@ -94,22 +94,3 @@ def attention_layout(config) -> AttentionLayout:
             "optim.val_decode_prompts=0"
         )
     return AttentionLayout(windows)
-
-
-def check_target_attention(target) -> AttentionLayout | None:
-    """`attention_layout` of the target a `TargetConfig` names, from its config file alone, so
-    that a run refuses it before any weights load. None when no config can be read here (a Hub
-    id offline): `load_target` reports that, and the engine and decoder check the loaded model."""
-    from transformers import AutoConfig
-
-    from data_prep.target import resolve_target_path
-
-    try:
-        config = AutoConfig.from_pretrained(
-            resolve_target_path(target.name_or_path),
-            revision=target.revision,
-            trust_remote_code=target.trust_remote_code,
-        )
-    except (OSError, ValueError):
-        return None
-    return attention_layout(config)

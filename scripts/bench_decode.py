@@ -23,7 +23,7 @@ import torch
 
 from conf.compose import split_args
 from conf.errors import UserError, exit_on_user_error
-from data_prep.target import eos_token_ids, load_target_from_config
+from data_prep.target import eos_token_ids, resolve_target
 from heads.folder import compose_for_head
 from trainer.decoding import greedy_generate, prompt_lookup_generate, speculative_generate
 from trainer.decoding.graphs import graphs_enabled
@@ -52,7 +52,8 @@ def main(argv: list[str]) -> None:
         raise UserError(f"reps={reps}: expected an integer >= 1")
     ev = cfg.eval
     prompts = load_prompts(ev)
-    model, tokenizer = load_target_from_config(cfg.target)
+    target = resolve_target(cfg)
+    model, tokenizer = target.load_model(cfg.target), target.tokenizer
     shapes = {"chain": draft_shape(ev, "chain"), "tree": draft_shape(ev, "tree")}
     drafter, verifier = load_drafter(own["head"], model, cfg.target.name_or_path,
                                      list(shapes.values()))

@@ -26,7 +26,7 @@ from bench_train import TRAINEES, batch_shape, parse, real_tokens
 
 from data_prep.capture import capture_batch, hidden_states
 from data_prep.prepare import capture_spec
-from data_prep.target import load_target_from_config
+from data_prep.target import resolve_target
 from trainer.batching import collate
 from trainer.distributed import build_accelerator
 from trainer.loop import device_batch, train_step
@@ -38,9 +38,10 @@ def main(argv: list[str]) -> None:
         i = argv.index("--reps")
         reps, argv = int(argv[i + 1]), argv[:i] + argv[i + 2 :]
     cfg, labelled = parse(argv, labelled=0.5)
-    model, tok = load_target_from_config(cfg.target)
+    target = resolve_target(cfg)
+    model = target.load_model(cfg.target)
     spec = capture_spec(cfg, model.config.get_text_config().num_hidden_layers)
-    tokens = real_tokens(tok, cfg.data, *batch_shape(cfg), labelled)
+    tokens = real_tokens(target.tokenizer, cfg.data, *batch_shape(cfg), labelled)
     trainee, fields = TRAINEES[cfg.head.name](cfg, model)
     rows = [{k: v[r] for k, v in tokens.items()} for r in range(len(tokens["input_ids"]))]
     online = collate(rows, trainee.batch_index)  # what the loader hands the loop, on the CPU

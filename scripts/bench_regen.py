@@ -26,10 +26,10 @@ from conf.errors import UserError, exit_on_user_error
 from data_prep.capture import bare_forward
 from data_prep.decode_attention import applies
 from data_prep.linears import DataLinears
-from data_prep.prepare import chat_template, check_source, matmul_dtype, regenerated_rows, select_samples
+from data_prep.prepare import check_source, matmul_dtype, regenerated_rows, select_samples
 from data_prep.regen_engine import default_workers
 from data_prep.regenerate import regenerate
-from data_prep.target import load_target_from_config, resolve_target_path
+from data_prep.target import resolve_target
 
 
 @exit_on_user_error
@@ -42,8 +42,8 @@ def main(argv: list[str]) -> None:
         raise UserError(f"prompts={prompts}: expected an integer >= 1")
     cfg.data.max_samples = prompts
     check_source(cfg)
-    model, tok = load_target_from_config(cfg.target)
-    tpl = chat_template(cfg, tok)
+    target = resolve_target(cfg)
+    model, tpl = target.load_model(cfg.target), target.chat_template
     samples = list(select_samples(cfg, tpl, Counter()))
     stats: Counter = Counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> None:
             cfg.data.max_length,
             Path(tmp) / "regen.jsonl",
             stats,
-            target_path=resolve_target_path(cfg.target.name_or_path),
+            target_path=target.path,
             matmul_dtype=matmul_dtype(cfg),
         )
         regen_s = time.perf_counter() - start

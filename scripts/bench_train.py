@@ -44,7 +44,7 @@ from conf.compose import compose_root, split_args
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import DataConfig, OptimConfig, RootConfig
 from data_prep.sources import iter_samples
-from data_prep.target import load_target_from_config
+from data_prep.target import resolve_target
 from heads.eagle3 import Eagle3Head, draft_layer_config
 from heads.folder import TargetSpec
 from trainer.batching import best_fit_rows, collate, collate_packed
@@ -381,8 +381,9 @@ def main(argv: list[str]) -> None:
     if "preset" in own:
         return run_preset(own, argv)
     cfg, labelled = parse(argv)
-    model, tok = load_target_from_config(cfg.target)
-    batch = real_tokens(tok, cfg.data, *batch_shape(cfg), labelled)
+    target = resolve_target(cfg)
+    model = target.load_model(cfg.target)
+    batch = real_tokens(target.tokenizer, cfg.data, *batch_shape(cfg), labelled)
     batch = {k: v.to(model.device) for k, v in batch.items()}
     trainee, fields = TRAINEES[cfg.head.name](cfg, model)
     with torch.no_grad():  # captured as training will see them (Medusa-2 reads none)

@@ -1,23 +1,34 @@
-"""Load an exported head in vLLM (CPU) and compare its acceptance with ours; print one JSON line.
+"""Load exported heads in vLLM (CPU) and compare their acceptance with ours; one JSON line each.
 
-    .venv-vllm/bin/python scripts/check_vllm.py <exported dir> [--prompts N] [--max-tokens M]
+    .venv-vllm/bin/python scripts/check_vllm.py <exported dir> [<exported dir> ...]
+        [--target <name or folder>] [--prompts N] [--prompt-tokens L] [--max-tokens M]
 
 Runs in the vLLM venv (scripts/setup_vllm_venv.sh). vLLM lacks this project's dependencies, so
 the script calls itself once with the main venv's python (`--role ours`) to get, for the same
-head folder and target: the target's folder, the prompts (MT-Bench / HumanEval / GSM8K from the
-evaluator's task loader, chat template applied, as token ids) and our decoder's figures on the
-exported weights. Then vLLM generates those token-id prompts greedily twice, without and with
-the head as `speculative_config`, and the script reports:
+head folders and target: the target's folder, the prompts (MT-Bench / HumanEval / GSM8K from the
+evaluator's task loader, chat template applied, as token ids; or, with `--prompt-tokens L`, N
+seeded random prompts of L ordinary token ids, for tiny targets whose byte-level tokenizer would
+turn a text prompt into hundreds of ids) and our decoder's figures on each export's weights.
+Then vLLM generates those token-id prompts greedily, once without speculation and once per
+export with it as `speculative_config` (EAGLE-3 `eagle3`/`speculators` folders or `medusa-vllm`
+ones), all in one process (a vLLM start costs tens of seconds), and the script reports per export:
 
+- whether vLLM loaded and ran it (`loaded`; `error` says why not);
 - vLLM's mean acceptance length, 1 + accepted / drafts from `llm.get_metrics()` counters,
   and ours, pooled the same way over the same prompts (goal: within 10%);
 - whether vLLM's greedy text with speculation equals vLLM's without it (goal: identical), and
   how many prompts also match our decoder token for token.
+
+The target is `--target` (an alias, a Hub id or any Hugging Face model folder, of any family),
+else the one a `speculators` export names as its verifier, else the project's default target (the
+embedded SmolLM2): the `eagle3` and `medusa-vllm` configs do not name theirs. All exports of one
+call are checked against one target.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -51,56 +62,124 @@ def relative_gap(ours: float, theirs: float) -> float:
 # ---- role "ours": the main venv -------------------------------------------------------------
 
 
-def ours(export_dir: str, target: str, n_prompts: int, max_tokens: int, k: int) -> dict:
+def named_target(export_dir: str) -> str | None:
+    """The target an export's config names: a `speculators` folder's verifier (a Hub id the
+    project has an alias for maps back to the alias, whose weights are local); None for the
+    other formats, whose configs name none."""
+    from conf.files import read_json
+    from heads.export.card import HUB_IDS
+
+    verifier = read_json(Path(export_dir) / "config.json", "export").get("speculators_config", {})
+    name = verifier.get("verifier", {}).get("name_or_path")
+    return {hub: alias for alias, hub in HUB_IDS.items()}.get(name, name)
+
+
+def choose_target(export_dirs: list[str], target: str | None) -> str:
+    """`target` if given, else the one target the exports name, else the project's default."""
+    from conf.errors import UserError
+    from conf.schema import TargetConfig
+
+    if target:
+        return target
+    named = {t for t in map(named_target, export_dirs) if t}
+    if len(named) > 1:
+        raise UserError(f"the exports name different targets {sorted(named)}: check one at a time")
+    return named.pop() if named else TargetConfig.name_or_path
+
+
+def random_prompts(tokenizer, vocab_size: int, n: int, length: int) -> list:
+    """`n` seeded prompts of `length` ordinary token ids (no special ids, all below the model's
+    vocabulary): short prompts for a target whose tokenizer would make text prompts long."""
+    import torch
+
+    special = set(tokenizer.all_special_ids)
+    pool = torch.tensor([i for i in range(min(len(tokenizer), vocab_size)) if i not in special])
+    g = torch.Generator().manual_seed(0)
+    return [pool[torch.randint(len(pool), (length,), generator=g)] for _ in range(n)]
+
+
+def ours_all(
+    export_dirs: list[str],
+    target: str | None,
+    n_prompts: int,
+    max_tokens: int,
+    k: int,
+    prompt_tokens: int = 0,
+) -> dict:
+    """The target's folder, the prompts, our greedy text and, per export (`exports`), our
+    speculative decoder's text and acceptance on the exported weights."""
     import torch
 
     from conf.schema import EvalConfig
     from data_prep.target import eos_token_ids, load_target, resolve_target_path
-    from heads.export import detect_format, load_export
-    from heads.folder import TargetSpec
-    from trainer.decoding import (
-        Chain,
-        Eagle3Drafter,
-        MedusaDrafter,
-        greedy_generate,
-        speculative_generate,
-    )
+    from trainer.decoding import greedy_generate
     from trainer.evaluate.tasks import encode, load_prompts
 
     torch.manual_seed(0)
+    target = choose_target(export_dirs, target)
     model, tokenizer = load_target(target, dtype="float32", device="cpu")
+    if prompt_tokens > 0:
+        vocab = model.config.get_text_config().vocab_size
+        ids = random_prompts(tokenizer, vocab, n_prompts, prompt_tokens)
+    else:
+        cfg = EvalConfig(max_prompts_per_task=-(-n_prompts // 3), max_new_tokens=max_tokens)
+        prompts = [p for ps in load_prompts(cfg).values() for p in ps][:n_prompts]
+        ids = [encode(tokenizer, p) for p in prompts]
+    eos = eos_token_ids(model, tokenizer)
+    greedy = [greedy_generate(model, x, max_tokens, eos).tokens for x in ids]
+    return {
+        "target_dir": resolve_target_path(target),
+        "prompt_token_ids": [x.tolist() for x in ids],
+        "eos_token_ids": sorted(eos),
+        "greedy_tokens": greedy,
+        "exports": [
+            ours_on_export(d, model, target, ids, greedy, eos, max_tokens, k) for d in export_dirs
+        ],
+    }
+
+
+def ours_on_export(
+    export_dir: str, model, target: str, ids: list, greedy: list, eos: set[int], max_tokens: int, k: int
+) -> dict:
+    """Our speculative decoder with one export's weights over the prompts: its text, whether it is
+    our greedy text, and its acceptance counted as vLLM counts it."""
+    from heads.export import detect_format, load_export
+    from heads.folder import TargetSpec
+    from trainer.decoding import Chain, Eagle3Drafter, MedusaDrafter, speculative_generate
+
     fmt = detect_format(export_dir)
     head = load_export(export_dir, model, target)
-    n_layers = TargetSpec.from_model(model, target).num_hidden_layers
     is_medusa = fmt.startswith("medusa")
-    drafter = MedusaDrafter(head, n_layers) if is_medusa else Eagle3Drafter(head)
+    if is_medusa:
+        drafter = MedusaDrafter(head, TargetSpec.from_model(model, target).num_hidden_layers)
+    else:
+        drafter = Eagle3Drafter(head)
     k = head.num_heads if is_medusa else k
-    per_task = -(-n_prompts // 3)
-    cfg = EvalConfig(max_prompts_per_task=per_task, max_new_tokens=max_tokens)
-    prompts = [p for ps in load_prompts(cfg).values() for p in ps][:n_prompts]
-    ids = [encode(tokenizer, p) for p in prompts]
-    eos = eos_token_ids(model, tokenizer)
     drafts = accepted = 0
     per_pos = [0] * k
-    spec_tokens, greedy_tokens = [], []
+    spec_tokens = []
     for x in ids:
         run = speculative_generate(model, drafter, x, max_tokens, Chain(k), eos_ids=eos)
         drafts, accepted = drafts + run.stats.drafts, accepted + run.stats.accepted_tokens
         for i, n in enumerate(run.stats.accepted_per_position):
             per_pos[i] += n
         spec_tokens.append(run.tokens)
-        greedy_tokens.append(greedy_generate(model, x, max_tokens, eos).tokens)
     return {
+        "export": export_dir,
         "format": fmt,
         "method": "medusa" if is_medusa else "eagle3",
         "num_speculative_tokens": k,
-        "target_dir": resolve_target_path(target),
-        "prompt_token_ids": [x.tolist() for x in ids],
-        "eos_token_ids": sorted(eos),
         "spec_tokens": spec_tokens,
-        "lossless": spec_tokens == greedy_tokens,
+        "lossless": spec_tokens == greedy,
         **acceptance(drafts, accepted, per_pos),
     }
+
+
+def ours(export_dir: str, target: str | None, n_prompts: int, max_tokens: int, k: int,
+         prompt_tokens: int = 0) -> dict:
+    """`ours_all` for one export, flattened: the shared figures and the export's own."""
+    ref = ours_all([export_dir], target, n_prompts, max_tokens, k, prompt_tokens)
+    return {**{key: v for key, v in ref.items() if key != "exports"}, **ref["exports"][0]}
 
 
 # ---- role "vllm": the vLLM venv -------------------------------------------------------------
@@ -117,7 +196,8 @@ def spec_counters(llm) -> dict:
     return found
 
 
-def vllm_generate(target_dir: str, prompt_ids, max_tokens, stop_ids, spec: dict | None):
+def vllm_generate(target_dir: str, prompt_ids, max_tokens, stop_ids, spec: dict | None,
+                  max_model_len: int = 2048):
     """Greedy token ids per prompt, and the spec counters this run added."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -127,88 +207,131 @@ def vllm_generate(target_dir: str, prompt_ids, max_tokens, stop_ids, spec: dict 
         dtype="float32",
         enforce_eager=True,
         disable_log_stats=False,
-        max_model_len=2048,
+        max_model_len=max_model_len,
         seed=0,
         speculative_config=spec,
     )
-    before = spec_counters(llm)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_ids)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params)
-    after = spec_counters(llm)
-    del llm
+    try:
+        before = spec_counters(llm)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_ids)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params)
+        after = spec_counters(llm)
+    finally:  # several engines run one after another in this process
+        del llm
+        gc.collect()
     diff = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
     pos_before = before["per_pos"] or [0] * len(after["per_pos"])
     diff["per_pos"] = [a - b for a, b in zip(after["per_pos"], pos_before)]
     return [list(o.outputs[0].token_ids) for o in outs], diff
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("export_dir")
-    ap.add_argument("--target", default="smollm2-135m-instruct", help="target name or folder")
-    ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens (EAGLE-3)")
-    ap.add_argument("--main-python", default=str(ROOT / ".venv" / "bin" / "python"))
-    ap.add_argument("--role", choices=["vllm", "ours"], default="vllm")
-    a = ap.parse_args()
-    export_dir = str(Path(a.export_dir).resolve())
-    if a.role == "ours":
-        print(json.dumps(ours(export_dir, a.target, a.prompts, a.max_tokens, a.k)))
-        return
+def error_line(err: BaseException) -> str:
+    """An exception as one short line: vLLM's messages can run to pages."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[-1] if lines else ''}"[:500]
 
+
+def vllm_report(ref: dict, export: dict, plain: list | str, a: argparse.Namespace) -> dict:
+    """One export's line: vLLM with it as `speculative_config` against vLLM without it (`plain`:
+    its token ids per prompt, or why the target alone failed) and against ours."""
     started = time.perf_counter()
-    cmd = [a.main_python, __file__, export_dir, "--role", "ours", "--target", a.target]
-    cmd += ["--prompts", str(a.prompts), "--max-tokens", str(a.max_tokens), "--k", str(a.k)]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode != 0:
-        sys.exit(f"error: our side failed:\n{done.stderr[-3000:]}")
-    ref = json.loads(done.stdout.strip().splitlines()[-1])
-
-    # vLLM logs to stdout; send all of it to stderr so stdout carries only the JSON line.
-    json_out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    # In-process engine: two LLMs one after the other in one process, counters read directly.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    k = ref["num_speculative_tokens"]
-    spec = {"method": ref["method"], "model": export_dir, "num_speculative_tokens": k}
-    args = (ref["target_dir"], ref["prompt_token_ids"], a.max_tokens, ref["eos_token_ids"])
-    plain, _ = vllm_generate(*args, None)
-    fast, counters = vllm_generate(*args, spec)
+    k = export["num_speculative_tokens"]
+    line = {
+        "export": export["export"],
+        "target": ref["target_dir"],
+        "format": export["format"],
+        "method": export["method"],
+        "num_speculative_tokens": k,
+        "prompts": len(ref["prompt_token_ids"]),
+        "max_tokens": a.max_tokens,
+        "ours_mean_acceptance_length": round(export["mean_acceptance_length"], 4),
+        "ours_per_position_acceptance": export["per_position_acceptance"],
+        "ours_lossless": export["lossless"],
+    }
+    if isinstance(plain, str):
+        return {**line, "loaded": False, "error": plain}
+    spec = {"method": export["method"], "model": export["export"], "num_speculative_tokens": k}
+    try:
+        fast, counters = vllm_generate(
+            ref["target_dir"], ref["prompt_token_ids"], a.max_tokens, ref["eos_token_ids"], spec,
+            a.max_model_len,
+        )
+    except Exception as err:  # report it and go on with the next export
+        return {**line, "loaded": False, "error": error_line(err)}
     theirs = acceptance(
         counters["vllm:spec_decode_num_drafts"],
         counters["vllm:spec_decode_num_accepted_tokens"],
         counters["per_pos"],
     )
-    gap = relative_gap(ref["mean_acceptance_length"], theirs["mean_acceptance_length"])
-    print(
-        json.dumps(
-            {
-                "export": export_dir,
-                "format": ref["format"],
-                "method": ref["method"],
-                "num_speculative_tokens": k,
-                "prompts": len(ref["prompt_token_ids"]),
-                "max_tokens": a.max_tokens,
-                "vllm_mean_acceptance_length": round(theirs["mean_acceptance_length"], 4),
-                "ours_mean_acceptance_length": round(ref["mean_acceptance_length"], 4),
-                "relative_gap": round(gap, 4),
-                "within_10pct": gap <= 0.10,
-                "vllm_per_position_acceptance": theirs["per_position_acceptance"],
-                "ours_per_position_acceptance": ref["per_position_acceptance"],
-                "vllm_drafts": counters["vllm:spec_decode_num_drafts"],
-                "vllm_accepted_tokens": counters["vllm:spec_decode_num_accepted_tokens"],
-                "greedy_text_match": fast == plain,
-                "prompts_matching_ours": sum(a == b for a, b in zip(fast, ref["spec_tokens"])),
-                "ours_lossless": ref["lossless"],
-                "wall_s": round(time.perf_counter() - started, 1),
-            }
-        ),
-        file=json_out,
-        flush=True,
-    )
+    gap = relative_gap(export["mean_acceptance_length"], theirs["mean_acceptance_length"])
+    return {
+        **line,
+        "loaded": True,
+        "error": None,
+        "vllm_mean_acceptance_length": round(theirs["mean_acceptance_length"], 4),
+        "relative_gap": round(gap, 4),
+        "within_10pct": gap <= 0.10,
+        "vllm_per_position_acceptance": theirs["per_position_acceptance"],
+        "vllm_drafts": counters["vllm:spec_decode_num_drafts"],
+        "vllm_accepted_tokens": counters["vllm:spec_decode_num_accepted_tokens"],
+        "greedy_text_match": fast == plain,
+        "prompts_matching_ours": sum(x == y for x, y in zip(fast, export["spec_tokens"])),
+        "plain_prompts_matching_ours": sum(x == y for x, y in zip(plain, ref["greedy_tokens"])),
+        "spec_run_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("export_dirs", nargs="+", metavar="export_dir")
+    ap.add_argument("--target", default=None,
+                    help="target alias, Hub id or folder (default: the one the export names, "
+                         "else the project's default target)")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="> 0: random prompts of this many token ids instead of the task prompts")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens (EAGLE-3)")
+    ap.add_argument("--main-python", default=str(ROOT / ".venv" / "bin" / "python"))
+    ap.add_argument("--role", choices=["vllm", "ours"], default="vllm")
+    a = ap.parse_args()
+    export_dirs = [str(Path(d).resolve()) for d in a.export_dirs]
+    sizes = ["--prompts", str(a.prompts), "--prompt-tokens", str(a.prompt_tokens),
+             "--max-tokens", str(a.max_tokens), "--k", str(a.k)]
+    if a.role == "ours":
+        print(json.dumps(ours_all(export_dirs, a.target, a.prompts, a.max_tokens, a.k, a.prompt_tokens)))
+        return
+
+    started = time.perf_counter()
+    cmd = [a.main_python, __file__, *export_dirs, "--role", "ours", *sizes]
+    cmd += ["--target", a.target] if a.target else []
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        sys.exit(f"error: our side failed:\n{done.stderr[-3000:]}")
+    ref = json.loads(done.stdout.strip().splitlines()[-1])
+
+    # vLLM logs to stdout; send all of it to stderr so stdout carries only the JSON lines.
+    json_out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    # In-process engine: the LLMs run one after another in one process, counters read directly.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    try:
+        plain, _ = vllm_generate(
+            ref["target_dir"], ref["prompt_token_ids"], a.max_tokens, ref["eos_token_ids"], None,
+            a.max_model_len,
+        )
+    except Exception as err:  # the target itself: every export's line says so
+        plain = f"vLLM without speculation: {error_line(err)}"
+    loaded = True
+    for export in ref["exports"]:
+        line = vllm_report(ref, export, plain, a)
+        line["wall_s"] = round(time.perf_counter() - started, 1)
+        loaded &= line["loaded"]
+        print(json.dumps(line), file=json_out, flush=True)
+    sys.exit(0 if loaded else 1)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@
 #   4. SpecForge's training-step benchmark at its shapes (scripts/bench_train.py preset=specforge:
 #      a random Llama-3.2-1B-shaped target, 3 document profiles x padded / packed, 5 warm-up and
 #      20 timed steps each; no data, ~30-60 s), for the table to set beside SpecForge's figures;
-#   5. regeneration throughput against the bare forward (scripts/bench_regen.py, batch 256).
+#   5. regeneration throughput against the bare forward (scripts/bench_regen.py, batch 256);
+#   6. (only when STAGES names "budget") the main job planned for BUDGET (default 3m) by
+#      trainer/plan.py: the plan line it prints and its summary.json's rates and stage times.
 # STAGES picks some of them (default "main decode train specforge regen"); the run ends with one table.
 # Every stage has its own time limit (together 230 + 2x60 + 2x35 + 60 + 60 = 540 s, the 9 minutes), so a slow stage costs its own figure, not the others'; the
 # main job keeps its best head so far, which stage 2 measures even if training was cut short.
@@ -56,6 +58,13 @@ if wants main; then
     for f in summary.json history.json; do
         [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/$f"
     done
+fi
+if wants budget; then
+    stage main_budget "${BUDGET_LIMIT:-240}" "$PY" -m trainer.train +head=eagle3 "${common[@]}" \
+        run_dir="$RUN-budget" budget="${BUDGET:-3m}" data.max_length=1024 data.regenerate.batch_size=256 \
+        data.capture_batch_tokens=65536 data.shard_samples=256 optim.batch_tokens=16384 \
+        optim.max_batch_size=64 optim.val_every=40 optim.save_every=100000 logging.progress=false "$@"
+    [ -f "$RUN-budget/summary.json" ] && cp "$RUN-budget/summary.json" "$OUT/summary-budget.json"
 fi
 if wants decode; then
     for dtype in bfloat16 float32; do

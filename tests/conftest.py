@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_prep.target import load_tokenizer
+from conf.schema import RootConfig, TargetConfig
+from data_prep.target import resolve_target
 
 TINY = dict(
     hidden_size=64,
@@ -43,7 +44,7 @@ def fresh_accelerator_state():
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     """SmolLM2's real tokenizer and chat template (the GGUF is converted once and cached)."""
-    return load_tokenizer("smollm2-135m-instruct")
+    return resolve_target(RootConfig(target=TargetConfig(name_or_path="smollm2-135m-instruct"))).tokenizer
 
 
 WINDOW = 16  # the sliding window of the tiny sliding-window targets; their texts run far past it

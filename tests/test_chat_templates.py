@@ -70,9 +70,11 @@ _BASE = {}
 
 def _base_tokenizer():
     if not _BASE:
-        from data_prep.target import load_tokenizer
+        from conf.schema import RootConfig, TargetConfig
+        from data_prep.target import resolve_target
 
-        _BASE["tok"] = load_tokenizer("smollm2-135m-instruct")
+        smol = TargetConfig(name_or_path="smollm2-135m-instruct")
+        _BASE["tok"] = resolve_target(RootConfig(target=smol)).tokenizer
     return _BASE["tok"]
 
 

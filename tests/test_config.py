@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 import conf
 from conf.compose import compose_root
 from conf.errors import UserError
-from conf.schema import Eagle3Config, MedusaConfig, RootConfig
+from conf.schema import DataConfig, Eagle3Config, MedusaConfig, RootConfig, duration_seconds
 
 CONF = Path(conf.__file__).parent
 ROOT_FIELDS = RootConfig.__dataclass_fields__
@@ -33,7 +33,43 @@ ROOT_FIELDS = RootConfig.__dataclass_fields__
 )
 def test_yaml_group_mirrors_its_dataclass(group, schema):
     yaml = OmegaConf.to_container(OmegaConf.load(CONF / f"{group}.yaml"))
+    if group.startswith("target/"):  # a global package: the target's fields and its budget
+        assert duration_seconds(yaml.pop("budget")) is not None
+        yaml = yaml.pop("target")
     assert yaml == OmegaConf.to_container(OmegaConf.structured(schema))
+
+
+@pytest.mark.parametrize("group", sorted(p.stem for p in (CONF / "target").glob("*.yaml")))
+def test_every_target_group_sets_every_target_field_and_a_budget(group):
+    cfg = compose_root(["+head=eagle3", f"target={group}"])
+    assert cfg.plan_budget_s is not None and cfg.target.name_or_path
+    yaml = OmegaConf.to_container(OmegaConf.load(CONF / "target" / f"{group}.yaml"))
+    assert yaml.keys() == {"target", "budget"}
+    assert yaml["target"].keys() == OmegaConf.structured(ROOT_FIELDS["target"].default_factory).keys()
+
+
+@pytest.mark.parametrize(
+    "overrides, budget_s, samples, epochs",
+    [
+        (["+head=eagle3"], 1200.0, DataConfig.DEFAULT_SAMPLES, Eagle3Config.DEFAULT_EPOCHS),
+        (["+head=eagle3", "budget=1h30m"], 5400.0, DataConfig.DEFAULT_SAMPLES, 2),
+        (["+head=eagle3", "budget=null"], None, DataConfig.DEFAULT_SAMPLES, 2),
+        (["+head=eagle3", "budget=off"], None, DataConfig.DEFAULT_SAMPLES, 2),
+        (["+head=eagle3", "data.max_samples=100"], None, 100, 2),
+        (["+head=medusa", "optim.epochs=3"], None, DataConfig.DEFAULT_SAMPLES, 3),
+    ],
+)
+def test_the_budget_plans_only_what_is_not_given(overrides, budget_s, samples, epochs):
+    """Explicit data.max_samples or optim.epochs switch the planner off; the defaults it would
+    replace are filled either way, so a standalone `data_prep.prepare` needs no budget."""
+    cfg = compose_root(overrides)
+    assert (cfg.plan_budget_s, cfg.data.max_samples, cfg.optim.epochs) == (budget_s, samples, epochs)
+
+
+@pytest.mark.parametrize("value", ["20", "soon", "-5m", "0m"])
+def test_nonsensical_budgets_are_refused(value):
+    with pytest.raises(UserError, match=rf"^budget='{value}': expected a duration like 20m"):
+        compose_root(["+head=eagle3", f"budget={value}"])
 
 
 @pytest.mark.parametrize(

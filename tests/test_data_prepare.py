@@ -23,7 +23,7 @@ from conf.schema import (
 )
 from data_prep.prepare import prepare
 from data_prep.store import CapturedDataset, load_manifest, sha256_file
-from data_prep.target import load_target
+from data_prep.target import load_target, resolve_target
 from data_prep.vocab import load_draft_vocab
 from heads.eagle3 import Eagle3Head
 
@@ -149,10 +149,9 @@ def test_regenerated_answers_are_cached_across_sizes(tiny_llama_dir, tmp_path):
 def test_bf16_gemms_key_their_own_answers_and_folders(tiny_llama_dir, source, tmp_path):
     """data.matmul_dtype=bfloat16 writes other answers and hidden states: other cache file and
     folder; `target` keeps the keys of folders built before the setting existed (none in them)."""
-    model, tok = load_target(str(tiny_llama_dir))
-    identity = P.target_identity(root(tiny_llama_dir, source, tmp_path), tok, model.config)
     own, bf16 = (root(tiny_llama_dir, source, tmp_path, matmul_dtype=m) for m in ("target", "bfloat16"))
-    tpl = P.chat_template(own, tok)
+    target = resolve_target(own)
+    identity, tpl = target.identity, target.chat_template
     assert "matmul_dtype" not in P.samples_key(own, identity, tpl)
     assert P.samples_key(bf16, identity, tpl)["matmul_dtype"] == "torch.bfloat16"
     assert P.regen_cache_file(own, identity, tpl) != P.regen_cache_file(bf16, identity, tpl)

@@ -17,7 +17,7 @@ import data_prep.prepare as P
 import data_prep.store as store
 from conf.errors import UserError
 from data_prep.store import load_manifest
-from data_prep.target import resolve_target_path
+from data_prep.target import Target, resolve_target_path
 from tests.cli_helpers import error_lines, run_cli, summary_folder
 from tests.test_data_resume import shard_bytes
 from tests.test_online import cfg_for
@@ -89,7 +89,7 @@ def test_cli_refuses_offline_capture_on_a_small_disk_and_auto_goes_online(
 def test_refusal_comes_before_the_target_loads(tiny_llama_dir, chat_file, tmp_path, monkeypatch):
     """The free-space probe says 1 MB: nothing is captured, the target is never loaded."""
     monkeypatch.setattr(P.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 10**6}))
-    monkeypatch.setattr(P, "load_target_from_config", lambda cfg: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(Target, "load_model", lambda self, settings: pytest.fail("the target was loaded"))
     with pytest.raises(UserError) as err:
         P.prepare(cfg_for(tiny_llama_dir, chat_file, tmp_path, hidden_states="offline"))
     assert " tokens x 517 bytes needs " in str(err.value) and "which has 1.0 MB free" in str(err.value)

@@ -7,6 +7,7 @@ part that runs in this venv is exercised for real on a tiny target and an export
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,31 @@ def test_ours_side_decodes_the_exported_weights(check_vllm, tiny_llama_dir, tmp_
     assert ref["target_dir"] == str(tiny_llama_dir) and len(ref["prompt_token_ids"]) == 2
     assert ref["lossless"] and 1.0 <= ref["mean_acceptance_length"] <= 4.0
     assert len(ref["per_position_acceptance"]) == 3
+
+
+def test_the_target_is_the_override_then_the_verifier_then_the_default(check_vllm, tmp_path):
+    from conf.errors import UserError
+    from conf.schema import TargetConfig
+
+    def export(name: str, verifier: str | None) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        cfg = {"speculators_config": {"verifier": {"name_or_path": verifier}}} if verifier else {}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        return str(folder)
+
+    a, b, plain = export("a", "/models/a"), export("b", "/models/b"), export("plain", None)
+    assert check_vllm.choose_target([a, b], "/mine") == "/mine"
+    assert check_vllm.choose_target([a, plain], None) == "/models/a"
+    assert check_vllm.choose_target([plain], None) == TargetConfig.name_or_path
+    with pytest.raises(UserError, match="name different targets"):
+        check_vllm.choose_target([a, b], None)
+
+
+def test_random_prompts_are_seeded_ordinary_ids(check_vllm, smol_tokenizer):
+    first = check_vllm.random_prompts(smol_tokenizer, 300, n=3, length=24)
+    again = check_vllm.random_prompts(smol_tokenizer, 300, n=3, length=24)
+    assert [p.tolist() for p in first] == [p.tolist() for p in again]
+    ids = {int(i) for p in first for i in p}
+    assert all(len(p) == 24 for p in first) and max(ids) < 300
+    assert not ids & set(smol_tokenizer.all_special_ids)

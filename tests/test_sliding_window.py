@@ -26,10 +26,11 @@ from transformers import Gemma3TextConfig, Qwen2Config, Qwen3NextConfig
 
 from conf.compose import compose_root
 from conf.errors import UserError
-from conf.schema import TargetConfig
+from conf.schema import RootConfig, TargetConfig
 from data_prep import decode_attention
-from data_prep.masks import AttentionLayout, attention_layout, check_target_attention
+from data_prep.masks import AttentionLayout, attention_layout
 from data_prep.regen_engine import generate
+from data_prep.target import resolve_target
 from trainer.decoding import Eagle3Drafter, greedy_generate, kv_cache, speculative_generate
 from trainer.decoding.kv_cache import TargetKV, causal, slot_positions
 from trainer.decoding.tree import tree_attention_mask, tree_position_ids
@@ -144,20 +145,25 @@ def config_only(folder, config) -> str:
     return str(folder)
 
 
+def config_of(folder: str):
+    """The config a run's `Target` reads from `folder`: what it checks before any weights load."""
+    return resolve_target(RootConfig(target=TargetConfig(name_or_path=folder))).config
+
+
 def test_a_target_the_caches_cannot_mask_is_refused_in_one_line_before_any_weights(
     tmp_path, chat_file
 ):
     linear = Qwen3NextConfig(num_hidden_layers=4, vocab_size=VOCAB)  # 3 of 4 layers linear attention
     folder = config_only(tmp_path / "qwen3-next", linear)
     with pytest.raises(UserError, match=r"qwen3_next\): 3 of its 4 layers are linear_attention") as err:
-        check_target_attention(TargetConfig(name_or_path=folder))
+        attention_layout(config_of(folder))
     assert "\n" not in str(err.value)
     # The engine and the decoder refuse it too, before they touch the model.
     with pytest.raises(UserError, match="linear_attention"):
         generate(types.SimpleNamespace(config=linear), [[1, 2]], max_new_tokens=2, batch_size=1,
                  eos_token_ids=[])
     mixed = Gemma3TextConfig(**TINY, vocab_size=VOCAB, sliding_window=WINDOW, layer_types=[S, F] * 4)
-    layout = check_target_attention(TargetConfig(name_or_path=config_only(tmp_path / "g3", mixed)))
+    layout = attention_layout(config_of(config_only(tmp_path / "g3", mixed)))
     assert layout.windows == (WINDOW, None) * 4
     # A training run that would regenerate with the engine refuses it before loading the target;
     # one that decodes nothing goes on to load it (and fails there: the folder has no weights).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -100,7 +101,8 @@ class Scripted:
         return self.values[len(self.seen) - 1]
 
 
-def medusa_fit(target, tmp_path: Path, select_by: str, val_decode) -> tuple[dict, list[dict]]:
+def medusa_fit(target, tmp_path: Path, select_by: str, val_decode,
+               deadline: float | None = None) -> tuple[dict, list[dict]]:
     cfg = RootConfig(
         target=TargetConfig(name_or_path="tiny", device="cpu"),
         optim=OptimConfig(
@@ -121,7 +123,8 @@ def medusa_fit(target, tmp_path: Path, select_by: str, val_decode) -> tuple[dict
     torch.manual_seed(0)
     trainee = MedusaTrainee(MedusaHead.from_target(target, "tiny", cfg.head), 0.8)
     acc = build_accelerator(cfg.dist, cfg.optim, cfg.run_dir)
-    result = fit(cfg, acc, trainee, Samples(target, 0, 32), Samples(target, 1, 4), tmp_path, None, val_decode)
+    result = fit(cfg, acc, trainee, Samples(target, 0, 32), Samples(target, 1, 4), tmp_path, None, val_decode,
+                 deadline)
     history = json.loads((tmp_path / "history.json").read_text())
     return result, [h["val"] for h in history if "val" in h]
 
@@ -217,3 +220,12 @@ def test_two_ddp_ranks_agree_on_the_decoded_choice(sharp_target, chat_file, tmp_
     a, b = summary["replica_checksums"]
     assert summary["world_size"] == 2 and a == b
     assert summary["best_score"] == max(decoded_history(run_dir))
+
+
+def test_a_deadline_makes_the_step_that_passes_it_the_last(target, tmp_path):
+    """The time budget's last guard (`trainer.plan.training_deadline`): a step ending past the
+    deadline is validated, kept and checkpointed as the planned last step would be."""
+    result, validations = medusa_fit(target, tmp_path, "simulated", None, deadline=time.perf_counter())
+    assert result["steps"] == 1 and result["best_step"] == 1 and len(validations) == 1
+    assert (tmp_path / "head" / "model.safetensors").exists()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-0000001"]

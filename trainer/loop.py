@@ -78,6 +78,11 @@ def _batches(ds, optim: OptimConfig, seed: int, epoch: int, rank: int, world: in
     return shard_batches(all_batches, rank, world)
 
 
+def steps_per_epoch(ds, optim: OptimConfig, seed: int, world: int) -> int:
+    """Optimizer steps in one pass over `ds` on each of `world` ranks."""
+    return len(_batches(ds, optim, seed, 0, 0, world)) // optim.grad_accum
+
+
 def checked_device_batch(
     batch: Batch, device, capture: Capture | None = None
 ) -> tuple[Batch, torch.Tensor | None]:
@@ -238,14 +243,18 @@ def fit(
     run_dir: Path,
     capture: Capture | None = None,
     val_decode: ValDecode | None = None,
+    deadline: float | None = None,
 ) -> dict:
     """Train, validating every `val_every` steps; the best head (by `selection_score`) goes to
     run_dir/head. `capture`: online mode's per-batch target forward (None: the data holds the
-    hidden states). `val_decode`: decoded validation (`trainer.val_decode`; None: off)."""
+    hidden states). `val_decode`: decoded validation (`trainer.val_decode`; None: off).
+    `deadline` (a `time.perf_counter()` value; the time budget's, `trainer.plan`, which plans
+    single-process runs only: ranks would read their clocks apart): a step that ends past it is
+    the last, validated and saved as the last step is."""
     optim = cfg.optim
     rank, world = accelerator.process_index, accelerator.num_processes
-    steps_per_epoch = len(_batches(train_ds, optim, cfg.seed, 0, rank, world)) // optim.grad_accum
-    total_steps = optim.max_steps or optim.epochs * steps_per_epoch
+    per_epoch = steps_per_epoch(train_ds, optim, cfg.seed, world)
+    total_steps = optim.max_steps or optim.epochs * per_epoch
     groups = trainee.param_groups(optim.lr, optim.weight_decay)
     opt = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, optim.warmup_ratio))
@@ -275,7 +284,7 @@ def fit(
     trainee.train()
     tokens, t0, waited = 0, time.perf_counter(), [0.0]
     params = [p for g in groups for p in g["params"]]
-    if steps_per_epoch == 0:
+    if per_epoch == 0:
         raise UserError(
             f"data: {len(train_ds)} training samples make no full step of "
             f"{world} rank(s) x {optim.grad_accum} accumulation: add data or lower optim.*"
@@ -334,6 +343,11 @@ def fit(
             sched.step()
             state.step += 1
             bar.update(1)
+            if deadline is not None and state.step < total_steps and time.perf_counter() > deadline:
+                if accelerator.is_main_process:
+                    tqdm.write(f"step {state.step}: the time the budget left for training is spent; "
+                               f"stopping before step {total_steps}")
+                total_steps = state.step  # this step is the last: validated and saved as such
             if state.step % cfg.logging.log_every == 0 or state.step == total_steps:
                 check()
                 loss = accelerator.reduce(last_loss, reduction="mean").item()

@@ -20,8 +20,8 @@ from omegaconf import DictConfig
 from conf.compose import hydra_main
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import RootConfig, to_root_config
-from data_prep.masks import check_target_attention
-from data_prep.target import load_target_from_config
+from data_prep.masks import attention_layout
+from data_prep.target import Target, resolve_target
 from trainer.checkpoint import latest_checkpoint
 
 
@@ -35,7 +35,7 @@ def build_trainee(cfg: RootConfig, target, data_dir: Path):
     return build_medusa_trainee(cfg, target, data_dir)
 
 
-def prepare_data(cfg: RootConfig, acc, target) -> Path:
+def prepare_data(cfg: RootConfig, acc, target: Target, model) -> Path:
     """The data folder on every rank, built once per file system: global rank 0 first; then the
     first rank of each other node reuses it (a shared file system) or builds its own copy
     (node-local disks, from the same config the same bytes); then every other rank reuses its
@@ -46,9 +46,38 @@ def prepare_data(cfg: RootConfig, acc, target) -> Path:
     folder = None
     for now in range(3):
         if now == turn:
-            folder = prepare(cfg, target=target)
+            folder = prepare(cfg, target=target, model=model)
         acc.wait_for_everyone()
     return folder
+
+
+class Stages:
+    """Seconds each stage of the main job took, for summary.json (and the plan it is held to)."""
+
+    def __init__(self, started: float):
+        self.seconds: dict[str, float] = {"load": round(time.perf_counter() - started, 1)}
+        self._last = time.perf_counter()
+
+    def done(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = round(now - self._last, 1)
+        self._last = now
+
+
+def plan_budget(cfg: RootConfig, acc, target: Target, model, started: float) -> dict | None:
+    """`budget=...` (`trainer.plan`): size the data and epochs from measured rates, or None when
+    there is no budget or explicit sizes switched it off. The probes run in one process, so a
+    multi-process run keeps the sizes' defaults and says so."""
+    if cfg.plan_budget_s is None:
+        return None
+    if acc.num_processes > 1:
+        if acc.is_main_process:
+            print(f"budget={cfg.budget}: not planned across {acc.num_processes} processes; "
+                  f"data.max_samples={cfg.data.max_samples}, optim.epochs={cfg.optim.epochs}")
+        return None
+    from trainer.plan import plan_run
+
+    return plan_run(cfg, target, model, started)
 
 
 def decodes_on_static_caches(cfg: RootConfig) -> bool:
@@ -79,21 +108,36 @@ def run(cfg: RootConfig) -> dict:
     acc = build_accelerator(cfg.dist, cfg.optim, str(run_dir))
     if cfg.target.device == "auto":
         cfg.target.device = str(acc.device)
+    target = resolve_target(cfg)  # once: every stage below gets this one
     if decodes_on_static_caches(cfg):
-        check_target_attention(cfg.target)  # refused before any weights load
-    target, tokenizer = load_target_from_config(cfg.target)
-    data_dir = prepare_data(cfg, acc, (target, tokenizer))
+        attention_layout(target.config)  # refused before any weights load
+    model = target.load_model(cfg.target)
+    stages = Stages(started)
+    budget = plan_budget(cfg, acc, target, model, started)
+    if budget is not None:
+        stages.done("probes")
+    data_dir = prepare_data(cfg, acc, target, model)
+    stages.done("data")
     manifest = load_manifest(data_dir)
     train_ds = CapturedDataset(data_dir, "train")
     val_ds = CapturedDataset(data_dir, "validation")
-    trainee = build_trainee(cfg, target, data_dir)
-    val_decode = build_val_decoder(cfg, trainee, (target, tokenizer), val_ds)
-    capture = online_capture(manifest, target)
-    result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode)
+    samples = sum(s["samples"] for s in manifest["splits"].values())
+    deadline = None
+    if budget is not None:
+        from trainer.plan import recheck, training_deadline
+
+        recheck(cfg, budget, started, train_ds, samples)
+        deadline = training_deadline(budget, started)
+    trainee = build_trainee(cfg, model, data_dir)
+    val_decode = build_val_decoder(cfg, trainee, (model, target.tokenizer), val_ds)
+    capture = online_capture(manifest, model)
+    result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode, deadline)
+    stages.done("train")
     summary = {
         "run_dir": str(run_dir),
         "data_dir": str(data_dir),
         "hidden_states": manifest.get("hidden_states", "offline"),
+        "data_samples": samples,
         "data_tokens": sum(s["tokens"] for s in manifest["splits"].values()),
         **result,
     }
@@ -101,9 +145,10 @@ def run(cfg: RootConfig) -> dict:
         if cfg.pipeline.evaluate:
             from trainer.evaluate.run import evaluate
 
-            report = evaluate(cfg, result["head_dir"], run_dir / "eval", target=(target, tokenizer))
+            report = evaluate(cfg, result["head_dir"], run_dir / "eval", target=target, model=model)
             summary["eval_dir"] = str(run_dir / "eval")
             summary["mean_acceptance_length"] = report["overall"]["mean_acceptance_length"]
+            stages.done("evaluate")
         if cfg.pipeline.export:
             from heads.export import export_head, formats_for
 
@@ -115,7 +160,7 @@ def run(cfg: RootConfig) -> dict:
                         result["head_dir"],
                         fmt,
                         out_root / fmt,
-                        target_model=target,
+                        target_model=model,
                         eval_json=eval_json if eval_json.exists() else None,
                         dtype=cfg.export.dtype,
                         num_speculative_tokens=cfg.eval.num_speculative_tokens,
@@ -124,6 +169,10 @@ def run(cfg: RootConfig) -> dict:
                 )
                 for fmt in formats_for(result["head_dir"], cfg.export.formats)
             ]
+            stages.done("export")
+        summary["stages_s"] = stages.seconds
+        if budget is not None:
+            summary["budget"] = budget
         summary["wall_time_s"] = round(time.perf_counter() - started, 1)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))

@@ -59,14 +59,19 @@ class Layout:
 
 
 LAYOUTS: dict[str, Layout] = {
-    "eagle3": Layout(e3.WEIGHTS_FILE, lambda cfg, ctx: e3.native_config(cfg, ctx.dtype), e3.read_native),
+    "eagle3": Layout(
+        e3.WEIGHTS_FILE,
+        lambda cfg, ctx: e3.native_config(cfg, ctx.dtype),
+        e3.read_native,
+        e3.native_tensors,
+    ),
     "speculators": Layout(
         e3.WEIGHTS_FILE,
         lambda cfg, ctx: e3.speculators_config(
             cfg, ctx.dtype, ctx.num_speculative_tokens, ctx.verifier, ctx.verifier_architectures
         ),
         e3.read_speculators,
-        lambda tensors, cfg, dtype: e3.speculators_tensors(tensors, dtype),
+        e3.speculators_tensors,
     ),
     "medusa-vllm": Layout(em.VLLM_WEIGHTS, lambda cfg, ctx: em.vllm_config(cfg, ctx.dtype), em.read_vllm),
     "medusa-tgi": Layout(

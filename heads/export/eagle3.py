@@ -187,6 +187,15 @@ def rename_layer(tensors: dict[str, torch.Tensor], old: str, new: str) -> dict[s
     return {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in tensors.items()}
 
 
+def has_d2t(cfg: dict) -> bool:
+    """Whether the layout holds `d2t`: the engines allocate it only for a draft vocabulary smaller
+    than the target's (vLLM 0.32 `llama_eagle3.py`, TensorRT-LLM `modeling_speculative.py`;
+    SGLang reads it if present), and vLLM refuses one it did not allocate. A full draft vocabulary
+    maps by identity (all offsets zero), so a head on a target of at most `draft_vocab_size` ids
+    is written without it."""
+    return cfg["draft_vocab_size"] != cfg["vocab_size"]
+
+
 def expected_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor the layout holds, in our names, with the shape the engines allocate."""
     h, hd = cfg["hidden_size"], cfg["head_dim"]
@@ -213,7 +222,7 @@ def expected_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         f"{p}post_attention_layernorm.weight": (h,),
         "norm.weight": (h,),
         "lm_head.weight": (cfg["draft_vocab_size"], h),
-        "d2t": (cfg["draft_vocab_size"],),
+        **({"d2t": (cfg["draft_vocab_size"],)} if has_d2t(cfg) else {}),
         "t2d": (cfg["vocab_size"],),
     }
 
@@ -221,12 +230,27 @@ def expected_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 def check_tensor_names(tensors: dict[str, torch.Tensor], cfg: dict, where: str) -> None:
     """Refuse a folder whose tensors are not exactly the ones the engines load."""
     check_layout(tensors, expected_tensor_shapes(cfg), where)
-    if tensors["d2t"].dtype != torch.int64 or tensors["t2d"].dtype != torch.bool:
+    d2t = tensors.get("d2t")
+    if (d2t is not None and d2t.dtype != torch.int64) or tensors["t2d"].dtype != torch.bool:
         raise UserError(f"{where}: d2t must be int64 offsets and t2d bool")
 
 
-def speculators_tensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
-    return rename_layer(cast_weights(tensors, dtype), OUR_LAYER_PREFIX, SPECULATORS_LAYER_PREFIX)
+def native_tensors(tensors: dict[str, torch.Tensor], cfg: dict, dtype: torch.dtype) -> dict:
+    """Our tensors as the native layout stores them: cast, without `d2t` where `has_d2t` says so."""
+    out = cast_weights(tensors, dtype)
+    return out if has_d2t(cfg) else {k: v for k, v in out.items() if k != "d2t"}
+
+
+def speculators_tensors(tensors: dict[str, torch.Tensor], cfg: dict, dtype: torch.dtype) -> dict:
+    return rename_layer(native_tensors(tensors, cfg, dtype), OUR_LAYER_PREFIX, SPECULATORS_LAYER_PREFIX)
+
+
+def with_d2t(tensors: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """A read-back layout in our names, which always hold `d2t`: a full draft vocabulary's zero
+    offsets where the layout has none (the self-check then refuses a head whose were not zero)."""
+    if "d2t" in tensors:
+        return tensors
+    return {**tensors, "d2t": torch.zeros(cfg["draft_vocab_size"], dtype=torch.long)}
 
 
 def _head_config(layer: dict, top: dict, aux_layer_ids: list[int], flags: dict[str, bool]) -> dict:
@@ -266,7 +290,7 @@ def read_native(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         )
     cfg = _head_config(top, top, ids, flags)
     check_tensor_names(tensors, cfg, where)
-    return cfg, tensors
+    return cfg, with_d2t(tensors, cfg)
 
 
 def read_speculators(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -284,7 +308,7 @@ def read_speculators(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         top["transformer_layer_config"], top, top["eagle_aux_hidden_state_layer_ids"], flags
     )
     check_tensor_names(tensors, cfg, where)
-    return cfg, tensors
+    return cfg, with_d2t(tensors, cfg)
 
 
 def build_head(

@@ -17,8 +17,8 @@ import torch
 
 from conf.errors import UserError
 from conf.schema import EvalConfig, RootConfig
-from data_prep.masks import check_target_attention
-from data_prep.target import eos_token_ids, load_target_from_config
+from data_prep.masks import attention_layout
+from data_prep.target import Target, eos_token_ids, resolve_target
 from heads.folder import head_kind
 from trainer.decoding import (
     GREEDY,
@@ -126,20 +126,27 @@ def greedy_verdict(model, prompt: torch.Tensor, plain: list[int], spec: list[int
     return "tie" if float(behind.max()) <= tie_tolerance(model.dtype, top) else "mismatch"
 
 
-def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target=None) -> dict:
+def evaluate(
+    cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target: Target | None = None, model=None
+) -> dict:
     """Evaluate the head at `head_path`; write eval.json/eval.md/acceptance.png to `out_dir`.
 
-    target: the `(model, tokenizer)` pair from `data_prep.target.load_target` when the caller has
-    it loaded already; None loads `cfg.target`. Returns the eval.json object.
+    target: the run's resolved `cfg.target` (`data_prep.target.resolve_target`) when the caller
+    holds it; None resolves it here. model: its weights when the caller has them loaded already;
+    None loads them, after the attention check that needs the config alone. Returns the eval.json
+    object.
     """
     ev = cfg.eval
     prompts = load_prompts(ev)
-    if target is None:
-        check_target_attention(cfg.target)  # before any weights load
-    model, tokenizer = target if target is not None else load_target_from_config(cfg.target)
+    target = resolve_target(cfg) if target is None else target
+    if model is None:
+        attention_layout(target.config)  # refused before any weights load
+        model = target.load_model(cfg.target)
+    tokenizer = target.tokenizer
     mode = resolve_mode(ev.mode, head_kind(head_path))
     shape = draft_shape(ev, mode)
-    drafter, verifier = load_drafter(head_path, model, cfg.target.name_or_path, [shape])
+    drafter, verifier = load_drafter(head_path, model, target.name, [shape])
+    # The verifier's own stop tokens: a Medusa-2 head verifies with its fine-tuned copy.
     eos = eos_token_ids(verifier, tokenizer)
     sampling = eval_sampling(cfg)
     encoded = encode_all(tokenizer, prompts, cfg.data)
@@ -175,7 +182,7 @@ def evaluate(cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target
     settings = {
         "head": str(head_path),
         "kind": head_kind(head_path),
-        "target": cfg.target.name_or_path,
+        "target": target.name,
         "mode": mode,
         "num_speculative_tokens": ev.num_speculative_tokens,
         "tree": asdict(ev.tree),
