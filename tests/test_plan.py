@@ -80,7 +80,12 @@ def test_a_two_minute_budget_is_planned_and_kept(tiny_llama_dir, tmp_path):
     # the data the plan asked for was built (ShareGPT holds more than 2 minutes' worth)
     samples = summary["data_samples"]
     assert plan["conversations"] > MIN_CONVERSATIONS and samples >= 0.8 * plan["conversations"]
-    assert summary["steps"] == summary["budget"]["recheck"]["steps"]
+    # the re-check's steps, unless training ran slower than probed and its deadline cut it short
+    planned_steps = summary["budget"]["recheck"]["steps"]
+    if "the time the budget left for training is spent" in proc.stderr + proc.stdout:
+        assert summary["steps"] < planned_steps
+    else:
+        assert summary["steps"] == planned_steps
     # Resumed, the run keeps its plan (data folder, steps and so the schedule) and probes nothing.
     again = run_train_cli(budget_args(tiny_llama_dir, run_dir, "budget=2m", "resume=true"))
     assert again.returncode == 0, again.stderr[-3000:]

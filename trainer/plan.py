@@ -44,7 +44,7 @@ from pathlib import Path
 
 from conf.errors import UserError
 from conf.files import atomic_write_text, read_json
-from conf.schema import RootConfig
+from conf.schema import EXPORT_FORMATS, RootConfig
 from data_prep.regenerate import read_cache
 from data_prep.target import Target
 
@@ -279,7 +279,7 @@ def measure(cfg: RootConfig, target: Target, model) -> Rates:
         evaluate_s = _evaluation_probe(cfg, target, model)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    formats = len(cfg.export.formats or ("a", "b")) if cfg.pipeline.export else 0
+    formats = len(cfg.export.formats or EXPORT_FORMATS[cfg.head.name]) if cfg.pipeline.export else 0
     return Rates(
         regenerate_tokens_per_s=regenerated["rate"],
         capture_tokens_per_s=trained["capture_rate"],
@@ -303,7 +303,7 @@ def apply(cfg: RootConfig, record: dict) -> None:
     cfg.optim.epochs = record["plan"]["epochs"]
     if "recheck" in record:
         cfg.optim.epochs = record["recheck"]["epochs"]
-        cfg.optim.max_steps = record["recheck"]["steps"]
+        cfg.optim.max_steps = record["recheck"].get("stopped_at", record["recheck"]["steps"])
 
 
 def plan_run(cfg: RootConfig, target: Target, model, started: float) -> dict:
@@ -331,6 +331,14 @@ def plan_run(cfg: RootConfig, target: Target, model, started: float) -> dict:
     atomic_write_text(plan_file(cfg), json.dumps(record, indent=2))
     print(plan.line(), flush=True)
     return record
+
+
+def note_stop(cfg: RootConfig, record: dict, steps: int) -> None:
+    """Training ended at `steps`: before the re-check's count when its deadline cut it short. A
+    resumed run then ends there too (plan.json), instead of training what the deadline cut."""
+    if steps < record["recheck"]["steps"]:
+        record["recheck"]["stopped_at"] = steps
+        atomic_write_text(plan_file(cfg), json.dumps(record, indent=2))
 
 
 def training_deadline(record: dict, started: float) -> float:

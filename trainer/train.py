@@ -132,6 +132,10 @@ def run(cfg: RootConfig) -> dict:
     val_decode = build_val_decoder(cfg, trainee, (model, target.tokenizer), val_ds)
     capture = online_capture(manifest, model)
     result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode, deadline)
+    if budget is not None:
+        from trainer.plan import note_stop
+
+        note_stop(cfg, budget, result["steps"])
     stages.done("train")
     summary = {
         "run_dir": str(run_dir),
