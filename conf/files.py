@@ -98,6 +98,20 @@ def replace_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
 
 
+@contextmanager
+def staged_dir(final: Path) -> Iterator[Path]:
+    """A temporary sibling of `final` to write into (`atomic_dir`): renamed into place when the
+    block ends (`commit_dir`), deleted when it fails, so a failure (a full disk, a refused check)
+    leaves neither a half folder under `final` nor a stray copy beside it."""
+    tmp = atomic_dir(final)
+    try:
+        yield tmp
+        commit_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def commit_dir(tmp: Path, final: Path) -> None:
     """Rename `tmp` into place (`replace_dir`), readable by all: mkdtemp makes 0700 folders (and
     safetensors 0600 files), but an engine in a container running as another user, or a teammate,

@@ -239,7 +239,11 @@ class OptimConfig(_Checked):
     # None: the head's own default (`DEFAULT_EPOCHS`), set when the root config is built.
     epochs: int | None = None
     max_steps: int = 0
-    val_every: int = 50
+    # None: every DEFAULT_VAL_EVERY steps, or as the main job's budget plans it (`trainer.plan`:
+    # less often in long runs, where a validation set grown with the data would eat the time);
+    # resolved when the root config is built.
+    val_every: int | None = None
+    DEFAULT_VAL_EVERY: ClassVar[int] = 50
     save_every: int = 50
     loader_workers: int = 0
     # Decoded validation: at every validation the built-in decoder runs this many validation
@@ -260,8 +264,8 @@ class OptimConfig(_Checked):
         self._require("betas", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "[b1, b2] in [0, 1)")
         self._require("warmup_ratio", lambda v: 0 <= v < 1, "a value in [0, 1)")
         self._at_least(1, "grad_accum", "batch_tokens", "max_batch_size")
-        self._optional_positive("epochs")
-        self._at_least(1, "val_every", "save_every")
+        self._optional_positive("epochs", "val_every")
+        self._at_least(1, "save_every")
         self._at_least(0, "val_decode_prompts")
         self._one_of("select_by", SELECT_BY)
         if self.select_by == "decoded" and self.val_decode_prompts == 0:
@@ -540,6 +544,10 @@ class RootConfig:
             self.data.max_samples = DataConfig.DEFAULT_SAMPLES
         if self.optim.epochs is None and self.head is not None:
             self.optim.epochs = self.head.DEFAULT_EPOCHS
+        # A planned run may validate less often than this (`trainer.plan.planned_val_every`).
+        self.plan_val_every = planned and self.optim.val_every is None
+        if self.optim.val_every is None:
+            self.optim.val_every = OptimConfig.DEFAULT_VAL_EVERY
         if self.optim.val_decode_prompts and self.data.val_fraction == 0:
             raise UserError(
                 f"optim.val_decode_prompts={self.optim.val_decode_prompts}: decoded validation "

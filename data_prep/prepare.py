@@ -130,10 +130,14 @@ def matmul_dtype(cfg: RootConfig) -> torch.dtype:
 
 
 def _precision(cfg: RootConfig) -> dict:
-    """{"matmul_dtype": ...} when data prep's matmuls differ from the target's dtype, else {}:
-    answers and hidden states depend on it, and keys built before the setting existed stand."""
+    """The precision answers and hidden states were computed in: the target's dtype and its
+    matmuls'. A float32 target adds {"matmul_dtype": ...} only when its matmuls differ, else {},
+    so the keys built before these settings existed stand; any other dtype names both (a bf16
+    target's answers are not a float32 one's)."""
     dtype = resolve_dtype(cfg.target.dtype, resolve_device(cfg.target.device))
     mm = matmul_dtype(cfg)
+    if dtype != torch.float32:
+        return {"dtype": str(dtype), "matmul_dtype": str(mm)}
     return {} if mm == dtype else {"matmul_dtype": str(mm)}
 
 
@@ -536,12 +540,14 @@ def build_folder(key: FolderKey, modes: tuple[str, ...], target_model: Callable[
                 yield chunk
 
         def make_shard(chunk: list[Tokenized]):
+            # The rate is the forward's alone: loading the target and converting its linear
+            # layers happen once, before the first shard's clock starts (the time budget,
+            # `trainer.plan`, scales this rate with the data).
+            linears = capturing() if stored.needs_forward else contextlib.nullcontext()
             start = time.perf_counter()
-            if stored.needs_forward:
-                with capturing():
-                    tensors = capture_shard(target_model(), chunk, stored, d.capture_batch_tokens)
-            else:
-                tensors = capture_shard(None, chunk, stored, d.capture_batch_tokens)
+            with linears:
+                model = target_model() if stored.needs_forward else None
+                tensors = capture_shard(model, chunk, stored, d.capture_batch_tokens)
             timing["seconds"] += time.perf_counter() - start
             timing["tokens"] += sum(len(t.input_ids) for t in chunk)
             return tensors

@@ -26,15 +26,14 @@ import torch
 from conf.errors import UserError, first_line
 from conf.files import (
     OFFLINE_PACKAGES_LINE,
-    atomic_dir,
     atomic_write,
     build_once,
-    commit_dir,
     disk_full_is_one_line,
     installed,
     lock_path,
     package_file,
     sha256_file,
+    staged_dir,
 )
 from conf.schema import DataConfig, RootConfig, TargetConfig
 from data_prep.template import ChatTemplate, load_chat_template
@@ -177,8 +176,8 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(quantised.state_dict())
-    tmp = atomic_dir(out_dir)
-    try:  # a failed conversion leaves nothing: the float32 copy is large (0.5 GB for SmolLM2)
+    # A failed conversion leaves nothing: the float32 copy is large (0.5 GB for SmolLM2).
+    with staged_dir(out_dir) as tmp:
         with disk_full_is_one_line(out_dir.parent, "free space and run again (or set $DRAFTSMITH_CACHE)"):
             plain.save_pretrained(tmp)
             tok.save_pretrained(tmp)
@@ -189,10 +188,6 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
         if not ok:
             raise RuntimeError(f"converted copy of {gguf} does not reproduce its logits")
         (tmp / "draftsmith_source.json").write_text(json.dumps({"gguf": str(gguf)}))
-        commit_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -287,14 +282,16 @@ class Target:
         return tok
 
     @cached_property
-    def generation_config(self) -> GenerationConfig | None:
-        """The target's generation config (its stop tokens), or None when it ships none."""
+    def generation_config(self) -> GenerationConfig:
+        """The target's generation config (its stop tokens). A target that ships none gets the
+        one transformers gives its loaded model (from config.json), so data prep stops answers at
+        the ids the evaluator's `eos_token_ids(model, ...)` stops at."""
         from transformers import GenerationConfig
 
         try:
             return GenerationConfig.from_pretrained(self.path, revision=self.revision)
         except OSError:
-            return None
+            return GenerationConfig.from_model_config(self.config)
 
     @cached_property
     def stop_ids(self) -> frozenset[int]:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from conf.compose import compose_root
 from conf.errors import UserError, first_line
-from conf.files import atomic_dir, check_sha256, commit_dir, read_json, sha256_file
+from conf.files import check_sha256, read_json, sha256_file, staged_dir
 from conf.schema import HEAD_CONFIGS, TEMPLATE_FIELDS, RootConfig
 
 CONFIG_NAME = "draftsmith_head.json"
@@ -60,12 +60,11 @@ def save_head(
     out_dir: str | Path, kind: str, config: dict, target: TargetSpec, tensors: dict
 ) -> Path:
     out = Path(out_dir)
-    tmp = atomic_dir(out)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / WEIGHTS_NAME)
-    meta = {"kind": kind, "target": asdict(target), "config": config}
-    meta[CHECKSUM] = sha256_file(tmp / WEIGHTS_NAME)
-    (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True))
-    commit_dir(tmp, out)
+    with staged_dir(out) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / WEIGHTS_NAME)
+        meta = {"kind": kind, "target": asdict(target), "config": config}
+        meta[CHECKSUM] = sha256_file(tmp / WEIGHTS_NAME)
+        (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True))
     return out
 
 
@@ -121,17 +120,21 @@ def nonfinite_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     return sorted(k for k, v in tensors if v.is_floating_point() and not torch.isfinite(v).all())
 
 
+def retrain_hint(path: Path) -> str:
+    """What to do about a damaged head folder at `path` (the run's config.json is beside it)."""
+    return (
+        f"restore the folder from a good copy or train it again (python -m trainer.train "
+        f"with the overrides in {path.parent / 'config.json'})"
+    )
+
+
 def check_head_weights(path: Path, meta: dict, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Refuse weights that differ from the checksum saved with them, or that are not finite (a
     diverged run's: they would decode garbage, and engines serve them without a word).
     `tensors`: (name, tensor) pairs, loaded or read one at a time."""
     where, weights = f"head={str(path)!r}", path / WEIGHTS_NAME
     if CHECKSUM in meta:
-        retrain = (
-            f"restore the folder from a good copy or train it again (python -m trainer.train "
-            f"with the overrides in {path.parent / 'config.json'})"
-        )
-        check_sha256(weights, meta[CHECKSUM], where, path / CONFIG_NAME, retrain)
+        check_sha256(weights, meta[CHECKSUM], where, path / CONFIG_NAME, retrain_hint(path))
     bad = nonfinite_tensors(tensors)
     if bad:
         raise UserError(

@@ -14,6 +14,7 @@ Hugging Face model folder (`target_update="full"`). `load_joint_target` rebuilds
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -21,10 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from conf.errors import UserError
+from conf.files import check_sha256, read_json, sha256_file
 from conf.schema import MedusaConfig
-from heads.folder import TargetSpec, load_head, read_head_meta, save_head
+from heads.folder import TargetSpec, load_head, read_head_meta, retrain_hint, save_head
 
 TARGET_DIR = "target"
+TARGET_SUMS = "checksums.json"  # in TARGET_DIR: {weights file: sha256}, checked before it loads
 TARGET_UPDATES = (None, "lora", "full")
 
 
@@ -114,6 +117,25 @@ class MedusaHead(nn.Module):
         return head
 
 
+def write_target_checksums(folder: Path) -> None:
+    """Record the sha256 of each weights file of a jointly trained target (`TARGET_SUMS`): the
+    head's own weights carry one, and a damaged target copy would otherwise verify with other
+    weights than it was trained with, silently."""
+    sums = {f.name: sha256_file(f) for f in sorted(folder.glob("*.safetensors"))}
+    (folder / TARGET_SUMS).write_text(json.dumps(sums, indent=2))
+
+
+def check_target_checksums(path: Path, folder: Path) -> None:
+    """Refuse a jointly trained target whose weights differ from what `write_target_checksums`
+    recorded (folders saved before it load unchecked)."""
+    record = folder / TARGET_SUMS
+    if not record.exists():
+        return
+    where = f"head={str(path)!r}"
+    for name, digest in read_json(record, where).items():
+        check_sha256(folder / name, digest, where, record, retrain_hint(path))
+
+
 def load_joint_target(path: str | Path, target_model):
     """The target a Medusa head folder was trained with, ready for decoding.
 
@@ -131,6 +153,7 @@ def load_joint_target(path: str | Path, target_model):
             f"head={str(path)!r}: trained jointly with its target ({update}) but "
             f"{TARGET_DIR}/{marker} is missing"
         )
+    check_target_checksums(Path(path), folder)
     if update == "lora":
         from peft import PeftModel
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 import conf
 from conf.compose import compose_root
 from conf.errors import UserError
-from conf.schema import DataConfig, Eagle3Config, MedusaConfig, RootConfig, duration_seconds
+from conf.schema import DataConfig, Eagle3Config, MedusaConfig, OptimConfig, RootConfig, duration_seconds
 
 CONF = Path(conf.__file__).parent
 ROOT_FIELDS = RootConfig.__dataclass_fields__
@@ -64,6 +64,10 @@ def test_the_budget_plans_only_what_is_not_given(overrides, budget_s, samples, e
     replace are filled either way, so a standalone `data_prep.prepare` needs no budget."""
     cfg = compose_root(overrides)
     assert (cfg.plan_budget_s, cfg.data.max_samples, cfg.optim.epochs) == (budget_s, samples, epochs)
+    # the validation cadence too: 50 steps unless given, which the plan may then lengthen
+    assert cfg.optim.val_every == OptimConfig.DEFAULT_VAL_EVERY
+    assert cfg.plan_val_every == (budget_s is not None)
+    assert not compose_root([*overrides, "optim.val_every=20"]).plan_val_every
 
 
 @pytest.mark.parametrize("value", ["20", "soon", "-5m", "0m"])

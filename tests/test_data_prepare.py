@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -155,6 +156,12 @@ def test_bf16_gemms_key_their_own_answers_and_folders(tiny_llama_dir, source, tm
     assert "matmul_dtype" not in P.samples_key(own, identity, tpl)
     assert P.samples_key(bf16, identity, tpl)["matmul_dtype"] == "torch.bfloat16"
     assert P.regen_cache_file(own, identity, tpl) != P.regen_cache_file(bf16, identity, tpl)
+    # A bf16 target (its matmuls its own dtype) answers neither like a float32 one nor like a
+    # float32 one with bf16 matmuls: its own keys.
+    half = copy.deepcopy(own)
+    half.target.dtype = "bfloat16"
+    files = {P.regen_cache_file(c, identity, tpl) for c in (own, bf16, half)}
+    assert len(files) == 3 and P.samples_key(half, identity, tpl)["dtype"] == "torch.bfloat16"
     folder = prepare(bf16)
     assert load_manifest(folder)["matmul_dtype"] == "bfloat16" and folder != prepare(own)
     assert load_manifest(prepare(own))["matmul_dtype"] == "float32"

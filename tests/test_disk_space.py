@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import SafetensorError
 
 import data_prep.prepare as P
 import data_prep.store as store
 from conf.errors import UserError
 from data_prep.store import load_manifest
-from data_prep.target import Target, resolve_target_path
+from data_prep.target import Target, load_target, resolve_target_path
 from tests.cli_helpers import error_lines, run_cli, summary_folder
 from tests.test_data_resume import shard_bytes
 from tests.test_online import cfg_for
@@ -153,3 +154,34 @@ def test_a_full_disk_while_converting_the_target_is_one_line_and_leaves_nothing(
         resolve_target_path("smollm2-135m-instruct")
     assert str(err.value).startswith(f"{targets}: the disk is full (No space left on device, ")
     assert list(targets.iterdir()) == []  # no half-written copy, no lock
+
+
+def test_a_full_disk_while_saving_is_one_line_and_leaves_only_whole_folders(small_disk, tiny_llama_dir):
+    """A checkpoint (accelerate's state: weights and AdamW moments, 3 MB) and the best head (a
+    12 MB lm_head), saved on a 1 MB disk: one line naming the folder and how to go on, and
+    nothing half-written beside the whole folders."""
+    from accelerate import Accelerator
+
+    from heads.eagle3 import Eagle3Config, Eagle3Head
+    from trainer.checkpoint import RESUME_THEN, TrainState, checkpoint_root, save_checkpoint
+    from trainer.loop import save_best
+
+    acc = Accelerator(cpu=True)
+    layer = torch.nn.Linear(512, 512)
+    layer, _ = acc.prepare(layer, torch.optim.AdamW(layer.parameters()))
+    run = small_disk.path / "run"
+    with pytest.raises(UserError) as err:
+        save_checkpoint(acc, run, TrainState(step=50))
+    line = str(err.value)
+    assert line.startswith(f"{checkpoint_root(run)}: the disk is full (No space left on device, ")
+    assert line.endswith(RESUME_THEN) and "\n" not in line
+    assert list(checkpoint_root(run).iterdir()) == []
+
+    model, _ = load_target(str(tiny_llama_dir))
+    v = model.config.vocab_size
+    head = Eagle3Head.from_target(model, "tiny", Eagle3Config(), torch.zeros(v, dtype=torch.long),
+                                  torch.ones(v, dtype=torch.bool))
+    with pytest.raises(UserError) as err:
+        save_best(acc, head, run / "head")
+    assert str(err.value).startswith(f"{run}: the disk is full") and str(err.value).endswith(RESUME_THEN)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from conf.errors import UserError
 from conf.schema import DistConfig, LoggingConfig, MedusaConfig, OptimConfig, RootConfig, TargetConfig
 from heads.medusa import TARGET_DIR, MedusaHead, load_joint_target
 from tests.conftest import TINY, run_train_cli, tiny_run_args
@@ -180,6 +181,13 @@ def test_medusa2_full_finetune_folder_carries_the_tuned_target(target, data, tmp
         assert not torch.allclose(target(ids).logits, expected)  # it did train
         torch.testing.assert_close(tuned(ids).logits, expected)
     assert (Path(result["head_dir"]) / TARGET_DIR / "config.json").exists()
+    # A damaged byte in the tuned target's weights is refused, naming the file, before it loads.
+    weights = tmp_path / "last" / TARGET_DIR / "model.safetensors"
+    data_bytes = bytearray(weights.read_bytes())
+    data_bytes[-1] ^= 1
+    weights.write_bytes(bytes(data_bytes))
+    with pytest.raises(UserError, match=f"{weights} does not match its checksum in "):
+        load_joint_target(tmp_path / "last", target)
 
 
 def test_heads_warmup_keeps_the_head_loss_off_the_target(target, data, tmp_path):

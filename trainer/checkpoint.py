@@ -1,5 +1,6 @@
 """Training checkpoints for exact resume: accelerate's state (model, optimizer, scheduler, RNG)
-plus where the data order stood. A checkpoint appears under its final name only when complete.
+plus where the data order stood. A checkpoint appears under its final name only when complete;
+one that fails (a full disk: one line, `RESUME_THEN`) leaves nothing beside the whole ones.
 accelerate writes the optimizer and RNG states with torch.save but reads them back with
 weights_only=True, so resuming never unpickles arbitrary objects (tests/test_checkpoint.py)."""
 
@@ -11,8 +12,12 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from conf.files import disk_full_is_one_line
+
 STATE_FILE = "trainer_state.json"
 KEEP = 2
+# What a run that found its disk full while saving says to do.
+RESUME_THEN = "free space and run again with resume=true (from the last whole checkpoint)"
 
 
 @dataclass
@@ -42,7 +47,12 @@ def save_checkpoint(accelerator, run_dir: Path, state: TrainState) -> Path:
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    try:
+        with disk_full_is_one_line(root, RESUME_THEN):
+            accelerator.save_state(str(tmp))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state)))

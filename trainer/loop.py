@@ -26,6 +26,7 @@ import math
 import re
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,11 +34,17 @@ import torch
 from tqdm import tqdm
 
 from conf.errors import UserError
-from conf.files import atomic_write_text
+from conf.files import atomic_write_text, disk_full_is_one_line
 from conf.schema import OptimConfig, RootConfig
 from data_prep.capture import NONFINITE, overflow_message
 from trainer.batching import batch_loader, length_grouped_batches, packed_batches, shard_batches
-from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import (
+    RESUME_THEN,
+    TrainState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from trainer.health import (
     HIDDEN,
     NonFiniteWatch,
@@ -193,7 +200,8 @@ def save_best(accelerator, trainee, out_dir: Path) -> None:
     """Collective (ZeRO-3 gathers the partitioned weights on every rank); rank 0 writes."""
     state = accelerator.get_state_dict(trainee)
     if accelerator.is_main_process:
-        accelerator.unwrap_model(trainee).save_pretrained(out_dir, state=state)
+        with disk_full_is_one_line(out_dir.parent, RESUME_THEN):
+            accelerator.unwrap_model(trainee).save_pretrained(out_dir, state=state)
     accelerator.wait_for_everyone()
 
 
@@ -283,6 +291,10 @@ def fit(
     history = read_history(run_dir, state.step) if ckpt is not None else []
     trainee.train()
     tokens, t0, waited = 0, time.perf_counter(), [0.0]
+    # Seconds and counts of the work between steps, apart from the steps themselves: the time
+    # budget (`trainer.plan`) models them at the cadence of val_every and save_every.
+    spent: Counter = Counter()
+    first_step = state.step
     params = [p for g in groups for p in g["params"]]
     if per_epoch == 0:
         raise UserError(
@@ -358,6 +370,7 @@ def fit(
             last = state.step == total_steps
             if state.step % optim.val_every == 0 or last:
                 check()
+                began = time.perf_counter()
                 metrics = validation_metrics(accelerator, trainee, val_ds, cfg, capture)
                 if not math.isfinite(metrics.get("loss", 0.0)):  # reduced: alike on every rank
                     every = [list(range(len(val_ds)))]
@@ -369,18 +382,23 @@ def fit(
                 history.append({"step": state.step, "val": metrics})
                 if accelerator.is_main_process:
                     shown = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
-                    spent = time.perf_counter() - t0
+                    elapsed = time.perf_counter() - t0
                     tqdm.write(
-                        f"step {state.step}: val {shown} (train {tokens / spent:.0f} tokens/s, "
-                        f"{waited[0] / spent:.0%} waiting for data)"
+                        f"step {state.step}: val {shown} (train {tokens / elapsed:.0f} tokens/s, "
+                        f"{waited[0] / elapsed:.0%} waiting for data)"
                     )
                 # Every rank must take the same branch (save_best is collective): decide on the
                 # reduced metrics only, never on the file system. No validation data: keep the latest.
                 score = selection_score(metrics, optim.select_by)
+                spent["validate_s"] += time.perf_counter() - began
+                spent["validations"] += 1
                 if score is None or score > state.best_score:
                     state.best_score = float("-inf") if score is None else score
                     state.best_step = state.step
+                    began = time.perf_counter()
                     save_best(accelerator, trainee, head_dir)
+                    spent["save_best_s"] += time.perf_counter() - began
+                    spent["best_saves"] += 1
                 if fell is not None:
                     fell["message"] = collapse_line(fell, optim, state.best_step)
                     collapsed = collapsed or fell
@@ -388,10 +406,13 @@ def fit(
                         tqdm.write(fell["message"])
             if state.step % optim.save_every == 0 or last:
                 check()
+                began = time.perf_counter()
                 state.skipped = watch.skipped
                 save_checkpoint(accelerator, run_dir, state)
                 if accelerator.is_main_process:
                     write_history(run_dir, history)
+                spent["checkpoint_s"] += time.perf_counter() - began
+                spent["checkpoints"] += 1
         if state.batch_in_epoch >= len(batches):
             state.epoch += 1
             state.batch_in_epoch = 0
@@ -404,6 +425,8 @@ def fit(
             if accelerator.is_main_process:
                 tqdm.write(collapsed["message"])
     elapsed = time.perf_counter() - t0
+    between = spent["validate_s"] + spent["save_best_s"] + spent["checkpoint_s"]
+    steps = state.step - first_step  # this call's (a resumed run restored the others)
     return {
         "world_size": world,
         "replica_checksums": replica_checksums(accelerator, trainee),
@@ -414,6 +437,10 @@ def fit(
         "skipped_steps": watch.skipped,
         "acceptance_collapse": collapsed,
         "train_tokens_per_s": tokens / max(elapsed, 1e-9),
+        # the steps alone (validation, best-head saves and checkpoints apart, in `between_steps`)
+        "step_tokens_per_s": tokens / max(elapsed - between, 1e-9),
+        "tokens_per_step": tokens / max(steps, 1),
+        "between_steps": dict(spent),
         "data_wait_fraction": waited[0] / max(elapsed, 1e-9),
         "head_dir": str(head_dir),
     }

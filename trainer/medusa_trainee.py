@@ -11,7 +11,6 @@ num_heads x tokens x vocab logits (3 GiB for SmolLM2) at once.
 from __future__ import annotations
 
 import copy
-import shutil
 from functools import partial
 from pathlib import Path
 
@@ -21,10 +20,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from conf.errors import UserError
-from conf.files import atomic_dir, commit_dir
+from conf.files import staged_dir
 from conf.schema import MedusaConfig
 from data_prep.capture import document_inputs
-from heads.medusa import TARGET_DIR, MedusaHead
+from heads.medusa import TARGET_DIR, MedusaHead, write_target_checksums
 from trainer.decoding import MedusaDrafter
 from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean
 from trainer.trainee import (
@@ -345,14 +344,10 @@ class JointMedusaTrainee(nn.Module):
         appears under its final name."""
         state = state or self.state_dict()
         out = Path(out_dir)
-        tmp = atomic_dir(out)
-        try:
+        with staged_dir(out) as tmp:
             self.head.save_pretrained(tmp, state=strip_prefix(state, "head."))
             self.target.save_pretrained(tmp / TARGET_DIR, state_dict=strip_prefix(state, "target."))
-            commit_dir(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            write_target_checksums(tmp / TARGET_DIR)
         return out
 
     def drafter(self, target) -> tuple[MedusaDrafter, object]:

@@ -9,10 +9,19 @@ runs, before the data stage:
    the run would not spend anyway);
 2. capture and training: a small data folder of those conversations (at least `PROBE_SAMPLES`,
    enough for `PROBE_STEPS` steps) is captured (the capture rate: the target's bare forward plus
-   storage) and the chosen head trains `PROBE_STEPS` steps on it with the real loop (the training
-   rate, online capture included);
-3. evaluation: the evaluator's greedy decoder writes a few tokens of its first prompt (the per-token
-   cost, times the tokens the evaluator decodes: greedy, speculative and the `generate` reference).
+   storage, its one-off set-up apart) and the chosen head trains `PROBE_STEPS` steps on it with
+   the real loop. The loop times its steps apart from what runs between them, so the plan has
+   the training rate (online capture included), the seconds a validation takes per validation
+   token, and what saving the best head and a checkpoint cost: a full-vocabulary Medusa head
+   saves hundreds of MB, and validation grows with the data, so both are modelled at the
+   cadence of `optim.val_every` and `optim.save_every` (`train_cost`) rather than averaged
+   into the rate of six steps. Unless `optim.val_every` is given, the plan also sets it
+   (`planned_val_every`): a long run validates about `VALIDATIONS` times, not every 50 steps;
+3. evaluation: the evaluator's greedy decoder, and its speculative decoder with the head the probe
+   trained, each write a few tokens of its first prompt (per-token costs, times the tokens the
+   evaluator decodes). The barely trained head accepts about nothing, so its per-token cost is
+   the cost of one verify step: an upper bound for a trained head, and a Medusa tree's verify
+   step costs several greedy tokens on a CPU.
 
 `make_plan` then picks the conversations that fill what is left of the budget, at the epochs the
 policy gives (`policy_epochs`), counting answers already in the regeneration cache as free, and
@@ -23,12 +32,16 @@ deadline (`training_deadline`) if it still runs slower than measured. Everything
 what each stage then took goes into summary.json; the plan also goes into the run_dir's
 plan.json, which `resume=true` follows instead of planning again.
 
-The policy was measured on the embedded default (evaluator, 3 prompts per task): at equal time
-more conversations beat more epochs (560 x 2 epochs scored 1.322 against 1.307 for 192 x 5 and,
-in the time of 560 x 2, 1.268 for 600 x 1, so two epochs before more data), and 1,120 x 2 scored
-1.43 against 560 x 2's 1.33 (so a longer budget buys conversations, not epochs). Medusa's four
+The policy was measured on the embedded default (evaluator, 3 prompts per task; the README's
+"Measured" table holds every run): at equal time more conversations beat more epochs (560 x 2
+epochs scored 1.322 against 1.307 for 192 x 5 and, in the time of 560 x 2, 1.268 for 600 x 1,
+so two epochs before more data), and longer budgets went to conversations: 408, 872 and 1,860 of
+them at 10, 20 and 40 minutes scored 1.304, 1.403 and 1.494. Offline capture beat online on a
+CPU (online runs the target in every epoch: 333 conversations instead of 408 in 10 minutes, for
+1.296 against 1.304), so `data.hidden_states=auto` keeps offline while the disk holds it. The
+answers per prompt are the user's `data.regenerate.num_samples` (two sampled answers measured
+1.337 against one greedy answer's 1.304 at 10 minutes). Medusa's four
 full-vocabulary heads are slow to train on a CPU, and one pass over more data served it best.
-The plans the default budgets print, and what they scored, are in the README ("Measured").
 """
 
 from __future__ import annotations
@@ -44,7 +57,7 @@ from pathlib import Path
 
 from conf.errors import UserError
 from conf.files import atomic_write_text, read_json
-from conf.schema import EXPORT_FORMATS, RootConfig
+from conf.schema import EXPORT_FORMATS, OptimConfig, RootConfig
 from data_prep.regenerate import read_cache
 from data_prep.target import Target
 
@@ -53,6 +66,7 @@ PROBE_SAMPLES = 48  # conversations in the capture-and-train probe folder
 PROBE_STEPS = 6  # training steps timed on it (the first one included: the real run pays it too)
 PROBE_TOKENS = 16  # tokens the evaluator's decoder writes to time one token
 MAX_EPOCHS = 4  # the most epochs the re-check grows to when the source holds too few conversations
+VALIDATIONS = 10  # a planned run validates about this many times at most (and at its last step)
 MIN_CONVERSATIONS = PROBE_SAMPLES
 EXPORT_BYTES_PER_S = 200e6  # an export writes the head once per format
 PLAN_FILE = "plan.json"  # in the run_dir: what a resumed run plans with
@@ -64,7 +78,11 @@ class Rates:
 
     regenerate_tokens_per_s: float  # new tokens; inf when regeneration is off or all cached
     capture_tokens_per_s: float  # inf online: nothing is captured
-    train_tokens_per_s: float
+    train_tokens_per_s: float  # of the training steps alone
+    tokens_per_step: float  # real (unpadded) tokens one optimizer step trains
+    validate_s_per_token: float  # one validation's seconds per validation token
+    save_best_s: float  # saving the best head once
+    checkpoint_s: float  # writing one checkpoint
     answer_tokens: float  # tokens the target writes per conversation
     row_tokens: float  # tokens per conversation in the data folder (prompts and answers)
     evaluate_s: float
@@ -80,6 +98,7 @@ class Plan:
     conversations: int
     answers: int
     epochs: int
+    val_every: int
     regenerate_s: float
     capture_s: float
     train_s: float
@@ -110,44 +129,94 @@ def policy_epochs(cfg: RootConfig) -> int:
     return cfg.head.DEFAULT_EPOCHS
 
 
-def make_plan(budget_s: float, spent_s: float, rates: Rates, epochs: int, answers: int,
-              train_share: float) -> Plan:
+@dataclass(frozen=True)
+class Schedule:
+    """How the data is trained, besides its size: the policy's epochs and answers per prompt, the
+    share of the rows that trains (the rest validates), `optim.val_every` (None: planned,
+    `planned_val_every`) and `optim.save_every`."""
+
+    epochs: int
+    answers: int
+    train_share: float
+    val_every: int | None
+    save_every: int
+
+
+def planned_val_every(steps: float) -> int:
+    """Every `DEFAULT_VAL_EVERY` steps, or less often so that a long run validates about
+    `VALIDATIONS` times: the validation split grows with the data, so at a fixed cadence its
+    cost grows with the square of the data (a third of a 40-minute run's training at 50 steps
+    apart on the embedded default), while the best head is nearly always one of the last."""
+    return max(OptimConfig.DEFAULT_VAL_EVERY, math.ceil(steps / VALIDATIONS))
+
+
+def between_steps_s(rates: Rates, val_tokens: float, val_every: int, save_every: int) -> tuple[float, float]:
+    """(seconds per training step, seconds once at the end) spent validating `val_tokens` and
+    saving the best head every `val_every` steps and checkpointing every `save_every`: the last
+    step always does both."""
+    validation = val_tokens * rates.validate_s_per_token + rates.save_best_s
+    return validation / val_every + rates.checkpoint_s / save_every, validation + rates.checkpoint_s
+
+
+def train_cost(rates: Rates, rows: float, schedule: Schedule) -> tuple[float, int]:
+    """(the training stage's seconds, the validation cadence) for `rows` data rows: the steps at
+    the measured rate, and validations and saves at their cadence (validation grows with the
+    data too, so the seconds grow faster than `rows`)."""
+    tokens = rows * rates.row_tokens
+    trained = schedule.epochs * tokens * schedule.train_share
+    steps = trained / rates.tokens_per_step
+    val_every = schedule.val_every or planned_val_every(steps)
+    per_step, last = between_steps_s(rates, tokens * (1 - schedule.train_share), val_every,
+                                     schedule.save_every)
+    return trained / rates.train_tokens_per_s + steps * per_step + last, val_every
+
+
+def make_plan(budget_s: float, spent_s: float, rates: Rates, schedule: Schedule) -> Plan:
     """The most conversations whose stages fit the budget less `MARGIN`, the probes, evaluation
-    and export. Conversations up to `rates.cached_conversations` cost no regeneration.
-    `train_share`: the fraction of the data that trains (the rest is validation)."""
+    and export. Conversations up to `rates.cached_conversations` cost no regeneration."""
+    answers = schedule.answers
     regen = answers * rates.answer_tokens / rates.regenerate_tokens_per_s
     capture = answers * rates.row_tokens / rates.capture_tokens_per_s
-    train = epochs * answers * rates.row_tokens * train_share / rates.train_tokens_per_s
     left = budget_s * (1 - MARGIN) - spent_s - rates.evaluate_s - rates.export_s
-    cached = rates.cached_conversations
-    if left <= cached * (capture + train):
-        n = left / (capture + train)
-    else:
-        n = cached + (left - cached * (capture + train)) / (regen + capture + train)
-    n = max(MIN_CONVERSATIONS, int(n))
+
+    def cost(n: int) -> float:
+        uncached = max(0, n - rates.cached_conversations)
+        return uncached * regen + n * capture + train_cost(rates, n * answers, schedule)[0]
+
+    lo, hi = 0, 1  # the stage costs grow with n: the largest n that fits, by bisection
+    while cost(hi) <= left:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if cost(mid) <= left else (lo, mid)
+    n = max(MIN_CONVERSATIONS, lo)
+    train_s, val_every = train_cost(rates, n * answers, schedule)
     return Plan(
         budget_s=budget_s,
         spent_s=spent_s,
         conversations=n,
         answers=answers,
-        epochs=epochs,
-        regenerate_s=max(0, n - cached) * regen,
+        epochs=schedule.epochs,
+        val_every=val_every,
+        regenerate_s=max(0, n - rates.cached_conversations) * regen,
         capture_s=n * capture,
-        train_s=n * train,
+        train_s=train_s,
         evaluate_s=rates.evaluate_s,
         export_s=rates.export_s,
     )
 
 
-def fit_steps(left_s: float, train_tokens: int, train_tokens_per_s: float, steps_per_epoch: int,
-              epochs: int, short_of_data: bool) -> tuple[int, int]:
+def fit_steps(left_s: float, step_s: float, last_s: float, steps_per_epoch: int, epochs: int,
+              short_of_data: bool) -> tuple[int, int]:
     """(epochs, steps) the training stage gets once the data is built and `left_s` remains for
-    training: the planned epochs, trimmed to the steps that fit, or grown (to `MAX_EPOCHS`) when
-    the source ran short of the planned conversations. At least one step."""
-    fits = left_s * train_tokens_per_s / max(train_tokens, 1)  # epochs that fit
-    if short_of_data and fits > epochs:
-        epochs = min(MAX_EPOCHS, max(epochs, math.floor(fits)))
-    steps = min(epochs * steps_per_epoch, max(1, math.floor(fits * steps_per_epoch)))
+    training, at `step_s` a step (validations and saves spread over the steps) and `last_s` for
+    the last step's validation and saves: the planned epochs, trimmed to the steps that fit, or
+    grown (to `MAX_EPOCHS`) when the source ran short of the planned conversations. At least one
+    step."""
+    fits = max(0.0, left_s - last_s) / step_s  # steps
+    if short_of_data and fits > epochs * steps_per_epoch:
+        epochs = min(MAX_EPOCHS, max(epochs, math.floor(fits / steps_per_epoch)))
+    steps = min(epochs * steps_per_epoch, max(1, math.floor(fits)))
     return epochs, steps
 
 
@@ -179,16 +248,18 @@ def _manifest_rates(folder: Path) -> tuple[dict, float, int]:
 def _regeneration_probe(cfg: RootConfig, target: Target, model, run_dir: Path) -> dict:
     """The first `batch_size` conversations regenerated into the cache (their ids into a
     throwaway online folder): new tokens/s, new and row tokens per conversation, how many
-    conversations the cache held before, and how many were probed."""
+    conversations the cache holds now (free for the run: the probe's among them), and how many
+    were probed."""
     from data_prep.prepare import prepare, regen_cache_file
 
     d = cfg.data
     probed = {"rate": math.inf, "answer_tokens": 0.0, "row_tokens": None, "cached": 0, "samples": 0}
     if not d.regenerate.enabled:
         return probed
-    probed["cached"] = len(read_cache(regen_cache_file(cfg, target.identity, target.chat_template)))
+    cache = regen_cache_file(cfg, target.identity, target.chat_template)
     k = max(PROBE_SAMPLES, d.regenerate.batch_size // d.regenerate.num_samples)
     folder = prepare(_probe_config(cfg, k, "online", run_dir), target=target, model=model)
+    probed["cached"] = len(read_cache(cache))  # the probe's answers included: the run reuses them
     manifest, probed["row_tokens"], probed["samples"] = _manifest_rates(folder)
     shutil.rmtree(folder, ignore_errors=True)
     stats = manifest["stats"]
@@ -202,8 +273,9 @@ def _regeneration_probe(cfg: RootConfig, target: Target, model, run_dir: Path) -
 
 def _train_probe(cfg: RootConfig, target: Target, model, run_dir: Path, samples: int) -> dict:
     """A folder of the first `samples` conversations captured (capture tokens/s) and up to
-    `PROBE_STEPS` training steps of the chosen head on it (training tokens/s); also its tokens per
-    conversation and the head's bytes."""
+    `PROBE_STEPS` training steps of the chosen head on it, the last validated and saved (the
+    rates and costs `Rates` names); also its tokens per conversation and the head's bytes. The
+    head it trained stays in run_dir/head for the evaluation probe."""
     from data_prep.prepare import prepare
     from data_prep.store import CapturedDataset, online_capture
     from trainer.distributed import build_accelerator
@@ -225,13 +297,26 @@ def _train_probe(cfg: RootConfig, target: Target, model, run_dir: Path, samples:
     acc = build_accelerator(probe.dist, probe.optim, str(run_dir))
     trainee = build_trainee(probe, model, folder)
     head_bytes = sum(p.numel() for p in trainee.parameters() if p.requires_grad) * 2
-    result = fit(probe, acc, trainee, train_ds, CapturedDataset(folder, "validation"), run_dir,
-                 online_capture(manifest, model))
+    val_ds = CapturedDataset(folder, "validation")
+    result = fit(probe, acc, trainee, train_ds, val_ds, run_dir, online_capture(manifest, model))
     del acc, trainee
     gc.collect()
     shutil.rmtree(folder, ignore_errors=True)
-    return {"capture_rate": manifest.get("capture_tokens_per_s", math.inf),
-            "train_rate": result["train_tokens_per_s"], "row_tokens": row_tokens, "head_bytes": head_bytes}
+    between = result["between_steps"]
+
+    def each(what: str, count: str) -> float:
+        return between.get(what, 0.0) / max(between.get(count, 0), 1)
+
+    return {
+        "capture_tokens_per_s": manifest.get("capture_tokens_per_s", math.inf),
+        "train_tokens_per_s": result["step_tokens_per_s"],
+        "tokens_per_step": result["tokens_per_step"],
+        "validate_s_per_token": each("validate_s", "validations") / max(sum(val_ds.lengths), 1),
+        "save_best_s": each("save_best_s", "best_saves"),
+        "checkpoint_s": each("checkpoint_s", "checkpoints"),
+        "row_tokens": row_tokens,
+        "head_bytes": head_bytes,
+    }
 
 
 def train_probe_samples(cfg: RootConfig, regenerated: dict) -> int:
@@ -246,27 +331,37 @@ def train_probe_samples(cfg: RootConfig, regenerated: dict) -> int:
     return max(PROBE_SAMPLES, min(want, regenerated["samples"]))
 
 
-def _evaluation_probe(cfg: RootConfig, target: Target, model) -> float:
-    """Seconds the evaluator will take: the greedy decoder's per-token time on the first prompt,
-    times the tokens it decodes (greedy, speculative about as many target forwards' worth, the
-    `generate` reference on each task's first prompt, prompt lookup if asked)."""
-    from data_prep.target import eos_token_ids
-    from trainer.decoding import greedy_generate
+def _per_token_s(decode) -> float:
+    """Seconds per token of `decode(max_new_tokens)`, after a short warm-up."""
+    decode(4)
+    start = time.perf_counter()
+    decode(PROBE_TOKENS)
+    return (time.perf_counter() - start) / PROBE_TOKENS
+
+
+def _evaluation_probe(cfg: RootConfig, target: Target, model, head_dir: Path) -> float:
+    """Seconds the evaluator will take: the greedy and speculative decoders' per-token times on
+    the first prompt (the latter with the probe's head: an upper bound, module docstring), times
+    the tokens each decodes (greedy, prompt lookup if asked and the `generate` reference at 1.5
+    greedy tokens; the speculative run, twice when sampled)."""
+    from trainer.decoding import GREEDY, greedy_generate, speculative_generate
+    from trainer.evaluate.run import draft_shape, load_drafter, resolve_mode
     from trainer.evaluate.tasks import encode_all, load_prompts
 
     if not cfg.pipeline.evaluate:
         return 0.0
     ev = cfg.eval
     encoded = encode_all(target.tokenizer, load_prompts(ev), cfg.data)
-    ids, eos = encoded[0][1], eos_token_ids(model, target.tokenizer)
-    greedy_generate(model, ids, 4, eos)  # warm-up
-    start = time.perf_counter()
-    greedy_generate(model, ids, PROBE_TOKENS, ())
-    per_token = (time.perf_counter() - start) / PROBE_TOKENS
+    ids = encoded[0][1]
+    shape = draft_shape(ev, resolve_mode(ev.mode, cfg.head.name))
+    drafter, verifier = load_drafter(head_dir, model, target.name, [shape])
+    greedy = _per_token_s(lambda n: greedy_generate(verifier, ids, n, ()))
+    spec = _per_token_s(lambda n: speculative_generate(verifier, drafter, ids, n, shape, GREEDY, ()))
     tasks = len({task for task, _ in encoded})
-    passes = 2 + ("prompt_lookup" in ev.baselines) + (ev.temperature > 0)
     references = len(encoded) if ev.reference == "generate" else tasks
-    return per_token * ev.max_new_tokens * (passes * len(encoded) + 1.5 * references)
+    greedy_passes = len(encoded) * (1 + ("prompt_lookup" in ev.baselines)) + 1.5 * references
+    spec_passes = len(encoded) * (1 + (ev.temperature > 0))
+    return ev.max_new_tokens * (greedy * greedy_passes + spec * spec_passes)
 
 
 def measure(cfg: RootConfig, target: Target, model) -> Rates:
@@ -276,21 +371,28 @@ def measure(cfg: RootConfig, target: Target, model) -> Rates:
     try:
         regenerated = _regeneration_probe(cfg, target, model, run_dir)
         trained = _train_probe(cfg, target, model, run_dir, train_probe_samples(cfg, regenerated))
-        evaluate_s = _evaluation_probe(cfg, target, model)
+        evaluate_s = _evaluation_probe(cfg, target, model, run_dir / "head")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     formats = len(cfg.export.formats or EXPORT_FORMATS[cfg.head.name]) if cfg.pipeline.export else 0
+    head_bytes = trained.pop("head_bytes")
     return Rates(
         regenerate_tokens_per_s=regenerated["rate"],
-        capture_tokens_per_s=trained["capture_rate"],
-        train_tokens_per_s=trained["train_rate"],
         answer_tokens=regenerated["answer_tokens"],
-        row_tokens=trained["row_tokens"],
+        **trained,
         evaluate_s=evaluate_s,
-        export_s=formats * (2 + trained["head_bytes"] / EXPORT_BYTES_PER_S),
+        export_s=formats * (2 + head_bytes / EXPORT_BYTES_PER_S),
         cached_conversations=regenerated["cached"],
         probe_s=time.perf_counter() - started,
     )
+
+
+def schedule(cfg: RootConfig, epochs: int) -> Schedule:
+    """The run's `Schedule` at `epochs`: its cadence planned unless `optim.val_every` was given."""
+    o = cfg.optim
+    val_every = None if cfg.plan_val_every else o.val_every
+    return Schedule(epochs, cfg.data.regenerate.num_samples, 1 - cfg.data.val_fraction, val_every,
+                    o.save_every)
 
 
 def plan_file(cfg: RootConfig) -> Path:
@@ -298,9 +400,11 @@ def plan_file(cfg: RootConfig) -> Path:
 
 
 def apply(cfg: RootConfig, record: dict) -> None:
-    """Set the sizes a plan record decided (the re-check's steps once it has run)."""
+    """Set the sizes and the validation cadence a plan record decided (the re-check's steps once
+    it has run)."""
     cfg.data.max_samples = record["plan"]["conversations"]
     cfg.optim.epochs = record["plan"]["epochs"]
+    cfg.optim.val_every = record["plan"].get("val_every", OptimConfig.DEFAULT_VAL_EVERY)
     if "recheck" in record:
         cfg.optim.epochs = record["recheck"]["epochs"]
         cfg.optim.max_steps = record["recheck"].get("stopped_at", record["recheck"]["steps"])
@@ -318,14 +422,8 @@ def plan_run(cfg: RootConfig, target: Target, model, started: float) -> dict:
               f"before the interruption ({plan_file(cfg)})", flush=True)
         return record
     rates = measure(cfg, target, model)
-    plan = make_plan(
-        cfg.plan_budget_s,
-        time.perf_counter() - started,
-        rates,
-        policy_epochs(cfg),
-        cfg.data.regenerate.num_samples,
-        1 - cfg.data.val_fraction,
-    )
+    plan = make_plan(cfg.plan_budget_s, time.perf_counter() - started, rates,
+                     schedule(cfg, policy_epochs(cfg)))
     record = {"plan": asdict(plan), "rates": asdict(rates)}
     apply(cfg, record)
     atomic_write_text(plan_file(cfg), json.dumps(record, indent=2))
@@ -349,21 +447,20 @@ def training_deadline(record: dict, started: float) -> float:
     return started + plan["budget_s"] * (1 - MARGIN) - plan["evaluate_s"] - plan["export_s"]
 
 
-def recheck(cfg: RootConfig, record: dict, started: float, train_ds, samples: int) -> None:
+def recheck(cfg: RootConfig, record: dict, started: float, train_ds, val_ds, samples: int) -> None:
     """After the data stage (`samples` rows built): set `cfg.optim.max_steps` (and epochs) to what
     the budget has left, with the time really spent so far; the record gains what was decided."""
     from trainer.loop import steps_per_epoch
 
     if "recheck" in record:  # resumed: decided before the interruption
         return
-    plan, rates = record["plan"], record["rates"]
+    plan, rates = record["plan"], Rates(**record["rates"])
     left = training_deadline(record, started) - time.perf_counter()
-    train_tokens = sum(train_ds.lengths)
     per_epoch = steps_per_epoch(train_ds, cfg.optim, cfg.seed, 1)
     short = samples < 0.9 * plan["conversations"] * plan["answers"]  # the source ran out
-    epochs, steps = fit_steps(
-        left, train_tokens, rates["train_tokens_per_s"], per_epoch, cfg.optim.epochs, short
-    )
+    between, last = between_steps_s(rates, sum(val_ds.lengths), cfg.optim.val_every, cfg.optim.save_every)
+    step_s = sum(train_ds.lengths) / max(per_epoch, 1) / rates.train_tokens_per_s + between
+    epochs, steps = fit_steps(left, step_s, last, per_epoch, cfg.optim.epochs, short)
     cfg.optim.epochs, cfg.optim.max_steps = epochs, steps
     record["recheck"] = {"train_left_s": round(left, 1), "epochs": epochs, "steps": steps,
                          "steps_per_epoch": per_epoch, "short_of_data": short}

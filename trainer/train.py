@@ -126,7 +126,7 @@ def run(cfg: RootConfig) -> dict:
     if budget is not None:
         from trainer.plan import recheck, training_deadline
 
-        recheck(cfg, budget, started, train_ds, samples)
+        recheck(cfg, budget, started, train_ds, val_ds, samples)
         deadline = training_deadline(budget, started)
     trainee = build_trainee(cfg, model, data_dir)
     val_decode = build_val_decoder(cfg, trainee, (model, target.tokenizer), val_ds)

@@ -10,7 +10,6 @@ with `push_to_hub=<repo_id>`, the folder is uploaded.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from conf.errors import UserError
-from conf.files import atomic_dir, commit_dir, read_json
+from conf.files import disk_full_is_one_line, read_json, staged_dir
 from conf.schema import EXPORT_DTYPES, EXPORT_FORMATS
 from heads.export import eagle3 as e3
 from heads.export import medusa as em
@@ -142,8 +141,8 @@ def export_head(
     report = read_json(Path(eval_json), "eval") if eval_json else None
     run = run_config(head_path)
 
-    tmp = atomic_dir(out)
-    try:
+    full = "free space and export again (nothing was written under it)"
+    with disk_full_is_one_line(out.parent, full), staged_dir(out) as tmp:
         _write(tmp, layout, config, layout.tensors(src_tensors, src_cfg, DTYPES[dtype]))
         where = f"format={fmt} out={str(out)!r}"
         check = verify_export(
@@ -163,10 +162,6 @@ def export_head(
             notes=e3.serving_notes(src_cfg, fmt) if kind == "eagle3" else [],
         )
         (tmp / "README.md").write_text(render(facts))
-        commit_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     result = {"format": fmt, "out": str(out), **check}
     if push_to_hub:
         from heads.export.hub import push_folder
