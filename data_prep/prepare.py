@@ -39,6 +39,7 @@ from conf.compose import hydra_main
 from conf.errors import UserError, exit_on_user_error
 from conf.files import build_once, disk_full_is_one_line, free_bytes, human_bytes
 from conf.schema import TEMPLATE_FIELDS, RootConfig, to_root_config
+from conf.sizes import Sizes
 from data_prep.capture import LAYER_CONVENTION, TOKEN_BYTES, CaptureSpec, capture_shard
 from data_prep.linears import DataLinears, resolve_matmul_dtype
 from data_prep.regen_vllm import check_vllm_installed
@@ -149,6 +150,7 @@ def samples_key(cfg: RootConfig, identity: dict, tpl: ChatTemplate) -> dict:
     for k in ("cache_dir", "hidden_states", "matmul_dtype", *TEMPLATE_FIELDS):  # matmul: `_precision`
         data.pop(k)
     data["regenerate"].pop("workers")  # scheduling only (keys of folders built before it stand)
+    data["max_samples"] = Sizes.of(cfg).conversations  # unset = the default's count
     return {
         "format": FORMAT_VERSION,
         "target": {k: identity[k] for k in ("name_or_path", "revision")},
@@ -213,7 +215,7 @@ def select_samples(cfg: RootConfig, tpl: ChatTemplate, stats: Counter) -> Iterat
             return ok
 
         samples = filter(fits, samples)
-    return itertools.islice(samples, d.max_samples or None)
+    return itertools.islice(samples, Sizes.of(cfg).conversations or None)
 
 
 def iter_rows(
@@ -443,13 +445,13 @@ DISK_FULL_THEN = (
 )
 
 
-def prepare(cfg: RootConfig, target: Target | None = None, model=None) -> Path:
+def prepare(cfg: RootConfig, target: Target | None = None) -> Path:
     """Build (or reuse) the data folder for `cfg` and return it.
 
     `target`: the run's resolved `cfg.target` (`resolve_target`), so that a caller that holds it
-    does not resolve it again; None resolves it here. `model`: its weights when the caller has
-    them loaded already; otherwise they load only if a stage needs them. Runs that prepare one
-    folder at once build it once: the first under its lock, the others wait and reuse it.
+    does not resolve it again; None resolves it here. Its weights load only if a stage needs
+    them. Runs that prepare one folder at once build it once: the first under its lock, the
+    others wait and reuse it.
     """
     check_source(cfg)
     d = cfg.data
@@ -461,10 +463,7 @@ def prepare(cfg: RootConfig, target: Target | None = None, model=None) -> Path:
     modes = ("offline", "online") if d.hidden_states == "auto" else (d.hidden_states,)
 
     def target_model():
-        nonlocal model
-        if model is None:
-            model = target.load_model(cfg.target)
-        return model
+        return target.model
 
     def build() -> Path:
         with disk_full_is_one_line(data_base(cfg), DISK_FULL_THEN):

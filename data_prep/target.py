@@ -5,9 +5,9 @@ A run names its target once (`target.*`) and resolves it once (`resolve_target`)
 first use, its tokenizer, generation config, stop tokens, data identity and the run's chat
 template. Every stage of the run (data prep, regeneration, capture, the attention check, decoded
 validation, evaluation) receives that one value, so none resolves, converts or reads the target
-again, and none can disagree with another about it. Weights load only when asked
-(`Target.load_model`), so checks that need the config alone refuse a target before any weights
-load. `load_target` is the shorthand for a name: `(model, tokenizer)`.
+again, and none can disagree with another about it. Weights load on first use (`Target.model`,
+one copy the stages share), so checks that need the config alone refuse a target before any
+weights load. `load_target` is the shorthand for a name: `(model, tokenizer)`.
 """
 
 from __future__ import annotations
@@ -259,6 +259,11 @@ class Target:
     revision: str | None
     trust_remote_code: bool
     config: PretrainedConfig  # the model's config (`AutoConfig`); no weights
+    # Where and in what precision the weights run (target.device and target.dtype resolved, or
+    # the device the run's accelerator placed this process on), and torch's thread count.
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    num_threads: int = 0
     # data.chat_template, data.chat_template_kwargs, data.template_date: how this run renders.
     template_file: str | None = None
     template_kwargs: dict | None = None
@@ -322,32 +327,36 @@ class Target:
             self.tokenizer, self.template_file, self.template_kwargs, self.template_date, self.stop_ids
         )
 
-    def load_model(self, settings: TargetConfig) -> PreTrainedModel:
-        """The weights, in eval mode with gradients off, with `settings`' dtype, on its device and
-        thread count (the run's `target.*`: what the Target itself does not fix). Each call loads
-        a fresh copy: callers keep the one they need."""
+    @cached_property
+    def model(self) -> PreTrainedModel:
+        """The weights, loaded on first use and kept: every stage of the run (data prep, the
+        training loop online, decoded validation, evaluation, export) shares this one copy."""
+        return self.load_model()
+
+    def load_model(self) -> PreTrainedModel:
+        """A fresh copy of the weights, in eval mode with gradients off, in `dtype` on `device`
+        (`model` keeps the run's one copy; a caller that changes weights loads its own)."""
         from transformers import AutoModelForCausalLM
 
-        if settings.num_threads > 0:
-            torch.set_num_threads(settings.num_threads)
-        dev = resolve_device(settings.device)
-        torch_dtype = resolve_dtype(settings.dtype, dev)
+        if self.num_threads > 0:
+            torch.set_num_threads(self.num_threads)
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                self.path, revision=self.revision, dtype=torch_dtype, trust_remote_code=self.trust_remote_code
+                self.path, revision=self.revision, dtype=self.dtype, trust_remote_code=self.trust_remote_code
             )
         except OSError as err:
             raise UserError(
                 f"target.name_or_path={self.name!r}: cannot load a model ({first_line(err)}); "
                 + _EXPECTED
             ) from None
-        return model.to(dev).eval().requires_grad_(False)
+        return model.to(self.device).eval().requires_grad_(False)
 
 
-def resolve_target(cfg: RootConfig) -> Target:
+def resolve_target(cfg: RootConfig, device: str | torch.device | None = None) -> Target:
     """The `Target` of `cfg` (`target.*`, and `data.chat_template*` for its template): the name
     mapped to a path (an alias's or a GGUF's conversion done once, under a lock) and the config
-    read. Raises one line when either fails; loads no weights."""
+    read. `device`: where the run's accelerator placed this process (None: `target.device`).
+    Raises one line when either fails; loads no weights."""
     from transformers import AutoConfig
 
     t, d = cfg.target, cfg.data
@@ -359,8 +368,10 @@ def resolve_target(cfg: RootConfig) -> Target:
             f"target.name_or_path={t.name_or_path!r}: cannot load a model config ({first_line(err)}); "
             + _EXPECTED
         ) from None
+    dev = resolve_device(t.device if device is None else str(device))
     return Target(
         t.name_or_path, path, t.revision, t.trust_remote_code, config,
+        dev, resolve_dtype(t.dtype, dev), t.num_threads,
         d.chat_template, d.chat_template_kwargs, d.template_date,
     )
 
@@ -379,7 +390,7 @@ def load_target(
         num_threads=num_threads, trust_remote_code=trust_remote_code,
     )
     target = resolve_target(RootConfig(target=settings))
-    return target.load_model(settings), target.tokenizer
+    return target.model, target.tokenizer
 
 
 def tokenizer_hash(tok) -> str:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from conf.compose import compose_root
 from conf.errors import UserError, first_line
 from conf.files import check_sha256, read_json, sha256_file, staged_dir
-from conf.schema import HEAD_CONFIGS, TEMPLATE_FIELDS, RootConfig
+from conf.schema import HEAD_CONFIGS, TEMPLATE_FIELDS, RootConfig, derive
 
 CONFIG_NAME = "draftsmith_head.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -191,8 +191,10 @@ def compose_for_head(head_path: str, overrides: list[str]) -> RootConfig:
         extra.append(f"target.name_or_path={meta['target']['name_or_path']}")
     cfg = compose_root(extra + overrides)
     data = run_config(Path(head_path)).get("data") or {}
-    for key in TEMPLATE_FIELDS:  # a head evaluates on prompts rendered as it was trained
-        if data.get(key) is not None and not any(o.startswith(f"data.{key}=") for o in overrides):
-            setattr(cfg.data, key, data[key])
-    cfg.data.check()
-    return cfg
+    # A head evaluates on prompts rendered as it was trained, unless the overrides say otherwise.
+    trained = {
+        f"data.{key}": data[key]
+        for key in TEMPLATE_FIELDS
+        if data.get(key) is not None and not any(o.startswith(f"data.{key}=") for o in overrides)
+    }
+    return derive(cfg, trained)

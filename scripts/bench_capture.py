@@ -47,7 +47,7 @@ def main() -> None:
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = to_root_config(compose(config_name="config", overrides=overrides))
     target = resolve_target(cfg)
-    model = target.load_model(cfg.target)
+    model = target.model
     n_layers = model.config.get_text_config().num_hidden_layers
     spec = capture_spec(cfg, n_layers)
     d = cfg.data

@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
     ev = cfg.eval
     prompts = load_prompts(ev)
     target = resolve_target(cfg)
-    model, tokenizer = target.load_model(cfg.target), target.tokenizer
+    model, tokenizer = target.model, target.tokenizer
     shapes = {"chain": draft_shape(ev, "chain"), "tree": draft_shape(ev, "tree")}
     drafter, verifier = load_drafter(own["head"], model, cfg.target.name_or_path,
                                      list(shapes.values()))

@@ -39,7 +39,7 @@ def main(argv: list[str]) -> None:
         reps, argv = int(argv[i + 1]), argv[:i] + argv[i + 2 :]
     cfg, labelled = parse(argv, labelled=0.5)
     target = resolve_target(cfg)
-    model = target.load_model(cfg.target)
+    model = target.model
     spec = capture_spec(cfg, model.config.get_text_config().num_hidden_layers)
     tokens = real_tokens(target.tokenizer, cfg.data, *batch_shape(cfg), labelled)
     trainee, fields = TRAINEES[cfg.head.name](cfg, model)

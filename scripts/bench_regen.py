@@ -23,6 +23,7 @@ import torch
 
 from conf.compose import compose_root, split_args
 from conf.errors import UserError, exit_on_user_error
+from conf.schema import derive
 from data_prep.capture import bare_forward
 from data_prep.decode_attention import applies
 from data_prep.linears import DataLinears
@@ -40,10 +41,10 @@ def main(argv: list[str]) -> None:
     prompts = int(own.get("prompts", 2 * regen.batch_size))
     if prompts < 1:
         raise UserError(f"prompts={prompts}: expected an integer >= 1")
-    cfg.data.max_samples = prompts
+    cfg = derive(cfg, {"data.max_samples": prompts})
     check_source(cfg)
     target = resolve_target(cfg)
-    model, tpl = target.load_model(cfg.target), target.chat_template
+    model, tpl = target.model, target.chat_template
     samples = list(select_samples(cfg, tpl, Counter()))
     stats: Counter = Counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -42,7 +42,7 @@ from transformers import LlamaConfig
 
 from conf.compose import compose_root, split_args
 from conf.errors import UserError, exit_on_user_error
-from conf.schema import DataConfig, OptimConfig, RootConfig
+from conf.schema import DataConfig, OptimConfig, RootConfig, derive
 from data_prep.sources import iter_samples
 from data_prep.target import resolve_target
 from heads.eagle3 import Eagle3Head, draft_layer_config
@@ -59,9 +59,9 @@ def real_tokens(
 ) -> dict[str, torch.Tensor]:
     """`rows` chat-templated conversations of `data_cfg.source` cut to `seq_len` tokens (CPU
     `input_ids`, `loss_mask`), the last `labelled` fraction of each row labelled."""
-    data_cfg.regenerate.enabled = False  # the source's answers as they are: enough for timing
     texts = []
-    for sample in iter_samples(data_cfg, Counter()):
+    # the source's answers as they are: enough for timing
+    for sample in iter_samples(derive(data_cfg, {"regenerate.enabled": False}), Counter()):
         ids = tok.apply_chat_template(sample.messages, tokenize=True, return_dict=True)["input_ids"]
         if len(ids) >= seq_len:
             texts.append(ids[:seq_len])
@@ -382,7 +382,7 @@ def main(argv: list[str]) -> None:
         return run_preset(own, argv)
     cfg, labelled = parse(argv)
     target = resolve_target(cfg)
-    model = target.load_model(cfg.target)
+    model = target.model
     batch = real_tokens(target.tokenizer, cfg.data, *batch_shape(cfg), labelled)
     batch = {k: v.to(model.device) for k, v in batch.items()}
     trainee, fields = TRAINEES[cfg.head.name](cfg, model)

@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from conf.errors import UserError
-from conf.schema import DataConfig
+from conf.schema import DataConfig, RegenerateConfig
 from data_prep.prepare import iter_rows
 from data_prep.sources import iter_jsonl, iter_samples, sharegpt_jsonl
 from tests.test_chat_templates import FAMILIES, family
@@ -44,8 +44,8 @@ def main(n: int) -> None:
                     break
                 fh.write(json.dumps(with_reasoning(row, system=kept % 2 == 0)) + "\n")
                 kept += 1
-        cfg = DataConfig(source=str(src), max_samples=0, max_turns=0, max_length=2048)
-        cfg.regenerate.enabled = False
+        cfg = DataConfig(source=str(src), max_samples=0, max_turns=0, max_length=2048,
+                         regenerate=RegenerateConfig(enabled=False))
         for name in sorted(FAMILIES):
             tpl, stats = family(name), Counter()
             samples, rows, error = list(iter_samples(cfg, stats)), [], None

@@ -3,6 +3,7 @@ would make `python -m trainer.train` and code that builds the dataclass disagree
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,16 @@ from omegaconf import OmegaConf
 import conf
 from conf.compose import compose_root
 from conf.errors import UserError
-from conf.schema import DataConfig, Eagle3Config, MedusaConfig, OptimConfig, RootConfig, duration_seconds
+from conf.schema import (
+    DataConfig,
+    Eagle3Config,
+    MedusaConfig,
+    OptimConfig,
+    RootConfig,
+    derive,
+    duration_seconds,
+)
+from conf.sizes import Sizes
 
 CONF = Path(conf.__file__).parent
 ROOT_FIELDS = RootConfig.__dataclass_fields__
@@ -42,7 +52,7 @@ def test_yaml_group_mirrors_its_dataclass(group, schema):
 @pytest.mark.parametrize("group", sorted(p.stem for p in (CONF / "target").glob("*.yaml")))
 def test_every_target_group_sets_every_target_field_and_a_budget(group):
     cfg = compose_root(["+head=eagle3", f"target={group}"])
-    assert cfg.plan_budget_s is not None and cfg.target.name_or_path
+    assert cfg.budget_s is not None and cfg.target.name_or_path
     yaml = OmegaConf.to_container(OmegaConf.load(CONF / "target" / f"{group}.yaml"))
     assert yaml.keys() == {"target", "budget"}
     assert yaml["target"].keys() == OmegaConf.structured(ROOT_FIELDS["target"].default_factory).keys()
@@ -60,14 +70,14 @@ def test_every_target_group_sets_every_target_field_and_a_budget(group):
     ],
 )
 def test_the_budget_plans_only_what_is_not_given(overrides, budget_s, samples, epochs):
-    """Explicit data.max_samples or optim.epochs switch the planner off; the defaults it would
-    replace are filled either way, so a standalone `data_prep.prepare` needs no budget."""
+    """Explicit data.max_samples or optim.epochs switch the planner off; sizes left unset take
+    their defaults (`Sizes.of`), so a standalone `data_prep.prepare` needs no budget."""
     cfg = compose_root(overrides)
-    assert (cfg.plan_budget_s, cfg.data.max_samples, cfg.optim.epochs) == (budget_s, samples, epochs)
+    sizes = Sizes.of(cfg)
+    assert (cfg.budget_s, sizes.conversations, sizes.epochs) == (budget_s, samples, epochs)
     # the validation cadence too: 50 steps unless given, which the plan may then lengthen
-    assert cfg.optim.val_every == OptimConfig.DEFAULT_VAL_EVERY
-    assert cfg.plan_val_every == (budget_s is not None)
-    assert not compose_root([*overrides, "optim.val_every=20"]).plan_val_every
+    assert sizes.val_every == OptimConfig.DEFAULT_VAL_EVERY
+    assert Sizes.of(compose_root([*overrides, "optim.val_every=20"])).val_every == 20
 
 
 @pytest.mark.parametrize("value", ["20", "soon", "-5m", "0m"])
@@ -82,9 +92,38 @@ def test_nonsensical_budgets_are_refused(value):
      (["+head=eagle3", "optim.epochs=2"], 2)],
 )
 def test_unset_epochs_take_the_heads_default(overrides, epochs):
-    """`optim.epochs: null` resolves per head when the root config is built (so config.json and
-    the model card name the number); an explicit value wins."""
-    assert compose_root(overrides).optim.epochs == epochs
+    """`optim.epochs: null` resolves per head (`Sizes.of`); the sizes a run goes on with are
+    filled into a derived config (so config.json and the model card name the number); an
+    explicit value wins."""
+    cfg = compose_root(overrides)
+    assert Sizes.of(cfg).epochs == epochs
+    assert Sizes.of(cfg).apply(cfg).optim.epochs == epochs
+
+
+def frozen_classes(obj) -> list[str]:
+    """Every config dataclass reachable from `obj` that is not frozen (its dotted path)."""
+    if not dataclasses.is_dataclass(obj):
+        return []
+    here = [] if obj.__dataclass_params__.frozen else [type(obj).__name__]
+    return here + [name for f in dataclasses.fields(obj) for name in frozen_classes(getattr(obj, f.name))]
+
+
+@pytest.mark.parametrize("head", ["eagle3", "medusa"])
+def test_the_checked_config_cannot_be_written(head):
+    """Every group of the checked config is frozen: a stage that decides a value hands on a
+    derived config (`derive`, `Sizes.apply`), checked again, and leaves the user's as it was."""
+    cfg = compose_root([f"+head={head}"])
+    assert frozen_classes(cfg) == []
+    for group, name in (("data", "max_samples"), ("optim", "epochs"), ("target", "device"), ("head", "name")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(getattr(cfg, group), name, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.run_dir = "elsewhere"
+    derived = derive(cfg, {"data.max_samples": 8, "optim.epochs": 3})
+    assert (derived.data.max_samples, derived.optim.epochs) == (8, 3)
+    assert (cfg.data.max_samples, cfg.optim.epochs) == (None, None)
+    with pytest.raises(UserError, match=r"^optim.epochs=0: expected null or an integer >= 1$"):
+        derive(cfg, {"optim.epochs": 0})  # derived values are checked like overrides
 
 
 def test_nonsensical_epochs_are_refused():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ from conf.schema import (
     RegenerateConfig,
     RootConfig,
     TargetConfig,
+    derive,
 )
 from data_prep.prepare import prepare
 from data_prep.store import CapturedDataset, load_manifest, sha256_file
@@ -158,8 +158,7 @@ def test_bf16_gemms_key_their_own_answers_and_folders(tiny_llama_dir, source, tm
     assert P.regen_cache_file(own, identity, tpl) != P.regen_cache_file(bf16, identity, tpl)
     # A bf16 target (its matmuls its own dtype) answers neither like a float32 one nor like a
     # float32 one with bf16 matmuls: its own keys.
-    half = copy.deepcopy(own)
-    half.target.dtype = "bfloat16"
+    half = derive(own, {"target.dtype": "bfloat16"})
     files = {P.regen_cache_file(c, identity, tpl) for c in (own, bf16, half)}
     assert len(files) == 3 and P.samples_key(half, identity, tpl)["dtype"] == "torch.bfloat16"
     folder = prepare(bf16)

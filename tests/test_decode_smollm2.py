@@ -44,7 +44,7 @@ def test_evaluator_with_a_random_head_is_lossless(smol, tmp_path):
     head = Eagle3Head.from_target(model, NAME, Eagle3Config(), d2t, t2d)
     folder = head.save_pretrained(tmp_path / "head")
     cfg = compose_root(["+head=eagle3", "eval.max_prompts_per_task=1", "eval.max_new_tokens=24"])
-    result = evaluate(cfg, folder, tmp_path / "eval", model=model)
+    result = evaluate(cfg, folder, tmp_path / "eval")
     assert result["lossless"] and result["overall"]["prompts"] == 3
     assert result["overall"]["drafts"] > 0
 

@@ -90,7 +90,7 @@ def test_cli_refuses_offline_capture_on_a_small_disk_and_auto_goes_online(
 def test_refusal_comes_before_the_target_loads(tiny_llama_dir, chat_file, tmp_path, monkeypatch):
     """The free-space probe says 1 MB: nothing is captured, the target is never loaded."""
     monkeypatch.setattr(P.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 10**6}))
-    monkeypatch.setattr(Target, "load_model", lambda self, settings: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(Target, "load_model", lambda self: pytest.fail("the target was loaded"))
     with pytest.raises(UserError) as err:
         P.prepare(cfg_for(tiny_llama_dir, chat_file, tmp_path, hidden_states="offline"))
     assert " tokens x 517 bytes needs " in str(err.value) and "which has 1.0 MB free" in str(err.value)

@@ -46,7 +46,7 @@ def sliding(tmp_path_factory, smol_tokenizer):
 def run_eval(sliding, out, *overrides: str) -> dict:
     folder, target, head = sliding
     cfg = compose_root(["+head=eagle3", f"target.name_or_path={folder}", *RUN, *overrides])
-    return evaluate(cfg, head, out, model=target[0])
+    return evaluate(cfg, head, out)
 
 
 def test_outputs_equal_the_targets_generate_and_are_saved_for_anyone_to_check(sliding, tmp_path):

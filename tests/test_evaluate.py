@@ -66,7 +66,7 @@ def test_evaluate_writes_the_report(tiny, tiny_llama_dir, eagle_dir, tmp_path):
     cfg = config("eagle3", tiny_llama_dir, f"eval.prompts={prompts}",
                  "eval.baselines=[greedy,prompt_lookup]")
     out = tmp_path / "eval"
-    result = evaluate(cfg, eagle_dir, out, model=tiny[0])
+    result = evaluate(cfg, eagle_dir, out)
     assert sorted(p.name for p in out.iterdir()) == ["acceptance.png", "eval.json", "eval.md"]
     assert json.loads((out / "eval.json").read_text()) == result
     assert result["lossless"] is True and set(result["tasks"]) == {"mtbench", "gsm8k", "mine"}
@@ -84,7 +84,7 @@ def test_evaluate_writes_the_report(tiny, tiny_llama_dir, eagle_dir, tmp_path):
 
 def test_evaluate_shows_progress_in_logs(tiny, tiny_llama_dir, eagle_dir, tmp_path, capsys):
     # capsys' stderr is no terminal, as in CI or a log file: plain lines, no bar.
-    result = evaluate(config("eagle3", tiny_llama_dir), eagle_dir, tmp_path, model=tiny[0])
+    result = evaluate(config("eagle3", tiny_llama_dir), eagle_dir, tmp_path)
     o = result["overall"]
     assert capsys.readouterr().err.splitlines() == [
         f"eval: 2/2 prompts, {fmt(o['spec_tokens_per_s'])} tokens/s, "
@@ -131,13 +131,13 @@ def test_medusa_head_in_tree_mode(tiny, tiny_llama_dir, tmp_path):
     folder = head.save_pretrained(tmp_path / "medusa")
     choices = "eval.tree.medusa_choices=[[0],[1],[0,0],[0,0,0]]"
     cfg = config("medusa", tiny_llama_dir, "eval.mode=tree", choices)
-    result = evaluate(cfg, folder, tmp_path / "eval", model=tiny[0])
+    result = evaluate(cfg, folder, tmp_path / "eval")
     assert result["lossless"] and len(result["overall"]["acceptance_per_position"]) == 3
     assert "static tree drafting (4 nodes)" in (tmp_path / "eval" / "eval.md").read_text()
     too_deep = config("medusa", tiny_llama_dir, "eval.mode=tree",
                       "eval.tree.medusa_choices=[[0],[0,0],[0,0,0],[0,0,0,0]]")
     with pytest.raises(UserError, match="needs 4 Medusa heads; the head has 3"):
-        evaluate(too_deep, folder, tmp_path / "eval2", model=tiny[0])
+        evaluate(too_deep, folder, tmp_path / "eval2")
 
 
 def test_head_for_another_target_is_refused_before_decoding(tiny, tiny_llama_dir, tmp_path):
@@ -145,7 +145,7 @@ def test_head_for_another_target_is_refused_before_decoding(tiny, tiny_llama_dir
                                                          vocab_size=tiny[0].config.vocab_size))
     foreign = eagle_head(other, "other-target", tmp_path / "foreign", aux=[1, 2, 3])
     with pytest.raises(UserError, match="num_hidden_layers 6 != 8"):
-        evaluate(config("eagle3", tiny_llama_dir), foreign, tmp_path / "eval", model=tiny[0])
+        evaluate(config("eagle3", tiny_llama_dir), foreign, tmp_path / "eval")
     assert not (tmp_path / "eval").exists()
 
 
@@ -163,7 +163,7 @@ def test_aux_layer_ids_outside_the_target_are_refused(tiny, tiny_llama_dir, eagl
         r".*; train with head\.aux_layer_ids=\[a, b, c\]$"
     )
     with pytest.raises(UserError, match=expected):
-        evaluate(config("eagle3", tiny_llama_dir), bad, tmp_path / "eval", model=tiny[0])
+        evaluate(config("eagle3", tiny_llama_dir), bad, tmp_path / "eval")
 
 
 def test_greedy_verdict_tells_rounding_ties_from_mismatches():
@@ -197,7 +197,7 @@ def test_greedy_verdict_tells_rounding_ties_from_mismatches():
 def test_bad_eval_settings_are_refused(tiny, tiny_llama_dir, eagle_dir, tmp_path, override,
                                        message):
     with pytest.raises(UserError, match=message):
-        evaluate(config("eagle3", tiny_llama_dir, override), eagle_dir, tmp_path, model=tiny[0])
+        evaluate(config("eagle3", tiny_llama_dir, override), eagle_dir, tmp_path)
 
 
 def test_builtin_tasks_come_from_the_installed_packages():

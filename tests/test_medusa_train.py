@@ -14,7 +14,15 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conf.errors import UserError
-from conf.schema import DistConfig, LoggingConfig, MedusaConfig, OptimConfig, RootConfig, TargetConfig
+from conf.schema import (
+    DistConfig,
+    LoggingConfig,
+    MedusaConfig,
+    OptimConfig,
+    RootConfig,
+    TargetConfig,
+    derive,
+)
 from heads.medusa import TARGET_DIR, MedusaHead, load_joint_target
 from tests.conftest import TINY, run_train_cli, tiny_run_args
 from trainer.distributed import build_accelerator
@@ -160,7 +168,7 @@ def test_medusa2_lora_self_distilled_keeps_greedy_outputs(target, data, tmp_path
         print(f"\nMedusa-2 LoRA self-distilled: greedy tokens changed {100 * drift:.2f}%")
     assert drift < 0.05
 
-    cfg.resume, cfg.optim.max_steps = True, 32  # the peft-wrapped target resumes too
+    cfg = derive(cfg, {"resume": True, "optim.max_steps": 32})  # the peft-wrapped target resumes too
     _, resumed, _ = train(cfg, target, data)
     history = json.loads((tmp_path / "history.json").read_text())
     steps = [h["step"] for h in history if "loss" in h]

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conf.errors import UserError
-from conf.schema import LoggingConfig, MedusaConfig, OptimConfig, RootConfig, TargetConfig
+from conf.schema import EvalConfig, LoggingConfig, MedusaConfig, OptimConfig, RootConfig, TargetConfig
 from heads.medusa import MedusaHead
 from tests.conftest import TINY, run_train_cli, tiny_run_args
 from trainer.checkpoint import STATE_FILE
@@ -155,8 +155,8 @@ def test_medusa_heads_decode_with_their_tree(target):
     """`build_val_decoder` with the evaluator's shape (Medusa: its static tree), the validation
     prompts' answers cut off, and a refusal up front for a tree the heads cannot draft."""
     head = MedusaHead.from_target(target, "tiny", MedusaConfig(num_heads=4))
-    cfg = RootConfig(optim=OptimConfig(val_decode_prompts=3), head=MedusaConfig(num_heads=4))
-    cfg.eval.max_new_tokens = 8
+    cfg = RootConfig(optim=OptimConfig(val_decode_prompts=3), eval=EvalConfig(max_new_tokens=8),
+                     head=MedusaConfig(num_heads=4))
     tokenizer = SimpleNamespace(eos_token_id=0)
     decoder = build_val_decoder(cfg, MedusaTrainee(head, 0.8), (target, tokenizer), Samples(target, 1, 4))
     assert [p.tolist() for p in decoder.prompts] == [

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from conf.errors import UserError
 from conf.files import atomic_write_text, disk_full_is_one_line
 from conf.schema import OptimConfig, RootConfig
+from conf.sizes import Sizes
 from data_prep.capture import NONFINITE, overflow_message
 from trainer.batching import batch_loader, length_grouped_batches, packed_batches, shard_batches
 from trainer.checkpoint import (
@@ -262,7 +263,8 @@ def fit(
     optim = cfg.optim
     rank, world = accelerator.process_index, accelerator.num_processes
     per_epoch = steps_per_epoch(train_ds, optim, cfg.seed, world)
-    total_steps = optim.max_steps or optim.epochs * per_epoch
+    sizes = Sizes.of(cfg)  # the run's, or the defaults of sizes left unset
+    total_steps = sizes.max_steps or sizes.epochs * per_epoch
     groups = trainee.param_groups(optim.lr, optim.weight_decay)
     opt = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, optim.warmup_ratio))
@@ -368,7 +370,7 @@ def fit(
                 logger.log(state.step, {"loss": loss, "lr": sched.get_last_lr()[0]}, "train")
                 history.append({"step": state.step, "loss": loss})
             last = state.step == total_steps
-            if state.step % optim.val_every == 0 or last:
+            if state.step % sizes.val_every == 0 or last:
                 check()
                 began = time.perf_counter()
                 metrics = validation_metrics(accelerator, trainee, val_ds, cfg, capture)

@@ -47,7 +47,6 @@ one pass over more data served it best.
 
 from __future__ import annotations
 
-import copy
 import gc
 import json
 import math
@@ -58,9 +57,18 @@ from pathlib import Path
 
 from conf.errors import UserError
 from conf.files import atomic_write_text, read_json
-from conf.schema import EXPORT_FORMATS, OptimConfig, RootConfig
+from conf.schema import EXPORT_FORMATS, OptimConfig, RootConfig, derive
+from conf.sizes import Sizes
+from data_prep.prepare import prepare, regen_cache_file
 from data_prep.regenerate import read_cache
+from data_prep.store import CapturedDataset, load_manifest, online_capture
 from data_prep.target import Target
+from trainer.decoding import GREEDY, greedy_generate, speculative_generate
+from trainer.distributed import build_accelerator
+from trainer.evaluate.run import draft_shape, load_drafter, pass_schedule, resolve_mode
+from trainer.evaluate.tasks import encode_all, load_prompts
+from trainer.loop import fit, steps_per_epoch
+from trainer.trainees import build_trainee
 
 MARGIN = 0.06  # of the budget, kept back for the export and the noise in the measured rates
 PROBE_SAMPLES = 48  # conversations in the capture-and-train probe folder
@@ -69,6 +77,8 @@ PROBE_TOKENS = 16  # tokens the evaluator's decoder writes to time one token
 MAX_EPOCHS = 4  # the most epochs the re-check grows to when the source holds too few conversations
 VALIDATIONS = 10  # a planned run validates about this many times at most (and at its last step)
 MIN_CONVERSATIONS = PROBE_SAMPLES
+PROBE_SHARE = 0.25  # of the budget, the most the probes may take before the plan is made
+GENERATE_COST = 1.5  # transformers' `generate` per token, in greedy decoder tokens
 EXPORT_BYTES_PER_S = 200e6  # an export writes the head once per format
 PLAN_FILE = "plan.json"  # in the run_dir: what a resumed run plans with
 
@@ -112,9 +122,7 @@ class Plan:
                 + self.export_s)
 
     def line(self) -> str:
-        def m(s: float) -> str:
-            return f"{s / 60:.0f} min" if s >= 90 else f"{s:.0f} s"
-
+        m = _minutes
         return (
             f"plan: {self.conversations:,} conversations x {self.answers} answer"
             f"{'s' if self.answers > 1 else ''}, {self.epochs} epoch{'s' if self.epochs > 1 else ''}: "
@@ -225,41 +233,39 @@ def fit_steps(left_s: float, step_s: float, last_s: float, steps_per_epoch: int,
 
 
 def _probe_config(cfg: RootConfig, samples: int, hidden_states: str, run_dir: Path) -> RootConfig:
-    probe = copy.deepcopy(cfg)
-    probe.data.max_samples = samples
-    probe.data.hidden_states = hidden_states
-    probe.run_dir = str(run_dir)
-    probe.logging.progress = False
-    probe.logging.tensorboard = False
-    probe.logging.wandb = "disabled"
-    probe.optim.val_decode_prompts = 0
-    return probe
+    """The run's config for a quiet probe of `samples` conversations in `run_dir`."""
+    return derive(cfg, {
+        "data.max_samples": samples,
+        "data.hidden_states": hidden_states,
+        "run_dir": str(run_dir),
+        "logging.progress": False,
+        "logging.tensorboard": False,
+        "logging.wandb": "disabled",
+        "optim.val_decode_prompts": 0,
+        "optim.select_by": "simulated",
+    })
 
 
 def _manifest_rates(folder: Path) -> tuple[dict, float, int]:
     """(manifest, tokens per sample, samples) of a data folder."""
-    from data_prep.store import load_manifest
-
     manifest = load_manifest(folder)
     samples = sum(s["samples"] for s in manifest["splits"].values())
     tokens = sum(s["tokens"] for s in manifest["splits"].values())
     return manifest, tokens / max(samples, 1), samples
 
 
-def _regeneration_probe(cfg: RootConfig, target: Target, model, run_dir: Path) -> dict:
+def _regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> dict:
     """The first `batch_size` conversations regenerated into the cache (their ids into a
     throwaway online folder): new tokens/s, new and row tokens per conversation, how many
     conversations the cache holds now (free for the run: the probe's among them), and how many
     were probed."""
-    from data_prep.prepare import prepare, regen_cache_file
-
     d = cfg.data
     probed = {"rate": math.inf, "answer_tokens": 0.0, "row_tokens": None, "cached": 0, "samples": 0}
     if not d.regenerate.enabled:
         return probed
     cache = regen_cache_file(cfg, target.identity, target.chat_template)
     k = max(PROBE_SAMPLES, d.regenerate.batch_size // d.regenerate.num_samples)
-    folder = prepare(_probe_config(cfg, k, "online", run_dir), target=target, model=model)
+    folder = prepare(_probe_config(cfg, k, "online", run_dir), target=target)
     probed["cached"] = len(read_cache(cache))  # the probe's answers included: the run reuses them
     manifest, probed["row_tokens"], probed["samples"] = _manifest_rates(folder)
     shutil.rmtree(folder, ignore_errors=True)
@@ -272,19 +278,13 @@ def _regeneration_probe(cfg: RootConfig, target: Target, model, run_dir: Path) -
     return probed
 
 
-def _train_probe(cfg: RootConfig, target: Target, model, run_dir: Path, samples: int) -> dict:
+def _train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int) -> dict:
     """A folder of the first `samples` conversations captured (capture tokens/s) and up to
     `PROBE_STEPS` training steps of the chosen head on it, the last validated and saved (the
     rates and costs `Rates` names); also its tokens per conversation and the head's bytes. The
     head it trained stays in run_dir/head for the evaluation probe."""
-    from data_prep.prepare import prepare
-    from data_prep.store import CapturedDataset, online_capture
-    from trainer.distributed import build_accelerator
-    from trainer.loop import fit, steps_per_epoch
-    from trainer.train import build_trainee
-
     probe = _probe_config(cfg, samples, cfg.data.hidden_states, run_dir)
-    folder = prepare(probe, target=target, model=model)
+    folder = prepare(probe, target=target)
     manifest, row_tokens, _ = _manifest_rates(folder)
     train_ds = CapturedDataset(folder, "train")
     steps = min(PROBE_STEPS, steps_per_epoch(train_ds, probe.optim, probe.seed, 1))
@@ -294,12 +294,13 @@ def _train_probe(cfg: RootConfig, target: Target, model, run_dir: Path, samples:
             f"optim.batch_tokens={cfg.optim.batch_tokens}; size the run yourself with "
             "data.max_samples and optim.epochs (the budget is then off)"
         )
-    probe.optim.max_steps = probe.optim.val_every = probe.optim.save_every = steps
+    probe = derive(probe, {"optim.epochs": 1, "optim.max_steps": steps, "optim.val_every": steps,
+                           "optim.save_every": steps})
     acc = build_accelerator(probe.dist, probe.optim, str(run_dir))
-    trainee = build_trainee(probe, model, folder)
+    trainee = build_trainee(probe, target.model, folder)
     head_bytes = sum(p.numel() for p in trainee.parameters() if p.requires_grad) * 2
     val_ds = CapturedDataset(folder, "validation")
-    result = fit(probe, acc, trainee, train_ds, val_ds, run_dir, online_capture(manifest, model))
+    result = fit(probe, acc, trainee, train_ds, val_ds, run_dir, online_capture(manifest, target.model))
     del acc, trainee
     gc.collect()
     shutil.rmtree(folder, ignore_errors=True)
@@ -340,39 +341,65 @@ def _per_token_s(decode) -> float:
     return (time.perf_counter() - start) / PROBE_TOKENS
 
 
-def _evaluation_probe(cfg: RootConfig, target: Target, model, head_dir: Path) -> float:
+def evaluation_tokens(cfg: RootConfig, tasks: list[str]) -> tuple[float, float]:
+    """(greedy-decoder tokens, speculative-decoder tokens) the evaluator decodes for prompts of
+    `tasks`, from its own pass schedule (`trainer.evaluate.run.pass_schedule`): each prompt's
+    greedy baseline and speculative run, and the passes the schedule adds (prompt lookup, the
+    `generate` reference at `GENERATE_COST`, a sampled run's greedy check)."""
+    ev = cfg.eval
+    passes = pass_schedule(ev, tasks)
+    greedy = sum(1 + p.lookup + GENERATE_COST * p.reference for p in passes)
+    spec = sum(1 + p.greedy_check for p in passes)
+    return ev.max_new_tokens * greedy, ev.max_new_tokens * spec
+
+
+def _evaluation_probe(cfg: RootConfig, target: Target, head_dir: Path) -> float:
     """Seconds the evaluator will take: the greedy and speculative decoders' per-token times on
     the first prompt (the latter with the probe's head: an upper bound, module docstring), times
-    the tokens each decodes (greedy, prompt lookup if asked and the `generate` reference at 1.5
-    greedy tokens; the speculative run, twice when sampled)."""
-    from trainer.decoding import GREEDY, greedy_generate, speculative_generate
-    from trainer.evaluate.run import draft_shape, load_drafter, resolve_mode
-    from trainer.evaluate.tasks import encode_all, load_prompts
-
+    the tokens each decodes (`evaluation_tokens`)."""
     if not cfg.pipeline.evaluate:
         return 0.0
     ev = cfg.eval
     encoded = encode_all(target.tokenizer, load_prompts(ev), cfg.data)
     ids = encoded[0][1]
     shape = draft_shape(ev, resolve_mode(ev.mode, cfg.head.name))
-    drafter, verifier = load_drafter(head_dir, model, target.name, [shape])
+    drafter, verifier = load_drafter(head_dir, target.model, target.name, [shape])
     greedy = _per_token_s(lambda n: greedy_generate(verifier, ids, n, ()))
     spec = _per_token_s(lambda n: speculative_generate(verifier, drafter, ids, n, shape, GREEDY, ()))
-    tasks = len({task for task, _ in encoded})
-    references = len(encoded) if ev.reference == "generate" else tasks
-    greedy_passes = len(encoded) * (1 + ("prompt_lookup" in ev.baselines)) + 1.5 * references
-    spec_passes = len(encoded) * (1 + (ev.temperature > 0))
-    return ev.max_new_tokens * (greedy * greedy_passes + spec * spec_passes)
+    greedy_tokens, spec_tokens = evaluation_tokens(cfg, [task for task, _ in encoded])
+    return greedy * greedy_tokens + spec * spec_tokens
 
 
-def measure(cfg: RootConfig, target: Target, model) -> Rates:
-    """Run the probes on the run's target and its loaded weights (module docstring)."""
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def _within_share(cfg: RootConfig, started: float, after: str) -> None:
+    """Stop when the probes have taken more than `PROBE_SHARE` of the budget: what is left could
+    not hold a useful run, and the plan would only say so later (a slow target, a large
+    vocabulary)."""
+    spent, budget_s = time.perf_counter() - started, cfg.budget_s
+    if spent > PROBE_SHARE * budget_s:
+        raise UserError(
+            f"budget={cfg.budget}: the probes took {_minutes(spent)} by the end of the {after} "
+            f"probe, more than {PROBE_SHARE:.0%} of the budget; give a budget of at least "
+            f"{_duration(spent / PROBE_SHARE)}, or size the run yourself with data.max_samples "
+            "and optim.epochs (the budget is then off)"
+        )
+
+
+def measure(cfg: RootConfig, target: Target) -> Rates:
+    """Run the probes on the run's target and its loaded weights (module docstring), each
+    checked against `PROBE_SHARE` of the budget."""
     started = time.perf_counter()
     run_dir = Path(cfg.run_dir) / "plan-probe"
     try:
-        regenerated = _regeneration_probe(cfg, target, model, run_dir)
-        trained = _train_probe(cfg, target, model, run_dir, train_probe_samples(cfg, regenerated))
-        evaluate_s = _evaluation_probe(cfg, target, model, run_dir / "head")
+        regenerated = _regeneration_probe(cfg, target, run_dir)
+        _within_share(cfg, started, "regeneration")
+        trained = _train_probe(cfg, target, run_dir, train_probe_samples(cfg, regenerated))
+        _within_share(cfg, started, "training")
+        evaluate_s = _evaluation_probe(cfg, target, run_dir / "head")
+        _within_share(cfg, started, "evaluation")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     formats = len(cfg.export.formats or EXPORT_FORMATS[cfg.head.name]) if cfg.pipeline.export else 0
@@ -391,45 +418,72 @@ def measure(cfg: RootConfig, target: Target, model) -> Rates:
 def schedule(cfg: RootConfig, epochs: int) -> Schedule:
     """The run's `Schedule` at `epochs`: its cadence planned unless `optim.val_every` was given."""
     o = cfg.optim
-    val_every = None if cfg.plan_val_every else o.val_every
-    return Schedule(epochs, cfg.data.regenerate.num_samples, 1 - cfg.data.val_fraction, val_every,
+    return Schedule(epochs, cfg.data.regenerate.num_samples, 1 - cfg.data.val_fraction, o.val_every,
                     o.save_every)
+
+
+def _duration(seconds: float) -> str:
+    """A `budget=` value at least `seconds` long, in whole minutes."""
+    minutes = math.ceil(seconds / 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m"
+
+
+def unmet_line(cfg: RootConfig, plan: Plan) -> str:
+    """The one line a plan that cannot fit its budget stops with: what the smallest plan takes,
+    its largest stage, and the settings that would make it fit."""
+    stages = {"probes": plan.spent_s, "regenerate": plan.regenerate_s, "capture": plan.capture_s,
+              "train": plan.train_s, "evaluate": plan.evaluate_s, "export": plan.export_s}
+    largest = max(stages, key=stages.get)
+    fixes = [f"budget={_duration(plan.total_s / (1 - MARGIN))}"]
+    if largest == "evaluate":
+        ev = cfg.eval
+        fixes.append(f"fewer eval.max_prompts_per_task (now {ev.max_prompts_per_task}) or "
+                     f"eval.max_new_tokens (now {ev.max_new_tokens})")
+    fixes.append("data.max_samples and optim.epochs given yourself (the budget is then off)")
+    return (
+        f"budget={cfg.budget}: even the smallest plan ({plan.conversations} conversations, "
+        f"{plan.epochs} epochs) takes {plan.total_s / 60:.1f} min, {largest} alone "
+        f"~{_minutes(stages[largest])}; it would fit with " + ", or ".join(fixes)
+    )
 
 
 def plan_file(cfg: RootConfig) -> Path:
     return Path(cfg.run_dir) / PLAN_FILE
 
 
-def apply(cfg: RootConfig, record: dict) -> None:
-    """Set the sizes and the validation cadence a plan record decided (the re-check's steps once
-    it has run)."""
-    cfg.data.max_samples = record["plan"]["conversations"]
-    cfg.optim.epochs = record["plan"]["epochs"]
-    cfg.optim.val_every = record["plan"].get("val_every", OptimConfig.DEFAULT_VAL_EVERY)
-    if "recheck" in record:
-        cfg.optim.epochs = record["recheck"]["epochs"]
-        cfg.optim.max_steps = record["recheck"].get("stopped_at", record["recheck"]["steps"])
+def sizes_of(record: dict, answers: int) -> Sizes:
+    """The sizes a plan record decided (and its re-check's steps once it has run)."""
+    plan, recheck = record["plan"], record.get("recheck")
+    return Sizes(
+        conversations=plan["conversations"],
+        answers=answers,
+        epochs=recheck["epochs"] if recheck else plan["epochs"],
+        val_every=plan.get("val_every", OptimConfig.DEFAULT_VAL_EVERY),
+        max_steps=recheck.get("stopped_at", recheck["steps"]) if recheck else 0,
+    )
 
 
-def plan_run(cfg: RootConfig, target: Target, model, started: float) -> dict:
-    """Measure, plan, print the plan line and set `cfg.data.max_samples` and `cfg.optim.epochs`;
-    returns the record summary.json keeps (`plan`, `rates`). A resumed run (`resume=true`) takes
-    the interrupted run's record from its run_dir instead: the data folder and the learning-rate
-    schedule must be the ones its checkpoints were made with."""
+def plan_run(cfg: RootConfig, target: Target, started: float) -> tuple[Sizes, dict]:
+    """Measure, plan and print the plan line: the sizes that fill the budget, and the record
+    summary.json keeps (`plan`, `rates`). A plan whose smallest size still does not fit stops
+    here, in one line, before the data stage (`unmet_line`). A resumed run (`resume=true`)
+    takes the interrupted run's record from its run_dir instead: the data folder and the
+    learning-rate schedule must be the ones its checkpoints were made with."""
+    answers = cfg.data.regenerate.num_samples
     if cfg.resume and plan_file(cfg).exists():
         record = read_json(plan_file(cfg), "resume=true: the interrupted run's plan")
-        apply(cfg, record)
-        print(f"plan: {cfg.data.max_samples:,} conversations, {cfg.optim.epochs} epochs, as planned "
+        sizes = sizes_of(record, answers)
+        print(f"plan: {sizes.conversations:,} conversations, {sizes.epochs} epochs, as planned "
               f"before the interruption ({plan_file(cfg)})", flush=True)
-        return record
-    rates = measure(cfg, target, model)
-    plan = make_plan(cfg.plan_budget_s, time.perf_counter() - started, rates,
-                     schedule(cfg, policy_epochs(cfg)))
+        return sizes, record
+    rates = measure(cfg, target)
+    plan = make_plan(cfg.budget_s, time.perf_counter() - started, rates, schedule(cfg, policy_epochs(cfg)))
+    if plan.total_s > plan.budget_s:
+        raise UserError(unmet_line(cfg, plan))
     record = {"plan": asdict(plan), "rates": asdict(rates)}
-    apply(cfg, record)
     atomic_write_text(plan_file(cfg), json.dumps(record, indent=2))
     print(plan.line(), flush=True)
-    return record
+    return sizes_of(record, answers), record
 
 
 def note_stop(cfg: RootConfig, record: dict, steps: int) -> None:
@@ -448,25 +502,26 @@ def training_deadline(record: dict, started: float) -> float:
     return started + plan["budget_s"] * (1 - MARGIN) - plan["evaluate_s"] - plan["export_s"]
 
 
-def recheck(cfg: RootConfig, record: dict, started: float, train_ds, val_ds, samples: int) -> None:
-    """After the data stage (`samples` rows built): set `cfg.optim.max_steps` (and epochs) to what
-    the budget has left, with the time really spent so far; the record gains what was decided."""
-    from trainer.loop import steps_per_epoch
-
-    if "recheck" in record:  # resumed: decided before the interruption
-        return
-    plan, rates = record["plan"], Rates(**record["rates"])
-    left = training_deadline(record, started) - time.perf_counter()
-    per_epoch = steps_per_epoch(train_ds, cfg.optim, cfg.seed, 1)
-    short = samples < 0.9 * plan["conversations"] * plan["answers"]  # the source ran out
-    between, last = between_steps_s(rates, sum(val_ds.lengths), cfg.optim.val_every, cfg.optim.save_every)
-    step_s = sum(train_ds.lengths) / max(per_epoch, 1) / rates.train_tokens_per_s + between
-    epochs, steps = fit_steps(left, step_s, last, per_epoch, cfg.optim.epochs, short)
-    cfg.optim.epochs, cfg.optim.max_steps = epochs, steps
-    record["recheck"] = {"train_left_s": round(left, 1), "epochs": epochs, "steps": steps,
-                         "steps_per_epoch": per_epoch, "short_of_data": short}
-    atomic_write_text(plan_file(cfg), json.dumps(record, indent=2))
-    if steps < epochs * per_epoch or short:
-        print(f"plan: {steps} training steps ({epochs} epochs of {per_epoch}) fit the "
-              f"{left / 60:.1f} min left", flush=True)
-
+def recheck(cfg: RootConfig, record: dict, started: float, train_ds, val_ds, samples: int) -> Sizes:
+    """After the data stage (`samples` rows built), with `cfg` carrying the plan's sizes: the
+    sizes the budget has left room for, measured with the time really spent so far (the steps,
+    and epochs when the source ran short), with the training deadline; the record gains what was
+    decided (a resumed run's record holds it already)."""
+    answers = cfg.data.regenerate.num_samples
+    deadline = training_deadline(record, started)
+    if "recheck" not in record:
+        plan, rates = record["plan"], Rates(**record["rates"])
+        left = deadline - time.perf_counter()
+        per_epoch = steps_per_epoch(train_ds, cfg.optim, cfg.seed, 1)
+        short = samples < 0.9 * plan["conversations"] * plan["answers"]  # the source ran out
+        between, last = between_steps_s(rates, sum(val_ds.lengths), cfg.optim.val_every,
+                                        cfg.optim.save_every)
+        step_s = sum(train_ds.lengths) / max(per_epoch, 1) / rates.train_tokens_per_s + between
+        epochs, steps = fit_steps(left, step_s, last, per_epoch, cfg.optim.epochs, short)
+        record["recheck"] = {"train_left_s": round(left, 1), "epochs": epochs, "steps": steps,
+                             "steps_per_epoch": per_epoch, "short_of_data": short}
+        atomic_write_text(plan_file(cfg), json.dumps(record, indent=2))
+        if steps < epochs * per_epoch or short:
+            print(f"plan: {steps} training steps ({epochs} epochs of {per_epoch}) fit the "
+                  f"{left / 60:.1f} min left", flush=True)
+    return Sizes(**{**asdict(sizes_of(record, answers)), "deadline": deadline})

@@ -20,33 +20,31 @@ from omegaconf import DictConfig
 from conf.compose import hydra_main
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import RootConfig, to_root_config
+from conf.sizes import Sizes
 from data_prep.masks import attention_layout
+from data_prep.prepare import check_source, prepare
+from data_prep.store import CapturedDataset, load_manifest, online_capture
 from data_prep.target import Target, resolve_target
+from heads.export import export_head, formats_for
 from trainer.checkpoint import latest_checkpoint
+from trainer.distributed import build_accelerator
+from trainer.evaluate.run import evaluate
+from trainer.loop import fit
+from trainer.plan import note_stop, plan_run, recheck
+from trainer.trainees import build_trainee
+from trainer.val_decode import build_val_decoder
 
 
-def build_trainee(cfg: RootConfig, target, data_dir: Path):
-    if cfg.head.name == "eagle3":
-        from trainer.eagle3_trainee import build_eagle3_trainee
-
-        return build_eagle3_trainee(cfg, target, data_dir)
-    from trainer.medusa_trainee import build_medusa_trainee
-
-    return build_medusa_trainee(cfg, target, data_dir)
-
-
-def prepare_data(cfg: RootConfig, acc, target: Target, model) -> Path:
+def prepare_data(cfg: RootConfig, acc, target: Target) -> Path:
     """The data folder on every rank, built once per file system: global rank 0 first; then the
     first rank of each other node reuses it (a shared file system) or builds its own copy
     (node-local disks, from the same config the same bytes); then every other rank reuses its
     node's. A barrier closes each turn."""
-    from data_prep.prepare import prepare
-
     turn = 0 if acc.is_main_process else 1 if acc.is_local_main_process else 2
     folder = None
     for now in range(3):
         if now == turn:
-            folder = prepare(cfg, target=target, model=model)
+            folder = prepare(cfg, target=target)
         acc.wait_for_everyone()
     return folder
 
@@ -64,20 +62,19 @@ class Stages:
         self._last = now
 
 
-def plan_budget(cfg: RootConfig, acc, target: Target, model, started: float) -> dict | None:
-    """`budget=...` (`trainer.plan`): size the data and epochs from measured rates, or None when
-    there is no budget or explicit sizes switched it off. The probes run in one process, so a
-    multi-process run keeps the sizes' defaults and says so."""
-    if cfg.plan_budget_s is None:
-        return None
+def decide_sizes(cfg: RootConfig, acc, target: Target, started: float) -> tuple[Sizes, dict | None]:
+    """The run's sizes, decided once: the user's (or their defaults), or the time budget's plan
+    (`trainer.plan`) with its record. The probes run in one process, so a multi-process run
+    keeps the user's sizes and says so."""
+    if cfg.budget_s is None:
+        return Sizes.of(cfg), None
     if acc.num_processes > 1:
+        sizes = Sizes.of(cfg)
         if acc.is_main_process:
             print(f"budget={cfg.budget}: not planned across {acc.num_processes} processes; "
-                  f"data.max_samples={cfg.data.max_samples}, optim.epochs={cfg.optim.epochs}")
-        return None
-    from trainer.plan import plan_run
-
-    return plan_run(cfg, target, model, started)
+                  f"data.max_samples={sizes.conversations}, optim.epochs={sizes.epochs}")
+        return sizes, None
+    return plan_run(cfg, target, started)
 
 
 def decodes_on_static_caches(cfg: RootConfig) -> bool:
@@ -89,13 +86,28 @@ def decodes_on_static_caches(cfg: RootConfig) -> bool:
     return own_regen or cfg.optim.val_decode_prompts > 0 or cfg.pipeline.evaluate
 
 
-def run(cfg: RootConfig) -> dict:
-    from data_prep.prepare import check_source
-    from data_prep.store import CapturedDataset, load_manifest, online_capture
-    from trainer.distributed import build_accelerator
-    from trainer.loop import fit
-    from trainer.val_decode import build_val_decoder
+def export_all(cfg: RootConfig, head_dir: str, run_dir: Path, target: Target) -> list[str]:
+    """Every export format of the head (or `export.formats`), each into `<out>/<format>`."""
+    eval_json = run_dir / "eval" / "eval.json"
+    out_root = Path(cfg.export.out_dir or run_dir / "export")
+    return [
+        str(export_head(
+            head_dir,
+            fmt,
+            out_root / fmt,
+            target_model=target.model,
+            eval_json=eval_json if eval_json.exists() else None,
+            dtype=cfg.export.dtype,
+            num_speculative_tokens=cfg.eval.num_speculative_tokens,
+            license=cfg.export.license,
+        )[0])
+        for fmt in formats_for(head_dir, cfg.export.formats)
+    ]
 
+
+def run(cfg: RootConfig) -> dict:
+    """The main job on `cfg` (left as it is: the sizes decided here go on in a derived config,
+    which config.json records)."""
     started = time.perf_counter()
     run_dir = Path(cfg.run_dir)
     if cfg.resume and latest_checkpoint(run_dir) is None:
@@ -106,35 +118,29 @@ def run(cfg: RootConfig) -> dict:
     check_source(cfg)
     torch.manual_seed(cfg.seed)
     acc = build_accelerator(cfg.dist, cfg.optim, str(run_dir))
-    if cfg.target.device == "auto":
-        cfg.target.device = str(acc.device)
-    target = resolve_target(cfg)  # once: every stage below gets this one
+    target = resolve_target(cfg, acc.device)  # once: every stage below gets this one
     if decodes_on_static_caches(cfg):
         attention_layout(target.config)  # refused before any weights load
-    model = target.load_model(cfg.target)
+    model = target.model
     stages = Stages(started)
-    budget = plan_budget(cfg, acc, target, model, started)
+    sizes, budget = decide_sizes(cfg, acc, target, started)
     if budget is not None:
         stages.done("probes")
-    data_dir = prepare_data(cfg, acc, target, model)
+    cfg = sizes.apply(cfg)
+    data_dir = prepare_data(cfg, acc, target)
     stages.done("data")
     manifest = load_manifest(data_dir)
     train_ds = CapturedDataset(data_dir, "train")
     val_ds = CapturedDataset(data_dir, "validation")
     samples = sum(s["samples"] for s in manifest["splits"].values())
-    deadline = None
     if budget is not None:
-        from trainer.plan import recheck, training_deadline
-
-        recheck(cfg, budget, started, train_ds, val_ds, samples)
-        deadline = training_deadline(budget, started)
+        sizes = recheck(cfg, budget, started, train_ds, val_ds, samples)
+        cfg = sizes.apply(cfg)
     trainee = build_trainee(cfg, model, data_dir)
     val_decode = build_val_decoder(cfg, trainee, (model, target.tokenizer), val_ds)
     capture = online_capture(manifest, model)
-    result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode, deadline)
+    result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode, sizes.deadline)
     if budget is not None:
-        from trainer.plan import note_stop
-
         note_stop(cfg, budget, result["steps"])
     stages.done("train")
     summary = {
@@ -147,34 +153,15 @@ def run(cfg: RootConfig) -> dict:
     }
     if acc.is_main_process:
         if cfg.pipeline.evaluate:
-            from trainer.evaluate.run import evaluate
-
-            report = evaluate(cfg, result["head_dir"], run_dir / "eval", target=target, model=model)
+            report = evaluate(cfg, result["head_dir"], run_dir / "eval", target=target)
             summary["eval_dir"] = str(run_dir / "eval")
             summary["mean_acceptance_length"] = report["overall"]["mean_acceptance_length"]
             stages.done("evaluate")
         if cfg.pipeline.export:
-            from heads.export import export_head, formats_for
-
-            eval_json = run_dir / "eval" / "eval.json"
-            out_root = Path(cfg.export.out_dir or run_dir / "export")
-            summary["exports"] = [
-                str(
-                    export_head(
-                        result["head_dir"],
-                        fmt,
-                        out_root / fmt,
-                        target_model=model,
-                        eval_json=eval_json if eval_json.exists() else None,
-                        dtype=cfg.export.dtype,
-                        num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                        license=cfg.export.license,
-                    )[0]
-                )
-                for fmt in formats_for(result["head_dir"], cfg.export.formats)
-            ]
+            summary["exports"] = export_all(cfg, result["head_dir"], run_dir, target)
             stages.done("export")
         summary["stages_s"] = stages.seconds
+        summary["sizes"] = dataclasses.asdict(sizes)
         if budget is not None:
             summary["budget"] = budget
         summary["wall_time_s"] = round(time.perf_counter() - started, 1)

@@ -10,7 +10,7 @@ is decoded; `eval.save_outputs` writes every speculative output, so anyone can c
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -100,11 +100,33 @@ def tie_tolerance(dtype: torch.dtype, top_logit: float) -> float:
     return 4 * torch.finfo(dtype).eps * max(1.0, abs(top_logit))
 
 
-def checks_reference(cfg: EvalConfig, index: int) -> bool:
-    """Whether prompt `index` of its task has its greedy baseline held to the target's own
-    `generate`: every prompt with `eval.reference=generate`, else each task's first (a fault in
-    the static caches shows on any prompt longer than a sliding window)."""
-    return cfg.reference == "generate" or index == 0
+@dataclass(frozen=True)
+class Passes:
+    """The decodes the evaluator makes for one prompt besides its greedy baseline and its
+    speculative run. The loop below runs exactly these, and the time budget (`trainer.plan`)
+    costs exactly these, so a new pass cannot make every budget too small without a word."""
+
+    index: int  # the prompt's place within its task
+    lookup: bool  # the prompt-lookup baseline (`eval.baselines`)
+    reference: bool  # the greedy baseline held to the target's own `generate`
+    greedy_check: bool  # a sampled evaluation's second, greedy speculative run (the lossless check)
+
+
+def pass_schedule(cfg: EvalConfig, tasks: list[str]) -> list[Passes]:
+    """The passes of each prompt, given each prompt's task in order. The reference runs on every
+    prompt with `eval.reference=generate`, else on each task's first (a fault in the static
+    caches shows on any prompt longer than a sliding window)."""
+    seen: dict[str, int] = {}
+    passes = []
+    for task in tasks:
+        seen[task] = index = seen.get(task, -1) + 1
+        passes.append(Passes(
+            index=index,
+            lookup="prompt_lookup" in cfg.baselines,
+            reference=cfg.reference == "generate" or index == 0,
+            greedy_check=cfg.temperature > 0,
+        ))
+    return passes
 
 
 @torch.no_grad()
@@ -127,21 +149,19 @@ def greedy_verdict(model, prompt: torch.Tensor, plain: list[int], spec: list[int
 
 
 def evaluate(
-    cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target: Target | None = None, model=None
+    cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target: Target | None = None
 ) -> dict:
     """Evaluate the head at `head_path`; write eval.json/eval.md/acceptance.png to `out_dir`.
 
     target: the run's resolved `cfg.target` (`data_prep.target.resolve_target`) when the caller
-    holds it; None resolves it here. model: its weights when the caller has them loaded already;
-    None loads them, after the attention check that needs the config alone. Returns the eval.json
-    object.
+    holds it; None resolves it here. Its weights load after the attention check that needs the
+    config alone. Returns the eval.json object.
     """
     ev = cfg.eval
     prompts = load_prompts(ev)
     target = resolve_target(cfg) if target is None else target
-    if model is None:
-        attention_layout(target.config)  # refused before any weights load
-        model = target.load_model(cfg.target)
+    attention_layout(target.config)  # refused before any weights load
+    model = target.model
     tokenizer = target.tokenizer
     mode = resolve_mode(ev.mode, head_kind(head_path))
     shape = draft_shape(ev, mode)
@@ -158,23 +178,22 @@ def evaluate(
     greedy_generate(verifier, encoded[0][1], 8, eos)
     spec(encoded[0][1], max_new_tokens=8)
     progress = EvalProgress(len(encoded), cfg.logging.progress)
-    records, outputs, index = [], [], {}
-    for task, ids in encoded:
-        index[task] = index.get(task, -1) + 1
+    records, outputs = [], []
+    for (task, ids), passes in zip(encoded, pass_schedule(ev, [task for task, _ in encoded])):
         greedy = greedy_generate(verifier, ids, ev.max_new_tokens, eos)
         run = spec(ids)
-        check = run if sampling.greedy else spec(ids, GREEDY)
+        check = spec(ids, GREEDY) if passes.greedy_check else run
         lookup = None
-        if "prompt_lookup" in ev.baselines:
+        if passes.lookup:
             lookup = prompt_lookup_generate(
                 verifier, ids, ev.max_new_tokens, eos, ev.prompt_lookup_num_tokens
             ).stats
         verdict = greedy_verdict(verifier, ids, greedy.tokens, check.tokens)
         reference = None
-        if checks_reference(ev, index[task]):
+        if passes.reference:
             made = reference_generate(verifier, ids, ev.max_new_tokens, eos)
             reference = greedy_verdict(verifier, ids, made, greedy.tokens)
-        records.append(Record(task, run.stats, greedy.stats, lookup, verdict, reference, index[task]))
+        records.append(Record(task, run.stats, greedy.stats, lookup, verdict, reference, passes.index))
         outputs.append({"task": task, "prompt_ids": ids.tolist(), "output_ids": run.tokens})
         progress.show(records)
     progress.close()
