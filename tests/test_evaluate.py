@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from conf.compose import compose_root
 from conf.errors import UserError
 from conf.schema import Eagle3Config, MedusaConfig
-from data_prep.target import load_target
+from data_prep.target import load_target, resolve_target
 from heads.eagle3 import Eagle3Head
 from heads.folder import CONFIG_NAME
 from heads.medusa import MedusaHead
@@ -84,7 +84,11 @@ def test_evaluate_writes_the_report(tiny, tiny_llama_dir, eagle_dir, tmp_path):
 
 def test_evaluate_shows_progress_in_logs(tiny, tiny_llama_dir, eagle_dir, tmp_path, capsys):
     # capsys' stderr is no terminal, as in CI or a log file: plain lines, no bar.
-    result = evaluate(config("eagle3", tiny_llama_dir), eagle_dir, tmp_path)
+    cfg = config("eagle3", tiny_llama_dir)
+    target = resolve_target(cfg)
+    assert target.model is target.model  # loaded once, before the evaluation's own lines
+    capsys.readouterr()
+    result = evaluate(cfg, eagle_dir, tmp_path, target=target)
     o = result["overall"]
     assert capsys.readouterr().err.splitlines() == [
         f"eval: 2/2 prompts, {fmt(o['spec_tokens_per_s'])} tokens/s, "

@@ -145,3 +145,22 @@ def test_explicit_sizes_win_over_the_budget(tiny_llama_dir, tmp_path):
     assert "plan: " not in proc.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert "budget" not in summary and summary["data_samples"] <= 24
+
+
+@pytest.mark.slow
+def test_a_budget_the_evaluation_alone_exceeds_stops_before_the_data_stage(tiny_llama_dir, tmp_path):
+    """Evaluating 40 prompts per task at 1,500 tokens each takes far more than 3 minutes, even on
+    a tiny target: one line naming the evaluation and the settings that would fit, before any data
+    folder is built, and a non-zero exit."""
+    run_dir = tmp_path / "run"
+    proc = run_train_cli(budget_args(tiny_llama_dir, run_dir, "budget=3m", "eval.max_prompts_per_task=40",
+                                     "eval.max_new_tokens=1500"))
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: budget=3m: even the smallest plan (48 conversations, 2 epochs) "), last
+    assert "evaluate alone" in last and "eval.max_prompts_per_task (now 40)" in last
+    assert "plan: " not in proc.stdout and "Traceback" not in proc.stderr
+    cache = run_dir.parent / "data-cache"
+    assert not list(cache.rglob("manifest.json"))  # no data folder: the probes' are removed
+    left = {p.name for p in run_dir.iterdir()} if run_dir.exists() else set()
+    assert not left & {"head", "checkpoints", "summary.json", "plan.json"}
