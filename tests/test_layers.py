@@ -1,6 +1,8 @@
 """The packages form layers, each importing only those below it:
 conf <- heads <- data_prep <- trainer <- scripts. An upward import (even one inside a function)
-is the loop that made `cfg` hard to follow, so it fails here, naming the file and line."""
+is the loop that made `cfg` hard to follow, so it fails here, naming the file and line; and no
+two modules import each other, directly or around a longer loop (function-level imports count:
+they hide a cycle, they do not remove it)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,59 @@ def imported_packages(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports anywhere in its text. `from a.b import c` names
+    the module a.b.c when there is one, else a.b (a package's `__init__`)."""
+    paths = {module_name(p): p for layer in LAYERS for p in (ROOT / layer).rglob("*.py")}
+
+    def known(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in paths.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {known(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {known(f"{node.module}.{alias.name}") for alias in node.names}
+        graph[name] = found - {None, name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import loops of `graph`: each strongly connected set of two or more modules, sorted."""
+    order, low, stack, loops = {}, {}, [], []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            loop = []
+            while not loop or loop[-1] != v:
+                loop.append(stack.pop())
+            if len(loop) > 1:
+                loops.append(sorted(loop))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return loops
+
+
 def upward_imports() -> list[str]:
     bad = []
     for rank, layer in enumerate(LAYERS):
@@ -40,3 +95,14 @@ def test_the_walk_sees_nested_imports(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("import os\n\ndef f():\n    from trainer.loop import fit\n    import heads.eagle3\n")
     assert imported_packages(module) == [(1, "os"), (4, "trainer"), (5, "heads")]
+
+
+def test_no_two_modules_import_each_other():
+    assert cycles(import_graph()) == []
+
+
+def test_a_loop_through_a_function_level_import_is_found():
+    graph = {"trainer.train": {"trainer.plan"}, "trainer.plan": {"trainer.loop", "trainer.train"},
+             "trainer.loop": set(), "conf.schema": set()}
+    assert cycles(graph) == [["trainer.plan", "trainer.train"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
