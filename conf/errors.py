@@ -22,10 +22,20 @@ def exit_on_user_error(fn: Callable[..., T]) -> Callable[..., T]:
         try:
             return fn(*args, **kwargs)
         except UserError as err:
+            _close_progress_bars()
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
 
     return wrapper
+
+
+def _close_progress_bars() -> None:
+    """A stage that fails leaves its progress bar open, and an open bar redraws itself when the
+    interpreter exits, after the error line; closed first, the error is the last line shown."""
+    from tqdm import tqdm
+
+    for bar in list(tqdm._instances):  # tqdm's own registry of open bars
+        bar.close()
 
 
 def first_line(err: BaseException) -> str:

@@ -42,11 +42,12 @@ def flip_byte(path: Path) -> None:
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
-    """The one `error:` line of a command that exited 2, with no traceback (the target loading's
-    progress bar may precede it on stderr)."""
+    """The one `error:` line of a command that exited 2, with no traceback, the last line shown
+    (the target loading's progress bar may precede it on stderr, a stage's bar never follows it)."""
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == errors[0], proc.stderr[-3000:]  # nothing after it
     return errors[0]
 
 
