@@ -53,7 +53,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from conf.errors import UserError
@@ -294,7 +294,9 @@ def _train_probe(cfg: RootConfig, target: Target, model, run_dir: Path, samples:
             f"optim.batch_tokens={cfg.optim.batch_tokens}; size the run yourself with "
             "data.max_samples and optim.epochs (the budget is then off)"
         )
-    probe.optim.max_steps = probe.optim.val_every = probe.optim.save_every = steps
+    probe = replace(
+        probe, optim=replace(probe.optim, max_steps=steps, val_every=steps, save_every=steps)
+    )
     acc = build_accelerator(probe.dist, probe.optim, str(run_dir))
     trainee = build_trainee(probe, model, folder)
     head_bytes = sum(p.numel() for p in trainee.parameters() if p.requires_grad) * 2
@@ -303,18 +305,14 @@ def _train_probe(cfg: RootConfig, target: Target, model, run_dir: Path, samples:
     del acc, trainee
     gc.collect()
     shutil.rmtree(folder, ignore_errors=True)
-    between = result["between_steps"]
-
-    def each(what: str, count: str) -> float:
-        return between.get(what, 0.0) / max(between.get(count, 0), 1)
-
+    between = result.between_steps
     return {
         "capture_tokens_per_s": manifest.get("capture_tokens_per_s", math.inf),
-        "train_tokens_per_s": result["step_tokens_per_s"],
-        "tokens_per_step": result["tokens_per_step"],
-        "validate_s_per_token": each("validate_s", "validations") / max(sum(val_ds.lengths), 1),
-        "save_best_s": each("save_best_s", "best_saves"),
-        "checkpoint_s": each("checkpoint_s", "checkpoints"),
+        "train_tokens_per_s": result.step_tokens_per_s,
+        "tokens_per_step": result.tokens_per_step,
+        "validate_s_per_token": between.per_validation() / max(sum(val_ds.lengths), 1),
+        "save_best_s": between.per_best_save(),
+        "checkpoint_s": between.per_checkpoint(),
         "row_tokens": row_tokens,
         "head_bytes": head_bytes,
     }

@@ -135,7 +135,7 @@ def run(cfg: RootConfig) -> dict:
     if budget is not None:
         from trainer.plan import note_stop
 
-        note_stop(cfg, budget, result["steps"])
+        note_stop(cfg, budget, result.steps)
     stages.done("train")
     summary = {
         "run_dir": str(run_dir),
@@ -143,13 +143,13 @@ def run(cfg: RootConfig) -> dict:
         "hidden_states": manifest.get("hidden_states", "offline"),
         "data_samples": samples,
         "data_tokens": sum(s["tokens"] for s in manifest["splits"].values()),
-        **result,
+        **result.summary(),
     }
     if acc.is_main_process:
         if cfg.pipeline.evaluate:
             from trainer.evaluate.run import evaluate
 
-            report = evaluate(cfg, result["head_dir"], run_dir / "eval", target=target, model=model)
+            report = evaluate(cfg, result.head_dir, run_dir / "eval", target=target, model=model)
             summary["eval_dir"] = str(run_dir / "eval")
             summary["mean_acceptance_length"] = report["overall"]["mean_acceptance_length"]
             stages.done("evaluate")
@@ -161,7 +161,7 @@ def run(cfg: RootConfig) -> dict:
             summary["exports"] = [
                 str(
                     export_head(
-                        result["head_dir"],
+                        result.head_dir,
                         fmt,
                         out_root / fmt,
                         target_model=model,
@@ -171,7 +171,7 @@ def run(cfg: RootConfig) -> dict:
                         license=cfg.export.license,
                     )[0]
                 )
-                for fmt in formats_for(result["head_dir"], cfg.export.formats)
+                for fmt in formats_for(result.head_dir, cfg.export.formats)
             ]
             stages.done("export")
         summary["stages_s"] = stages.seconds
