@@ -17,6 +17,12 @@ depends on values) waits for every kernel queued before it, and the GPU idles un
 ones are launched. Values are read at logging, validation and checkpoint steps only; that is
 also where the record of non-finite values each step keeps on the device is read
 (`trainer.health`): one stops the run in one line, before anything is kept.
+
+`fit` is one loop over named steps: `optimizer_steps` trains up to each optimizer step, then
+`log`, `validate` and `checkpoint` run at their cadences. What they call between steps lives in
+modules of its own: the non-finite guard (`trainer.health`), the time budget's deadline
+(`trainer.deadline`), the timing of steps and of the work between them (`trainer.costs`),
+collapse detection (`trainer.collapse`) and the kept head (`trainer.selection`).
 """
 
 from __future__ import annotations
