@@ -263,7 +263,8 @@ def fit(
     """Train, validating every `val_every` steps; the best head (by `selection_score`) goes to
     run_dir/head. `capture`: online mode's per-batch target forward (None: the data holds the
     hidden states). `val_decode`: decoded validation (`trainer.val_decode`; None: off).
-    `deadline`: `trainer.deadline` (None: train the planned steps)."""
+    `deadline`: a `time.perf_counter()` value; the step that ends past it is the last, validated
+    and saved as the last step is (`trainer.deadline`; None: train the planned steps)."""
     optim, world = cfg.optim, accelerator.num_processes
     per_epoch = steps_per_epoch(train_ds, optim, cfg.seed, world)
     if per_epoch == 0:
@@ -348,14 +349,13 @@ def optimizer_steps(
     end of each optimizer step. The caller counts the step and stops at `total` or before."""
     cfg, acc, state = run.cfg, run.accelerator, run.state
     rank, world = acc.process_index, acc.num_processes
-    index = acc.unwrap_model(run.trainee).batch_index
+    index, watch = acc.unwrap_model(run.trainee).batch_index, run.guard.watch
     while state.step < total:
         batches = rank_batches(train_ds, cfg.optim, cfg.seed, state.epoch, rank, world)
         loader = _loader(train_ds, batches[state.batch_in_epoch :], cfg.optim, acc.device, index)
         for batch in run.pace.waiting(loader):
             run.pace.tokens += int(batch["attention_mask"].sum()) * world  # still on the CPU: no sync
-            run.guard.watch.places.append((state.step + 1, state.epoch, state.batch_in_epoch))
-            watch = run.guard.watch
+            watch.places.append((state.step + 1, state.epoch, state.batch_in_epoch))
             loss = train_step(acc, run.trainee, opt, params, cfg.optim.grad_clip, batch, run.capture, watch)
             state.batch_in_epoch += 1
             if acc.sync_gradients:
