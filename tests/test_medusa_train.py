@@ -164,7 +164,7 @@ def test_medusa2_lora_self_distilled_keeps_greedy_outputs(target, data, tmp_path
     _, resumed, _ = train(cfg, target, data)
     history = json.loads((tmp_path / "history.json").read_text())
     steps = [h["step"] for h in history if "loss" in h]
-    assert steps == list(range(1, 33)) and resumed["steps"] == 32
+    assert steps == list(range(1, 33)) and resumed.steps == 32
 
 
 def test_medusa2_full_finetune_folder_carries_the_tuned_target(target, data, tmp_path):
