@@ -26,10 +26,13 @@ WORK = {
 class BetweenSteps:
     """Seconds and counts of the work a fit did between its steps."""
 
+    # validation metrics, decoded validation with `val_decode`, the printed line
     validate_s: float = 0.0
     validations: int = 0
+    # saving run_dir/head when a validation beats the kept head (collective under ZeRO-3)
     save_best_s: float = 0.0
     best_saves: int = 0
+    # a checkpoint and history.json
     checkpoint_s: float = 0.0
     checkpoints: int = 0
 
