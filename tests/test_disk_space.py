@@ -164,7 +164,7 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_only_whole_folders(smal
 
     from heads.eagle3 import Eagle3Config, Eagle3Head
     from trainer.checkpoint import RESUME_THEN, TrainState, checkpoint_root, save_checkpoint
-    from trainer.loop import save_best
+    from trainer.selection import save_best
 
     acc = Accelerator(cpu=True)
     layer = torch.nn.Linear(512, 512)

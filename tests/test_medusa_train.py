@@ -26,7 +26,7 @@ from conf.schema import (
 from heads.medusa import TARGET_DIR, MedusaHead, load_joint_target
 from tests.conftest import TINY, run_train_cli, tiny_run_args
 from trainer.distributed import build_accelerator
-from trainer.loop import fit, validation_metrics
+from trainer.loop import FitReport, fit, validation_metrics
 from trainer.medusa_trainee import build_medusa_trainee, greedy_token_drift
 
 VOCAB, PROMPT, ANSWER = 1024, 8, 24
@@ -126,7 +126,7 @@ def make_cfg(run_dir: Path, head: MedusaConfig, **optim) -> RootConfig:
     )
 
 
-def train(cfg: RootConfig, target, data) -> tuple[dict, dict, list[float]]:
+def train(cfg: RootConfig, target, data) -> tuple[dict, FitReport, list[float]]:
     """(validation metrics of the fresh trainee, fit's result, the logged training losses)."""
     torch.manual_seed(0)
     acc = build_accelerator(DistConfig(), cfg.optim, cfg.run_dir)
@@ -145,8 +145,8 @@ def test_medusa1_learns_the_continuations(target, data, tmp_path):
     cfg = make_cfg(tmp_path, MedusaConfig(num_heads=3), max_steps=30, lr=2e-2)
     before, result, losses = train(cfg, target, data)
     assert falls(losses, 0.5), losses
-    assert result["best_score"] > before["score"] + 0.5, (before, result["best_score"])
-    head = MedusaHead.from_pretrained(result["head_dir"], target, "tiny-1k")
+    assert result.best_score > before["score"] + 0.5, (before, result.best_score)
+    head = MedusaHead.from_pretrained(result.head_dir, target, "tiny-1k")
     assert head.num_heads == 3 and head.config["target_update"] is None
 
 
@@ -156,9 +156,9 @@ def test_medusa2_lora_self_distilled_keeps_greedy_outputs(target, data, tmp_path
     before, result, losses = train(cfg, target, data)
     assert before["lm_loss"] < 1e-6  # the LM term is KL to the original target: 0 at the start
     assert falls(losses, 0.7), losses
-    assert result["best_score"] > before["score"] + 0.3, (before, result["best_score"])
+    assert result.best_score > before["score"] + 0.3, (before, result.best_score)
 
-    head_dir = Path(result["head_dir"])
+    head_dir = result.head_dir
     assert (head_dir / TARGET_DIR / "adapter_model.safetensors").exists()
     MedusaHead.from_pretrained(head_dir, target, "tiny-1k")
     tuned = load_joint_target(head_dir, target)
@@ -172,7 +172,7 @@ def test_medusa2_lora_self_distilled_keeps_greedy_outputs(target, data, tmp_path
     _, resumed, _ = train(cfg, target, data)
     history = json.loads((tmp_path / "history.json").read_text())
     steps = [h["step"] for h in history if "loss" in h]
-    assert steps == list(range(1, 33)) and resumed["steps"] == 32
+    assert steps == list(range(1, 33)) and resumed.steps == 32
 
 
 def test_medusa2_full_finetune_folder_carries_the_tuned_target(target, data, tmp_path):
@@ -188,7 +188,7 @@ def test_medusa2_full_finetune_folder_carries_the_tuned_target(target, data, tmp
         expected = trainee.target.eval()(ids).logits
         assert not torch.allclose(target(ids).logits, expected)  # it did train
         torch.testing.assert_close(tuned(ids).logits, expected)
-    assert (Path(result["head_dir"]) / TARGET_DIR / "config.json").exists()
+    assert (result.head_dir / TARGET_DIR / "config.json").exists()
     # A damaged byte in the tuned target's weights is refused, naming the file, before it loads.
     weights = tmp_path / "last" / TARGET_DIR / "model.safetensors"
     data_bytes = bytearray(weights.read_bytes())

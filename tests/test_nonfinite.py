@@ -31,14 +31,8 @@ from heads.folder import load_head
 from tests.conftest import build_tiny_target, run_train_cli, tiny_run_args
 from tests.test_checksums import data_folder, one_error_line
 from trainer.batching import length_grouped_batches
-from trainer.health import (
-    LOSS,
-    Fault,
-    NonFiniteWatch,
-    collapse,
-    never_rose,
-    sample_at,
-)
+from trainer.collapse import collapse, never_rose
+from trainer.health import LOSS, Fault, NonFiniteWatch, sample_at
 from trainer.loop import check_validation_capture
 
 OVERFLOW_LAYER = 3  # decoder layer 3 overflows: hidden_states[4] is the first infinite one

@@ -23,8 +23,9 @@ from tests.conftest import TINY, run_train_cli, tiny_run_args
 from trainer.checkpoint import STATE_FILE
 from trainer.decoding import Chain, OracleDrafter
 from trainer.distributed import build_accelerator
-from trainer.loop import DECODED, fit, selection_score
+from trainer.loop import FitReport, fit
 from trainer.medusa_trainee import MedusaTrainee
+from trainer.selection import DECODED, selection_score
 from trainer.val_decode import ValDecoder, build_val_decoder, prompt_ids, spread
 
 VOCAB = 256
@@ -102,7 +103,7 @@ class Scripted:
 
 
 def medusa_fit(target, tmp_path: Path, select_by: str, val_decode,
-               deadline: float | None = None) -> tuple[dict, list[dict]]:
+               deadline: float | None = None) -> tuple[FitReport, list[dict]]:
     cfg = RootConfig(
         target=TargetConfig(name_or_path="tiny", device="cpu"),
         optim=OptimConfig(
@@ -133,7 +134,7 @@ def test_the_kept_head_is_the_best_decoded_one_not_the_last(target, tmp_path):
     scripted = Scripted([1.1, 1.7, 1.3, 1.2])
     result, validations = medusa_fit(target, tmp_path, "decoded", scripted)
     assert [v[DECODED] for v in validations] == scripted.values
-    assert result["best_step"] == 4 and result["best_score"] == 1.7
+    assert result.best_step == 4 and result.best_score == 1.7
     kept = load_file(tmp_path / "head" / "model.safetensors")
     best, last = scripted.seen[1], scripted.seen[-1]
     assert kept.keys() == best.keys()
@@ -147,7 +148,7 @@ def test_the_kept_head_is_the_best_decoded_one_not_the_last(target, tmp_path):
 def test_simulated_selection_only_logs_the_decoded_value(target, tmp_path):
     result, validations = medusa_fit(target, tmp_path, "simulated", Scripted([9.0, 1.0, 1.0, 1.0]))
     scores = [v["score"] for v in validations]
-    assert result["best_score"] == max(scores) and result["best_step"] == 2 * (1 + scores.index(max(scores)))
+    assert result.best_score == max(scores) and result.best_step == 2 * (1 + scores.index(max(scores)))
     assert [v[DECODED] for v in validations] == [9.0, 1.0, 1.0, 1.0]
 
 
@@ -226,6 +227,6 @@ def test_a_deadline_makes_the_step_that_passes_it_the_last(target, tmp_path):
     """The time budget's last guard (`trainer.plan.training_deadline`): a step ending past the
     deadline is validated, kept and checkpointed as the planned last step would be."""
     result, validations = medusa_fit(target, tmp_path, "simulated", None, deadline=time.perf_counter())
-    assert result["steps"] == 1 and result["best_step"] == 1 and len(validations) == 1
+    assert result.steps == 1 and result.best_step == 1 and len(validations) == 1
     assert (tmp_path / "head" / "model.safetensors").exists()
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-0000001"]

@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import torch
 
+from conf.schema import OptimConfig
 from trainer.trainee import Batch, BatchIndex
 
 B = TypeVar("B")  # a batch of sample indices: padded (list[int]) or packed (rows, list[list[int]])
@@ -105,6 +106,14 @@ def shard_batches(batches: list[B], rank: int, world: int) -> list[B]:
     """Every rank gets the same number of batches (collectives must pair up): drop the remainder."""
     usable = len(batches) - len(batches) % world
     return batches[rank:usable:world]
+
+
+def rank_batches(ds, optim: OptimConfig, seed: int, epoch: int, rank: int, world: int) -> list:
+    """This rank's batches of `ds` in `epoch`, as sample indices: the order is a function of
+    (seed, epoch) alone, so a resumed run, and a fault's report, rebuild it exactly."""
+    grouping = packed_batches if optim.packing else length_grouped_batches
+    all_batches = grouping(ds.lengths, optim.batch_tokens, optim.max_batch_size, seed, epoch)
+    return shard_batches(all_batches, rank, world)
 
 
 class Rows(torch.utils.data.Dataset):

@@ -9,9 +9,7 @@ state, and the step that went wrong is still named exactly. `optim.skip_nonfinit
 for one read of the gradient norm per step: a step whose norm is not finite is then not taken,
 up to n times (every rank sees the same all-reduced norm, so all ranks skip alike).
 
-A run can also fail while every value stays finite: at `optim.lr=1e6` the head stops predicting
-anything the target would accept. `collapse` names the validation where the simulated acceptance
-length fell to 1.0 after having been above it, `never_rose` a run where it never left 1.0.
+A run can also fail while every value stays finite: `trainer.collapse` watches for that.
 """
 
 from __future__ import annotations
@@ -22,14 +20,16 @@ from pathlib import Path
 
 import torch
 
+from conf.errors import UserError
 from conf.schema import OptimConfig
 from data_prep.capture import overflow_message
 from data_prep.store import rebuild_hint
+from trainer.batching import rank_batches
+from trainer.checkpoint import TrainState, latest_checkpoint
+from trainer.selection import kept_head_dir
 
 LOSS, GRAD_NORM, HIDDEN = 1, 2, 3  # what a record says was not finite
 WHAT = {LOSS: "training loss", GRAD_NORM: "gradient norm", HIDDEN: "target hidden states"}
-SIM = "sim_acceptance_length"  # the validation metric both head kinds report
-COLLAPSED = 1.0005  # below it a simulated acceptance length shows as 1.000: nothing accepted
 
 
 @dataclass(frozen=True)
@@ -198,43 +198,64 @@ def stop_line(
     return f"step {step}: {problem}; the run stopped: {kept}, {last}" + (f"; to fix: {hint}" if hint else "")
 
 
-def _validations(history: list[dict]) -> list[tuple[float, int]]:
-    """(simulated acceptance length, step) of each validation in `history`."""
-    return [(h["val"][SIM], h["step"]) for h in history if SIM in h.get("val", {})]
+class NonFiniteGuard:
+    """The loop's side of the watch: reads it where the loop reads the device anyway and turns
+    what it holds into the run's one-line stop (a `UserError`), naming the batches behind a
+    fault from the deterministic data order. `state` is the run's live `TrainState` (its step
+    and kept head go into the line). Reads are collective: every rank calls them at the same
+    steps."""
 
+    def __init__(
+        self, accelerator, state: TrainState, train_ds, optim: OptimConfig, seed: int, run_dir: Path
+    ):
+        # fp16 loss scaling makes non-finite gradients routine (the scaler skips those steps itself).
+        grad_norms = accelerator.mixed_precision != "fp16"
+        budget = optim.skip_nonfinite
+        self.watch = NonFiniteWatch(accelerator.device, state.step, grad_norms, budget, state.skipped)
+        self.accelerator, self.state, self.train_ds = accelerator, state, train_ds
+        self.optim, self.seed, self.run_dir = optim, seed, run_dir
+        self.checked_at = -1
 
-def collapse(history: list[dict], metrics: dict[str, float], step: int) -> dict | None:
-    """{step, sim_acceptance_length, peak, peak_step} when this validation's simulated acceptance
-    length fell to 1.0 after an earlier one (in `history`) was above it, else None: the head no
-    longer drafts anything the target accepts, yet every value may be finite."""
-    value, earlier = metrics.get(SIM), _validations(history)
-    if value is None or value >= COLLAPSED or not earlier or max(earlier)[0] < COLLAPSED:
-        return None
-    peak, peak_step = max(earlier)
-    return {"step": step, SIM: value, "peak": peak, "peak_step": peak_step}
+    def check(self) -> None:
+        """Read the watch (once per step): stop at the first non-finite value of any rank."""
+        if self.checked_at == self.state.step:
+            return
+        self.checked_at = self.state.step
+        fault = self.watch.read(self.accelerator)
+        if fault is not None:
+            raise self.stop(fault.step, *self.explained(fault))
 
-
-def never_rose(history: list[dict]) -> dict | None:
-    """The same record when no validation of the run ever rose above 1.0 (a run diverged from
-    its first steps, as at `optim.lr=1e6`, or that learned nothing), else None."""
-    seen = _validations(history)
-    if not seen or max(seen)[0] >= COLLAPSED:
-        return None
-    peak, peak_step = max(seen)
-    return {"step": seen[-1][1], SIM: seen[-1][0], "peak": peak, "peak_step": peak_step}
-
-
-def collapse_line(c: dict, optim: OptimConfig, best_step: int) -> str:
-    """The log line for a `collapse` or `never_rose` record."""
-    fix = f"try a lower optim.lr, now {optim.lr:g}"
-    if c["peak"] < COLLAPSED:
+    def skip_line(self) -> str | None:
+        """At a step's end: the line to print if its optimizer step was skipped (None: taken);
+        a skip past `optim.skip_nonfinite` stops the run instead."""
+        skipped, budget = self.watch.take_skip(), self.optim.skip_nonfinite
+        if skipped is None:
+            return None
+        problem, hint = self.explained(skipped)
+        if self.watch.skipped > budget:
+            raise self.stop(skipped.step, f"{problem}, after {budget} skipped step(s)", hint)
         return (
-            f"step {c['step']}: no validation's simulated acceptance length rose above "
-            f"{c['peak']:.3f}: the kept head (step {best_step}) drafts nothing the target accepts "
-            f"({fix})"
+            f"step {skipped.step}: {problem}: optimizer step skipped "
+            f"({self.watch.skipped} of optim.skip_nonfinite={budget})"
         )
-    return (
-        f"step {c['step']}: simulated acceptance length fell to {c[SIM]:.3f} (it was "
-        f"{c['peak']:.3f} at step {c['peak_step']}): the head no longer drafts tokens the target "
-        f"accepts, the run diverged ({fix}); the kept head is the best so far, from step {best_step}"
-    )
+
+    def check_validation(self, metrics: dict[str, float], val_ds) -> None:
+        """Stop on a non-finite validation loss (reduced: alike on every rank)."""
+        if not math.isfinite(metrics.get("loss", 0.0)):
+            every = [list(range(len(val_ds)))]
+            raise self.stop(self.state.step, *blame("non-finite validation loss", every, val_ds, self.optim))
+
+    def stop(self, step: int, problem: str, hint: str | None) -> UserError:
+        checkpoint = latest_checkpoint(self.run_dir)  # written only after a clean `check`: good
+        head_dir, best_step = kept_head_dir(self.run_dir), self.state.best_step
+        return UserError(stop_line(step, problem, hint, head_dir, best_step, checkpoint))
+
+    def explained(self, fault: Fault) -> tuple[str, str | None]:
+        """`explain` with the fault's batches, rebuilt from the deterministic order."""
+        watch, world = self.watch, self.accelerator.num_processes
+        places = [watch.place(fault)] if fault.what == HIDDEN else watch.step_places(fault.step)
+        batches = [
+            rank_batches(self.train_ds, self.optim, self.seed, epoch, fault.rank, world)[i]
+            for _, epoch, i in places
+        ]
+        return explain(fault, batches, self.train_ds, self.optim)

@@ -17,6 +17,12 @@ depends on values) waits for every kernel queued before it, and the GPU idles un
 ones are launched. Values are read at logging, validation and checkpoint steps only; that is
 also where the record of non-finite values each step keeps on the device is read
 (`trainer.health`): one stops the run in one line, before anything is kept.
+
+`fit` is one loop over named steps: `optimizer_steps` trains up to each optimizer step, then
+`log`, `validate` and `checkpoint` run at their cadences. What they call between steps lives in
+modules of its own: the non-finite guard (`trainer.health`), the time budget's deadline
+(`trainer.deadline`), the timing of steps and of the work between them (`trainer.costs`),
+collapse detection (`trainer.collapse`) and the kept head (`trainer.selection`).
 """
 
 from __future__ import annotations
@@ -24,45 +30,30 @@ from __future__ import annotations
 import json
 import math
 import re
-import time
 import warnings
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from conf.errors import UserError
-from conf.files import atomic_write_text, disk_full_is_one_line
+from conf.files import atomic_write_text
 from conf.schema import OptimConfig, RootConfig
 from conf.sizes import Sizes
 from data_prep.capture import NONFINITE, overflow_message
-from trainer.batching import batch_loader, length_grouped_batches, packed_batches, shard_batches
-from trainer.checkpoint import (
-    RESUME_THEN,
-    TrainState,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
-from trainer.health import (
-    HIDDEN,
-    NonFiniteWatch,
-    blame,
-    collapse,
-    collapse_line,
-    describe,
-    explain,
-    never_rose,
-    sample_at,
-    stop_line,
-)
+from trainer.batching import batch_loader, rank_batches
+from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.collapse import CollapseWatch
+from trainer.costs import BetweenSteps, BetweenStepsClock, Throughput
+from trainer.deadline import deadline_stop
+from trainer.health import NonFiniteGuard, NonFiniteWatch, describe, sample_at
 from trainer.logger import RunLogger
+from trainer.selection import DECODED, keeps, kept_head_dir, save_best, selection_score
 from trainer.trainee import Batch, BatchIndex
 
 HISTORY = "history.json"  # per-step train loss and validation metrics
-DECODED = "decoded_acceptance_length"  # the validation metric decoded validation adds
 Capture = Callable[[Batch], Batch]  # a device batch -> the hidden-state fields it lacks
 ValDecode = Callable[[torch.nn.Module], float]  # the unwrapped trainee -> decoded acceptance length
 
@@ -80,15 +71,9 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
     return factor
 
 
-def _batches(ds, optim: OptimConfig, seed: int, epoch: int, rank: int, world: int):
-    grouping = packed_batches if optim.packing else length_grouped_batches
-    all_batches = grouping(ds.lengths, optim.batch_tokens, optim.max_batch_size, seed, epoch)
-    return shard_batches(all_batches, rank, world)
-
-
 def steps_per_epoch(ds, optim: OptimConfig, seed: int, world: int) -> int:
     """Optimizer steps in one pass over `ds` on each of `world` ranks."""
-    return len(_batches(ds, optim, seed, 0, 0, world)) // optim.grad_accum
+    return len(rank_batches(ds, optim, seed, 0, 0, world)) // optim.grad_accum
 
 
 def checked_device_batch(
@@ -114,19 +99,6 @@ def _loader(ds, batches: list, optim: OptimConfig, device: torch.device, index: 
     return batch_loader(ds, batches, optim.loader_workers, device.type == "cuda", index, optim.packing)
 
 
-def _timed(batches, waited: list[float]):
-    """Yield from `batches`, adding the seconds spent waiting for each to waited[0]: the share of
-    training time a slow data path costs (on a GPU host it can exceed the step itself)."""
-    it = iter(batches)
-    while True:
-        start = time.perf_counter()
-        batch = next(it, None)
-        waited[0] += time.perf_counter() - start
-        if batch is None:
-            return
-        yield batch
-
-
 @torch.no_grad()
 def validation_metrics(
     accelerator, trainee, val_ds, cfg: RootConfig, capture: Capture | None = None
@@ -135,7 +107,7 @@ def validation_metrics(
     trainee.eval()
     sums: dict[str, torch.Tensor] = {}
     flags: list[torch.Tensor] = []
-    batches = _batches(
+    batches = rank_batches(
         val_ds, cfg.optim, cfg.seed, 0, accelerator.process_index, accelerator.num_processes
     )
     for batch in _loader(val_ds, batches, cfg.optim, accelerator.device, model.batch_index):
@@ -167,7 +139,7 @@ def check_validation_capture(accelerator, flags: list[torch.Tensor], val_ds, cfg
         return
     rank, b = divmod(hit, n)
     layer, row, position = rows[hit]
-    batch = _batches(val_ds, cfg.optim, cfg.seed, 0, rank, world)[b]
+    batch = rank_batches(val_ds, cfg.optim, cfg.seed, 0, rank, world)[b]
     i, position = sample_at(batch, row, position, val_ds.lengths)
     raise UserError(f"validation: {overflow_message(layer, position, describe(val_ds, i))}")
 
@@ -182,12 +154,6 @@ def decoded_validation(accelerator, trainee, val_decode: ValDecode) -> float:
     return accelerator.reduce(value, reduction="sum").item()
 
 
-def selection_score(metrics: dict[str, float], select_by: str) -> float | None:
-    """The validation number the kept head is chosen by (higher is better; conf.schema.SELECT_BY):
-    the trainee's simulated `score` or the decoded acceptance length. None: no validation data."""
-    return metrics.get("score" if select_by == "simulated" else DECODED)
-
-
 def replica_checksums(accelerator, trainee) -> list[float]:
     """One number per rank from its trainable weights: data-parallel replicas that silently stopped
     talking to each other show up as different numbers. (ZeRO-3 ranks hold different shards.)"""
@@ -195,15 +161,6 @@ def replica_checksums(accelerator, trainee) -> list[float]:
     local = sum((p.detach().double() * (1 + i % 7)).sum() for i, p in enumerate(params))
     gathered = accelerator.gather(torch.as_tensor([local], device=accelerator.device))
     return [round(v, 6) for v in gathered.tolist()]
-
-
-def save_best(accelerator, trainee, out_dir: Path) -> None:
-    """Collective (ZeRO-3 gathers the partitioned weights on every rank); rank 0 writes."""
-    state = accelerator.get_state_dict(trainee)
-    if accelerator.is_main_process:
-        with disk_full_is_one_line(out_dir.parent, RESUME_THEN):
-            accelerator.unwrap_model(trainee).save_pretrained(out_dir, state=state)
-    accelerator.wait_for_everyone()
 
 
 def read_history(run_dir: Path, upto: int) -> list[dict]:
@@ -243,6 +200,56 @@ def train_step(
     return loss
 
 
+@dataclass(frozen=True)
+class FitReport:
+    """What one `fit` did; `summary()` is its part of the run's summary.json."""
+
+    world_size: int
+    replica_checksums: list[float]
+    steps: int  # the step the run ended at (a resumed run restored the earlier ones)
+    best_score: float
+    best_step: int
+    select_by: str
+    skipped_steps: int
+    acceptance_collapse: dict | None  # `trainer.collapse.CollapseWatch.record`
+    train_tokens_per_s: float
+    step_tokens_per_s: float  # the steps alone: the work between them apart, in `between_steps`
+    tokens_per_step: float  # of this call's steps
+    between_steps: BetweenSteps
+    data_wait_fraction: float
+    head_dir: Path
+
+    def summary(self) -> dict:
+        return asdict(self) | {"head_dir": str(self.head_dir)}
+
+
+@dataclass
+class Run:
+    """What the named steps of one `fit` share: its arguments, its live `TrainState` and what
+    it keeps on the side (the non-finite guard, the history, the loggers, the clocks)."""
+
+    cfg: RootConfig
+    accelerator: object
+    trainee: torch.nn.Module
+    val_ds: object
+    run_dir: Path
+    capture: Capture | None
+    val_decode: ValDecode | None
+    state: TrainState
+    guard: NonFiniteGuard
+    history: list[dict]
+    logger: RunLogger
+    bar: tqdm
+    collapse: CollapseWatch
+    costs: BetweenStepsClock = field(default_factory=BetweenStepsClock)
+    pace: Throughput = field(default_factory=Throughput)
+
+    def say(self, line: str | None) -> None:
+        """Print `line` (None: nothing) once, from rank 0, above the progress bar."""
+        if line is not None and self.accelerator.is_main_process:
+            tqdm.write(line)
+
+
 def fit(
     cfg: RootConfig,
     accelerator,
@@ -253,196 +260,175 @@ def fit(
     capture: Capture | None = None,
     val_decode: ValDecode | None = None,
     deadline: float | None = None,
-) -> dict:
+) -> FitReport:
     """Train, validating every `val_every` steps; the best head (by `selection_score`) goes to
     run_dir/head. `capture`: online mode's per-batch target forward (None: the data holds the
     hidden states). `val_decode`: decoded validation (`trainer.val_decode`; None: off).
-    `deadline` (a `time.perf_counter()` value; the time budget's, `trainer.plan`, which plans
-    single-process runs only: ranks would read their clocks apart): a step that ends past it is
-    the last, validated and saved as the last step is."""
-    optim = cfg.optim
-    rank, world = accelerator.process_index, accelerator.num_processes
+    `deadline`: a `time.perf_counter()` value; the step that ends past it is the last, validated
+    and saved as the last step is (`trainer.deadline`; None: train the planned steps)."""
+    optim, world = cfg.optim, accelerator.num_processes
     per_epoch = steps_per_epoch(train_ds, optim, cfg.seed, world)
-    sizes = Sizes.of(cfg)  # the run's, or the defaults of sizes left unset
-    total_steps = sizes.max_steps or sizes.epochs * per_epoch
-    groups = trainee.param_groups(optim.lr, optim.weight_decay)
-    opt = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, optim.warmup_ratio))
-    trainee, opt = accelerator.prepare(trainee, opt)
-    index = accelerator.unwrap_model(trainee).batch_index
-    state = TrainState()
-    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
-    if ckpt is not None:
-        state = load_checkpoint(accelerator, ckpt)
-        # The schedule is a function of the step: replay it rather than unpickle it. torch warns
-        # that no optimizer step preceded these; here that is the point. (`message` is a regex.)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
-            for _ in range(state.step):
-                sched.step()
-    logger = RunLogger(cfg.logging, run_dir, accelerator.is_main_process, {})
-    head_dir = run_dir / "head"
-    bar = tqdm(
-        total=total_steps,
-        initial=state.step,
-        desc="train",
-        disable=not (cfg.logging.progress and accelerator.is_main_process),
-    )
-    # Resumed runs keep the curve of the steps they restore (history.json is written with every
-    # checkpoint, so a killed run leaves it as far as its last checkpoint).
-    history = read_history(run_dir, state.step) if ckpt is not None else []
-    trainee.train()
-    tokens, t0, waited = 0, time.perf_counter(), [0.0]
-    # Seconds and counts of the work between steps, apart from the steps themselves: the time
-    # budget (`trainer.plan`) models them at the cadence of val_every and save_every.
-    spent: Counter = Counter()
-    first_step = state.step
-    params = [p for g in groups for p in g["params"]]
     if per_epoch == 0:
         raise UserError(
             f"data: {len(train_ds)} training samples make no full step of "
             f"{world} rank(s) x {optim.grad_accum} accumulation: add data or lower optim.*"
         )
-    # fp16 loss scaling makes non-finite gradients routine (the scaler skips those steps itself).
-    grad_norms = accelerator.mixed_precision != "fp16"
-    watch = NonFiniteWatch(accelerator.device, state.step, grad_norms, optim.skip_nonfinite, state.skipped)
-    checked_at, collapsed = -1, None
+    sizes = Sizes.of(cfg)  # the run's, or the defaults of sizes left unset
+    total = sizes.max_steps or sizes.epochs * per_epoch
+    trainee, opt, sched, params, state = prepare_training(cfg, accelerator, trainee, run_dir, total)
+    run = start(cfg, accelerator, trainee, train_ds, val_ds, run_dir, capture, val_decode, state, total)
+    first_step = state.step
+    for loss in optimizer_steps(run, train_ds, opt, params, total):
+        run.say(run.guard.skip_line())
+        sched.step()
+        state.step += 1
+        run.bar.update(1)
+        if (line := deadline_stop(deadline, state.step, total)) is not None:
+            run.say(line)
+            total = state.step  # this step is the last: validated and saved as such
+        last = state.step == total
+        if state.step % cfg.logging.log_every == 0 or last:
+            log(run, loss, sched.get_last_lr()[0])
+        if state.step % sizes.val_every == 0 or last:
+            validate(run)
+        if state.step % optim.save_every == 0 or last:
+            checkpoint(run)
+        if last:
+            break
+    run.bar.close()
+    run.logger.close()
+    run.say(run.collapse.ended(run.history, state.best_step))
+    return report(run, first_step)
 
-    def stop(step: int, problem: str, hint: str | None) -> UserError:
-        checkpoint = latest_checkpoint(run_dir)  # written only after a clean `check`: good
-        return UserError(stop_line(step, problem, hint, head_dir, state.best_step, checkpoint))
 
-    def explained(fault) -> tuple[str, str | None]:
-        """`health.explain` with the fault's batches, rebuilt from the deterministic order."""
-        places = [watch.place(fault)] if fault.what == HIDDEN else watch.step_places(fault.step)
-        batches = [
-            _batches(train_ds, optim, cfg.seed, epoch, fault.rank, world)[i] for _, epoch, i in places
-        ]
-        return explain(fault, batches, train_ds, optim)
-
-    def check() -> None:
-        """Read the watch (once per step): stop at the first non-finite value of any rank."""
-        nonlocal checked_at
-        if checked_at == state.step:
-            return
-        checked_at = state.step
-        fault = watch.read(accelerator)
-        if fault is not None:
-            raise stop(fault.step, *explained(fault))
-    while state.step < total_steps:
-        batches = _batches(train_ds, optim, cfg.seed, state.epoch, rank, world)
-        # A resumed epoch starts at the batch it stopped before.
-        loader = _loader(train_ds, batches[state.batch_in_epoch :], optim, accelerator.device, index)
-        for batch in _timed(loader, waited):
-            if state.step >= total_steps:
-                break
-            tokens += int(batch["attention_mask"].sum()) * world  # still on the CPU: no sync
-            watch.places.append((state.step + 1, state.epoch, state.batch_in_epoch))
-            last_loss = train_step(
-                accelerator, trainee, opt, params, optim.grad_clip, batch, capture, watch
-            )
-            state.batch_in_epoch += 1
-            if not accelerator.sync_gradients:
-                continue
-            skipped = watch.take_skip()
-            if skipped is not None:
-                problem, hint = explained(skipped)
-                if watch.skipped > optim.skip_nonfinite:
-                    raise stop(skipped.step, f"{problem}, after {optim.skip_nonfinite} skipped step(s)", hint)
-                if accelerator.is_main_process:
-                    tqdm.write(
-                        f"step {skipped.step}: {problem}: optimizer step skipped "
-                        f"({watch.skipped} of optim.skip_nonfinite={optim.skip_nonfinite})"
-                    )
+def prepare_training(cfg: RootConfig, accelerator, trainee, run_dir: Path, total: int):
+    """(trainee, optimizer, LR schedule, trained parameters, state) for `total` steps, wrapped by
+    accelerate; with `resume`, restored from the latest checkpoint (else a fresh `TrainState`)."""
+    optim = cfg.optim
+    groups = trainee.param_groups(optim.lr, optim.weight_decay)
+    opt = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, optim.warmup_ratio))
+    trainee, opt = accelerator.prepare(trainee, opt)
+    params = [p for g in groups for p in g["params"]]
+    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
+    if ckpt is None:
+        return trainee, opt, sched, params, TrainState()
+    state = load_checkpoint(accelerator, ckpt)
+    # The schedule is a function of the step: replay it rather than unpickle it. torch warns
+    # that no optimizer step preceded these; here that is the point. (`message` is a regex.)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+        for _ in range(state.step):
             sched.step()
-            state.step += 1
-            bar.update(1)
-            if deadline is not None and state.step < total_steps and time.perf_counter() > deadline:
-                if accelerator.is_main_process:
-                    tqdm.write(f"step {state.step}: the time the budget left for training is spent; "
-                               f"stopping before step {total_steps}")
-                total_steps = state.step  # this step is the last: validated and saved as such
-            if state.step % cfg.logging.log_every == 0 or state.step == total_steps:
-                check()
-                loss = accelerator.reduce(last_loss, reduction="mean").item()
-                rate = tokens / (time.perf_counter() - t0)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
-                logger.log(state.step, {"loss": loss, "lr": sched.get_last_lr()[0]}, "train")
-                history.append({"step": state.step, "loss": loss})
-            last = state.step == total_steps
-            if state.step % sizes.val_every == 0 or last:
-                check()
-                began = time.perf_counter()
-                metrics = validation_metrics(accelerator, trainee, val_ds, cfg, capture)
-                if not math.isfinite(metrics.get("loss", 0.0)):  # reduced: alike on every rank
-                    every = [list(range(len(val_ds)))]
-                    raise stop(state.step, *blame("non-finite validation loss", every, val_ds, optim))
-                if val_decode is not None:
-                    metrics[DECODED] = decoded_validation(accelerator, trainee, val_decode)
-                logger.log(state.step, metrics, "val")
-                fell = collapse(history, metrics, state.step)
-                history.append({"step": state.step, "val": metrics})
-                if accelerator.is_main_process:
-                    shown = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
-                    elapsed = time.perf_counter() - t0
-                    tqdm.write(
-                        f"step {state.step}: val {shown} (train {tokens / elapsed:.0f} tokens/s, "
-                        f"{waited[0] / elapsed:.0%} waiting for data)"
-                    )
-                # Every rank must take the same branch (save_best is collective): decide on the
-                # reduced metrics only, never on the file system. No validation data: keep the latest.
-                score = selection_score(metrics, optim.select_by)
-                spent["validate_s"] += time.perf_counter() - began
-                spent["validations"] += 1
-                if score is None or score > state.best_score:
-                    state.best_score = float("-inf") if score is None else score
-                    state.best_step = state.step
-                    began = time.perf_counter()
-                    save_best(accelerator, trainee, head_dir)
-                    spent["save_best_s"] += time.perf_counter() - began
-                    spent["best_saves"] += 1
-                if fell is not None:
-                    fell["message"] = collapse_line(fell, optim, state.best_step)
-                    collapsed = collapsed or fell
-                    if accelerator.is_main_process:
-                        tqdm.write(fell["message"])
-            if state.step % optim.save_every == 0 or last:
-                check()
-                began = time.perf_counter()
-                state.skipped = watch.skipped
-                save_checkpoint(accelerator, run_dir, state)
-                if accelerator.is_main_process:
-                    write_history(run_dir, history)
-                spent["checkpoint_s"] += time.perf_counter() - began
-                spent["checkpoints"] += 1
+    return trainee, opt, sched, params, state
+
+
+def start(
+    cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path, capture, val_decode,
+    state: TrainState, total: int,
+) -> Run:
+    """The `Run` of a fit about to take its first step (`state.step`: a resumed run's next)."""
+    shown = cfg.logging.progress and accelerator.is_main_process
+    # Resumed runs keep the curve of the steps they restore (history.json is written with every
+    # checkpoint, so a killed run leaves it as far as its last checkpoint).
+    history = read_history(run_dir, state.step) if state.step else []
+    trainee.train()
+    return Run(
+        cfg, accelerator, trainee, val_ds, run_dir, capture, val_decode, state,
+        guard=NonFiniteGuard(accelerator, state, train_ds, cfg.optim, cfg.seed, run_dir),
+        history=history,
+        logger=RunLogger(cfg.logging, run_dir, accelerator.is_main_process, {}),
+        bar=tqdm(total=total, initial=state.step, desc="train", disable=not shown),
+        collapse=CollapseWatch(cfg.optim),
+    )
+
+
+def optimizer_steps(
+    run: Run, train_ds, opt, params: list[torch.nn.Parameter], total: int
+) -> Iterator[torch.Tensor]:
+    """Micro-batches through `train_step` from where `run.state` stands (a resumed epoch starts
+    at the batch it stopped before), epoch after epoch, yielding the loss (a device tensor) at the
+    end of each optimizer step. The caller counts the step and stops at `total` or before."""
+    cfg, acc, state = run.cfg, run.accelerator, run.state
+    rank, world = acc.process_index, acc.num_processes
+    index, watch = acc.unwrap_model(run.trainee).batch_index, run.guard.watch
+    while state.step < total:
+        batches = rank_batches(train_ds, cfg.optim, cfg.seed, state.epoch, rank, world)
+        loader = _loader(train_ds, batches[state.batch_in_epoch :], cfg.optim, acc.device, index)
+        for batch in run.pace.waiting(loader):
+            run.pace.tokens += int(batch["attention_mask"].sum()) * world  # still on the CPU: no sync
+            watch.places.append((state.step + 1, state.epoch, state.batch_in_epoch))
+            loss = train_step(acc, run.trainee, opt, params, cfg.optim.grad_clip, batch, run.capture, watch)
+            state.batch_in_epoch += 1
+            if acc.sync_gradients:
+                yield loss
         if state.batch_in_epoch >= len(batches):
             state.epoch += 1
             state.batch_in_epoch = 0
-    bar.close()
-    logger.close()
-    if collapsed is None:
-        collapsed = never_rose(history)
-        if collapsed is not None:
-            collapsed["message"] = collapse_line(collapsed, optim, state.best_step)
-            if accelerator.is_main_process:
-                tqdm.write(collapsed["message"])
-    elapsed = time.perf_counter() - t0
-    between = spent["validate_s"] + spent["save_best_s"] + spent["checkpoint_s"]
-    steps = state.step - first_step  # this call's (a resumed run restored the others)
-    return {
-        "world_size": world,
-        "replica_checksums": replica_checksums(accelerator, trainee),
-        "steps": state.step,
-        "best_score": state.best_score,
-        "best_step": state.best_step,
-        "select_by": optim.select_by,
-        "skipped_steps": watch.skipped,
-        "acceptance_collapse": collapsed,
-        "train_tokens_per_s": tokens / max(elapsed, 1e-9),
-        # the steps alone (validation, best-head saves and checkpoints apart, in `between_steps`)
-        "step_tokens_per_s": tokens / max(elapsed - between, 1e-9),
-        "tokens_per_step": tokens / max(steps, 1),
-        "between_steps": dict(spent),
-        "data_wait_fraction": waited[0] / max(elapsed, 1e-9),
-        "head_dir": str(head_dir),
+
+
+def log(run: Run, loss: torch.Tensor, lr: float) -> None:
+    """A logging step: the mean loss over ranks (a device read, the watch's first)."""
+    run.guard.check()
+    value = run.accelerator.reduce(loss, reduction="mean").item()
+    run.bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{run.pace.tokens_per_s():.0f}")
+    run.logger.log(run.state.step, {"loss": value, "lr": lr}, "train")
+    run.history.append({"step": run.state.step, "loss": value})
+
+
+def validate(run: Run) -> None:
+    """Validation metrics (with `val_decode`, the decoded acceptance length too); the head is
+    kept when they beat the kept one, and a collapse they show is named."""
+    run.guard.check()
+    step, acc = run.state.step, run.accelerator
+    with run.costs.timed("validate"):
+        metrics = validation_metrics(acc, run.trainee, run.val_ds, run.cfg, run.capture)
+        run.guard.check_validation(metrics, run.val_ds)
+        if run.val_decode is not None:
+            metrics[DECODED] = decoded_validation(acc, run.trainee, run.val_decode)
+        run.logger.log(step, metrics, "val")
+        shown = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
+        run.say(
+            f"step {step}: val {shown} (train {run.pace.tokens_per_s():.0f} tokens/s, "
+            f"{run.pace.wait_fraction():.0%} waiting for data)"
+        )
+    if keeps(run.state, selection_score(metrics, run.cfg.optim.select_by)):
+        with run.costs.timed("save_best"):
+            save_best(acc, run.trainee, kept_head_dir(run.run_dir))
+    run.say(run.collapse.validated(run.history, metrics, step, run.state.best_step))
+    run.history.append({"step": step, "val": metrics})
+
+
+def checkpoint(run: Run) -> None:
+    """A checkpoint of the run as it stands, with its history (after a clean read of the watch:
+    no checkpoint holds a diverged state)."""
+    run.guard.check()
+    with run.costs.timed("checkpoint"):
+        run.state.skipped = run.guard.watch.skipped
+        save_checkpoint(run.accelerator, run.run_dir, run.state)
+        if run.accelerator.is_main_process:
+            write_history(run.run_dir, run.history)
+
+
+def report(run: Run, first_step: int) -> FitReport:
+    """The `FitReport` of a run that ended; its rates count this call's steps (from `first_step`)."""
+    pace, spent, state = run.pace, run.costs.spent, run.state
+    rates = {
+        "train_tokens_per_s": pace.tokens_per_s(),
+        "step_tokens_per_s": pace.tokens_per_s(apart_s=spent.seconds),
+        "tokens_per_step": pace.tokens / max(state.step - first_step, 1),
+        "data_wait_fraction": pace.wait_fraction(),
     }
+    return FitReport(
+        world_size=run.accelerator.num_processes,
+        replica_checksums=replica_checksums(run.accelerator, run.trainee),
+        steps=state.step,
+        best_score=state.best_score,
+        best_step=state.best_step,
+        select_by=run.cfg.optim.select_by,
+        skipped_steps=run.guard.watch.skipped,
+        acceptance_collapse=run.collapse.record,
+        between_steps=spent,
+        head_dir=kept_head_dir(run.run_dir),
+        **rates,
+    )

@@ -304,18 +304,14 @@ def _train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int) -
     del acc, trainee
     gc.collect()
     shutil.rmtree(folder, ignore_errors=True)
-    between = result["between_steps"]
-
-    def each(what: str, count: str) -> float:
-        return between.get(what, 0.0) / max(between.get(count, 0), 1)
-
+    between = result.between_steps
     return {
         "capture_tokens_per_s": manifest.get("capture_tokens_per_s", math.inf),
-        "train_tokens_per_s": result["step_tokens_per_s"],
-        "tokens_per_step": result["tokens_per_step"],
-        "validate_s_per_token": each("validate_s", "validations") / max(sum(val_ds.lengths), 1),
-        "save_best_s": each("save_best_s", "best_saves"),
-        "checkpoint_s": each("checkpoint_s", "checkpoints"),
+        "train_tokens_per_s": result.step_tokens_per_s,
+        "tokens_per_step": result.tokens_per_step,
+        "validate_s_per_token": between.per_validation() / max(sum(val_ds.lengths), 1),
+        "save_best_s": between.per_best_save(),
+        "checkpoint_s": between.per_checkpoint(),
         "row_tokens": row_tokens,
         "head_bytes": head_bytes,
     }

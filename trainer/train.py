@@ -86,7 +86,7 @@ def decodes_on_static_caches(cfg: RootConfig) -> bool:
     return own_regen or cfg.optim.val_decode_prompts > 0 or cfg.pipeline.evaluate
 
 
-def export_all(cfg: RootConfig, head_dir: str, run_dir: Path, target: Target) -> list[str]:
+def export_all(cfg: RootConfig, head_dir: Path, run_dir: Path, target: Target) -> list[str]:
     """Every export format of the head (or `export.formats`), each into `<out>/<format>`."""
     eval_json = run_dir / "eval" / "eval.json"
     out_root = Path(cfg.export.out_dir or run_dir / "export")
@@ -141,7 +141,7 @@ def run(cfg: RootConfig) -> dict:
     capture = online_capture(manifest, model)
     result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode, sizes.deadline)
     if budget is not None:
-        note_stop(cfg, budget, result["steps"])
+        note_stop(cfg, budget, result.steps)
     stages.done("train")
     summary = {
         "run_dir": str(run_dir),
@@ -149,16 +149,16 @@ def run(cfg: RootConfig) -> dict:
         "hidden_states": manifest.get("hidden_states", "offline"),
         "data_samples": samples,
         "data_tokens": sum(s["tokens"] for s in manifest["splits"].values()),
-        **result,
+        **result.summary(),
     }
     if acc.is_main_process:
         if cfg.pipeline.evaluate:
-            report = evaluate(cfg, result["head_dir"], run_dir / "eval", target=target)
+            report = evaluate(cfg, result.head_dir, run_dir / "eval", target=target)
             summary["eval_dir"] = str(run_dir / "eval")
             summary["mean_acceptance_length"] = report["overall"]["mean_acceptance_length"]
             stages.done("evaluate")
         if cfg.pipeline.export:
-            summary["exports"] = export_all(cfg, result["head_dir"], run_dir, target)
+            summary["exports"] = export_all(cfg, result.head_dir, run_dir, target)
             stages.done("export")
         summary["stages_s"] = stages.seconds
         summary["sizes"] = dataclasses.asdict(sizes)
