@@ -236,22 +236,13 @@ def _probe_config(cfg: RootConfig, samples: int, hidden_states: str, run_dir: Pa
     return probe
 
 
-def _manifest_rates(folder: Path) -> tuple[dict, float, int]:
-    """(manifest, tokens per sample, samples) of a data folder."""
-    from data_prep.store import load_manifest
-
-    manifest = load_manifest(folder)
-    samples = sum(s["samples"] for s in manifest["splits"].values())
-    tokens = sum(s["tokens"] for s in manifest["splits"].values())
-    return manifest, tokens / max(samples, 1), samples
-
-
 def _regeneration_probe(cfg: RootConfig, target: Target, model, run_dir: Path) -> dict:
     """The first `batch_size` conversations regenerated into the cache (their ids into a
     throwaway online folder): new tokens/s, new and row tokens per conversation, how many
     conversations the cache holds now (free for the run: the probe's among them), and how many
     were probed."""
-    from data_prep.prepare import prepare, regen_cache_file
+    from data_prep.keys import regen_cache_file
+    from data_prep.prepare import prepare
 
     d = cfg.data
     probed = {"rate": math.inf, "answer_tokens": 0.0, "row_tokens": None, "cached": 0, "samples": 0}
@@ -259,15 +250,14 @@ def _regeneration_probe(cfg: RootConfig, target: Target, model, run_dir: Path) -
         return probed
     cache = regen_cache_file(cfg, target.identity, target.chat_template)
     k = max(PROBE_SAMPLES, d.regenerate.batch_size // d.regenerate.num_samples)
-    folder = prepare(_probe_config(cfg, k, "online", run_dir), target=target, model=model)
+    data = prepare(_probe_config(cfg, k, "online", run_dir), target=target, model=model)
     probed["cached"] = len(read_cache(cache))  # the probe's answers included: the run reuses them
-    manifest, probed["row_tokens"], probed["samples"] = _manifest_rates(folder)
-    shutil.rmtree(folder, ignore_errors=True)
-    stats = manifest["stats"]
-    made = stats.get("regenerated_tokens", 0)
+    probed["row_tokens"], probed["samples"] = data.tokens_per_sample, data.samples
+    shutil.rmtree(data.path, ignore_errors=True)
+    made = data.stats.regenerated_tokens
     if made:  # else every probed answer was cached: the probe range is free, its rate unknown
-        answered = max(1, probed["samples"] - stats.get("regenerated_from_cache", 0))
-        probed["rate"] = made / max(stats["regenerate_seconds"], 1e-9)
+        answered = max(1, data.samples - data.stats.regenerated_from_cache)
+        probed["rate"] = data.regenerate_tokens_per_s
         probed["answer_tokens"] = made / answered
     return probed
 
@@ -284,9 +274,8 @@ def _train_probe(cfg: RootConfig, target: Target, model, run_dir: Path, samples:
     from trainer.train import build_trainee
 
     probe = _probe_config(cfg, samples, cfg.data.hidden_states, run_dir)
-    folder = prepare(probe, target=target, model=model)
-    manifest, row_tokens, _ = _manifest_rates(folder)
-    train_ds = CapturedDataset(folder, "train")
+    data = prepare(probe, target=target, model=model)
+    train_ds = CapturedDataset(data.path, "train")
     steps = min(PROBE_STEPS, steps_per_epoch(train_ds, probe.optim, probe.seed, 1))
     if steps == 0:
         raise UserError(
@@ -296,26 +285,26 @@ def _train_probe(cfg: RootConfig, target: Target, model, run_dir: Path, samples:
         )
     probe.optim.max_steps = probe.optim.val_every = probe.optim.save_every = steps
     acc = build_accelerator(probe.dist, probe.optim, str(run_dir))
-    trainee = build_trainee(probe, model, folder)
+    trainee = build_trainee(probe, model, data.path)
     head_bytes = sum(p.numel() for p in trainee.parameters() if p.requires_grad) * 2
-    val_ds = CapturedDataset(folder, "validation")
-    result = fit(probe, acc, trainee, train_ds, val_ds, run_dir, online_capture(manifest, model))
+    val_ds = CapturedDataset(data.path, "validation")
+    result = fit(probe, acc, trainee, train_ds, val_ds, run_dir, online_capture(data.manifest, model))
     del acc, trainee
     gc.collect()
-    shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(data.path, ignore_errors=True)
     between = result["between_steps"]
 
     def each(what: str, count: str) -> float:
         return between.get(what, 0.0) / max(between.get(count, 0), 1)
 
     return {
-        "capture_tokens_per_s": manifest.get("capture_tokens_per_s", math.inf),
+        "capture_tokens_per_s": math.inf if data.capture_tokens_per_s is None else data.capture_tokens_per_s,
         "train_tokens_per_s": result["step_tokens_per_s"],
         "tokens_per_step": result["tokens_per_step"],
         "validate_s_per_token": each("validate_s", "validations") / max(sum(val_ds.lengths), 1),
         "save_best_s": each("save_best_s", "best_saves"),
         "checkpoint_s": each("checkpoint_s", "checkpoints"),
-        "row_tokens": row_tokens,
+        "row_tokens": data.tokens_per_sample,
         "head_bytes": head_bytes,
     }
 

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from conf.compose import hydra_main
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import RootConfig, to_root_config
+from data_prep.folder import DataFolder
 from data_prep.masks import attention_layout
 from data_prep.target import Target, resolve_target
 from trainer.checkpoint import latest_checkpoint
@@ -35,7 +36,7 @@ def build_trainee(cfg: RootConfig, target, data_dir: Path):
     return build_medusa_trainee(cfg, target, data_dir)
 
 
-def prepare_data(cfg: RootConfig, acc, target: Target, model) -> Path:
+def prepare_data(cfg: RootConfig, acc, target: Target, model) -> DataFolder:
     """The data folder on every rank, built once per file system: global rank 0 first; then the
     first rank of each other node reuses it (a shared file system) or builds its own copy
     (node-local disks, from the same config the same bytes); then every other rank reuses its
@@ -91,7 +92,7 @@ def decodes_on_static_caches(cfg: RootConfig) -> bool:
 
 def run(cfg: RootConfig) -> dict:
     from data_prep.prepare import check_source
-    from data_prep.store import CapturedDataset, load_manifest, online_capture
+    from data_prep.store import CapturedDataset, online_capture
     from trainer.distributed import build_accelerator
     from trainer.loop import fit
     from trainer.val_decode import build_val_decoder
@@ -116,21 +117,19 @@ def run(cfg: RootConfig) -> dict:
     budget = plan_budget(cfg, acc, target, model, started)
     if budget is not None:
         stages.done("probes")
-    data_dir = prepare_data(cfg, acc, target, model)
+    data = prepare_data(cfg, acc, target, model)
     stages.done("data")
-    manifest = load_manifest(data_dir)
-    train_ds = CapturedDataset(data_dir, "train")
-    val_ds = CapturedDataset(data_dir, "validation")
-    samples = sum(s["samples"] for s in manifest["splits"].values())
+    train_ds = CapturedDataset(data.path, "train")
+    val_ds = CapturedDataset(data.path, "validation")
     deadline = None
     if budget is not None:
         from trainer.plan import recheck, training_deadline
 
-        recheck(cfg, budget, started, train_ds, val_ds, samples)
+        recheck(cfg, budget, started, train_ds, val_ds, data.samples)
         deadline = training_deadline(budget, started)
-    trainee = build_trainee(cfg, model, data_dir)
+    trainee = build_trainee(cfg, model, data.path)
     val_decode = build_val_decoder(cfg, trainee, (model, target.tokenizer), val_ds)
-    capture = online_capture(manifest, model)
+    capture = online_capture(data.manifest, model)
     result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode, deadline)
     if budget is not None:
         from trainer.plan import note_stop
@@ -139,10 +138,10 @@ def run(cfg: RootConfig) -> dict:
     stages.done("train")
     summary = {
         "run_dir": str(run_dir),
-        "data_dir": str(data_dir),
-        "hidden_states": manifest.get("hidden_states", "offline"),
-        "data_samples": samples,
-        "data_tokens": sum(s["tokens"] for s in manifest["splits"].values()),
+        "data_dir": str(data.path),
+        "hidden_states": data.hidden_states,
+        "data_samples": data.samples,
+        "data_tokens": data.tokens,
         **result,
     }
     if acc.is_main_process:
