@@ -120,22 +120,26 @@ class ShardWriter:
     forward alone, which is the rate the time budget (`trainer.plan`) scales with the data."""
 
     def __init__(self, key: FolderKey, target_model: Callable[[], object], stored: CaptureSpec,
-                 spill: TokenSpill, order: dict[str, torch.Tensor], bar):
+                 spill: TokenSpill, order: dict[str, torch.Tensor]):
         self.cfg, self.target_model, self.stored = key.cfg, target_model, stored
-        self.spill, self.order, self.bar = spill, order, bar
+        self.spill, self.order, self.bar = spill, order, None
         self.vocab, self.vocab_size = key.vocab, key.target.identity["vocab_size"]
         self.counts = torch.zeros(self.vocab_size, dtype=torch.int64)
         self.tokens, self.seconds = 0, 0.0
         self._linears: DataLinears | None = None
 
-    def write(self, partial: Path) -> dict[str, dict]:
+    def write(self, partial: Path, progress: Callable | None) -> dict[str, dict]:
         """Each split's manifest record: its sizes and its shards'."""
+        desc = "capture" if self.stored.needs_forward else "write"
+        self.bar = progress(total=self.spill.tokens, unit="tok", desc=desc) if progress else None
         splits = {}
         for split in SPLITS:
             records = write_split(partial, split, self._chunks(split), self._shard, self._written)
             splits[split] = {
                 k: sum(r[k] for r in records) for k in ("samples", "tokens", "masked_tokens")
             } | {"shards": records}
+        if self.bar is not None:
+            self.bar.close()
         return splits
 
     def tokens_per_s(self) -> float:
@@ -218,12 +222,8 @@ def build_folder(key: FolderKey, modes: tuple[str, ...], target_model: Callable[
         if stored.needs_forward:
             fixed = draft_vocab_bytes(key.vocab, identity["vocab_size"])
             check_space(cfg, stored, spill.tokens, identity["hidden_size"], partial, fixed)
-        desc = "capture" if stored.needs_forward else "write"
-        bar = progress(total=spill.tokens, unit="tok", desc=desc) if progress else None
-        writer = ShardWriter(key, target_model, stored, spill, order, bar)
-        manifest = base_manifest(cfg, identity, spec, mode) | {"splits": writer.write(partial)}
-        if bar is not None:
-            bar.close()
+        writer = ShardWriter(key, target_model, stored, spill, order)
+        manifest = base_manifest(cfg, identity, spec, mode) | {"splits": writer.write(partial, progress)}
     finally:
         shutil.rmtree(spill_dir, ignore_errors=True)
     if key.vocab:

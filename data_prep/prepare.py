@@ -4,10 +4,10 @@ Also the Hydra app `python -m data_prep.prepare +head=eagle3` (or `+head=medusa`
 decides what is captured: EAGLE-3 three auxiliary layers and the final one, Medusa the final
 one, Medusa-2 joint training tokens only. With `data.hidden_states=online` nothing is captured:
 the shards hold ids and masks and the training loop runs the target. Every stage is cached: the
-finished folder and the regenerated answers (keyed by what their contents depend on,
-`data_prep.keys`; answers without `max_samples`, so growing the set reuses them) and, inside an
-unfinished folder, each shard. Samples stream from the source through tokenisation to a `TokenSpill` on
-disk (`data_prep.rows`), then into shards (`data_prep.build`).
+finished folder and the regenerated answers (each keyed by what its contents depend on,
+`data_prep.keys`; answers not by `max_samples`, so growing the set reuses them) and, inside an
+unfinished folder, each shard. Samples stream from the source through tokenisation to a
+`TokenSpill` on disk (`data_prep.rows`), then into shards (`data_prep.build`).
 
 Caches are shared by the runs of a sweep: a folder is built under a lock file beside it
 (`<key>.lock`, `conf.files.build_lock`), so runs started together build it once and the others
