@@ -182,7 +182,7 @@ class DataConfig(_Checked):
     # 8B target). online: the frozen target computes them in the training loop, per batch; the
     # folder keeps ids and masks (~5 bytes per token). auto (default): online when the captured
     # shards would take more than half of the free disk under the cache, else offline (deciding
-    # costs one statvfs, and offline folders keep their keys, so auto reuses them).
+    # costs one statvfs, and auto reuses a folder built in either mode).
     hidden_states: str = "auto"
     shard_samples: int = 64
     capture_batch_tokens: int = 4096

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from conf.files import build_lock, lock_path
 from conf.schema import RegenerateConfig
 from data_prep.regen_engine import generate
 from data_prep.sources import Sample, answer_uid
+from data_prep.stats import PrepStats
 from data_prep.template import ChatTemplate, Message, TemplateError, Turn, note_refusal, parse_answer
 
 
@@ -114,7 +114,7 @@ def regenerate(
     cfg: RegenerateConfig,
     max_length: int,
     cache_file: Path,
-    stats: Counter,
+    stats: PrepStats,
     progress: Callable | None = None,
     target_path: str | None = None,
     matmul_dtype: torch.dtype | None = None,
@@ -144,16 +144,19 @@ def regenerate(
             if s.uid not in done:
                 system = [m for m in s.messages[:1] if m["role"] == "system"]
                 todo.append(_Pending(s, system, [m for m in s.messages if m["role"] == "user"]))
-        stats["regenerated_from_cache"] += len(wanted) - len(todo)
+        stats.regenerated_from_cache += len(wanted) - len(todo)
         budget = max_length - cfg.max_new_tokens
         bar = progress(total=None, unit="tok", desc="regenerate") if progress and todo else None
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         started, new_tokens = time.perf_counter(), 0
         with open(cache_file, "a", encoding="utf-8") as out:
 
-            def finish(p: _Pending, reason: str = "turns_dropped_too_long") -> None:
-                if len(p.turns) < len(p.users):
-                    stats[reason] += len(p.users) - len(p.turns)
+            def finish(p: _Pending, refused: bool = False) -> None:
+                dropped = len(p.users) - len(p.turns)  # refused by the template, else too long
+                if refused:
+                    stats.turns_dropped_refused += dropped
+                else:
+                    stats.turns_dropped_too_long += dropped
                 done[p.sample.uid] = p.turns
                 out.write(json.dumps({"uid": p.sample.uid, "turns": p.turns}) + "\n")
                 out.flush()
@@ -165,7 +168,7 @@ def regenerate(
                         ids = tpl.prompt_ids(p.prompt(), p.sample.tools)
                     except TemplateError as err:  # e.g. roles that must alternate
                         note_refusal(stats, tpl, p.sample.where or p.sample.uid, err)
-                        finish(p, "turns_dropped_refused")
+                        finish(p, refused=True)
                         continue
                     if len(ids) > budget:
                         finish(p)
@@ -180,7 +183,7 @@ def regenerate(
                     answer = answer_text(tpl.tok, new, tpl.stop_ids)
                     p.turns.append({"prompt_ids": context, "answer_ids": new, "answer": answer})
                     new_tokens += len(new)
-                    stats["answers_cut_at_max_new_tokens"] += new[-1] not in tpl.stop_ids
+                    stats.answers_cut_at_max_new_tokens += new[-1] not in tpl.stop_ids
                     if len(p.turns) < len(p.users):
                         todo.append(p)
                     else:
@@ -194,7 +197,7 @@ def regenerate(
                            matmul_dtype)
         if bar is not None:
             bar.close()
-        stats["regenerated_tokens"] += new_tokens
-        stats["regenerate_seconds"] += round(time.perf_counter() - started, 2)
-        stats["skipped_prompt_too_long"] += sum(1 for s in wanted if not done[s.uid])
+        stats.regenerated_tokens += new_tokens
+        stats.regenerate_seconds += round(time.perf_counter() - started, 2)
+        stats.skipped_prompt_too_long += sum(1 for s in wanted if not done[s.uid])
         return [(s.uid, cached_turns(done[s.uid])) for s in wanted if done[s.uid]]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from conf.errors import UserError, first_line
 from conf.files import atomic_write, package_file
 from conf.schema import DataConfig
+from data_prep.stats import PrepStats
 from data_prep.target import cache_root, fingerprint_file, fingerprint_path
 from data_prep.template import Message, split_reasoning
 
@@ -276,15 +276,18 @@ def shape_conversation(messages: list[Message], max_turns: int, regenerate: bool
     return system + kept
 
 
-def iter_samples(cfg: DataConfig, stats: Counter) -> Iterator[Sample]:
+def iter_samples(cfg: DataConfig, stats: PrepStats) -> Iterator[Sample]:
     """Normalised, shaped samples in source order; unusable ones skipped and counted in `stats`."""
     regenerate = cfg.regenerate.enabled
     for uid, where, row in source_rows(cfg):
-        stats["rows"] += 1
+        stats.rows += 1
         messages = shape_conversation(normalise_row(row, where), cfg.max_turns, regenerate)
         wanted = "user" if regenerate else "assistant"
         if not any(m["role"] == wanted for m in messages):
-            stats["skipped_no_prompt" if regenerate else "skipped_no_assistant"] += 1
+            if regenerate:
+                stats.skipped_no_prompt += 1
+            else:
+                stats.skipped_no_assistant += 1
             continue
         tools = row.get("tools") if isinstance(row, dict) else None
         yield Sample(uid, messages, tools if isinstance(tools, list) and tools else None, where)

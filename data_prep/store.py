@@ -31,8 +31,9 @@ from data_prep.linears import DataLinears
 from data_prep.template import Tokenized
 
 # 2: rows are token ids as the template renders them and the target emits them (one row per turn
-# where the template rewrites history), shards name their uids.
-FORMAT_VERSION = 2
+# where the template rewrites history), shards name their uids; 3: keys by inclusion
+# (`data_prep.keys`), every count in the manifest's stats.
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 SPLITS = ("train", "validation")
@@ -175,13 +176,14 @@ def with_vocab_checksum(partial: Path, manifest: dict) -> dict:
     return manifest | {"draft_vocab": vocab | {"sha256": sha256_file(partial / vocab["file"])}}
 
 
-def finish(partial: Path, folder: Path, manifest: dict) -> None:
+def finish(partial: Path, folder: Path, manifest: dict) -> dict:
     """Write the manifest (`with_vocab_checksum`) and move the partial folder into place: the
-    folder is now complete."""
+    folder is now complete. Returns the manifest as written."""
     (partial / PLAN).unlink(missing_ok=True)
     sealed = with_vocab_checksum(partial, manifest)
     atomic_write(partial / MANIFEST, lambda p: p.write_text(json.dumps(sealed, indent=2)))
     replace_dir(partial, folder)
+    return sealed
 
 
 def load_manifest(folder: str | Path) -> dict:

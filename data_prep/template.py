@@ -29,7 +29,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import re
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 
 from conf.errors import UserError, first_line
+from data_prep.stats import PrepStats
 
 Message = dict[str, Any]
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -240,14 +240,14 @@ def load_chat_template(
     return ChatTemplate(tok, source, dict(kwargs or {}), date, frozenset(stop_ids), name)
 
 
-def note_refusal(stats: Counter, tpl: ChatTemplate, where: str, err: Exception) -> None:
+def note_refusal(stats: PrepStats, tpl: ChatTemplate, where: str, err: Exception) -> None:
     """Count a conversation the template itself refuses; the first one is named once."""
-    if not stats["conversations_refused_by_template"]:
+    if not stats.conversations_refused_by_template:
         print(
             f"data: {tpl.name} refuses {where}: {first_line(err)} (such conversations are skipped "
             "and counted)"
         )
-    stats["conversations_refused_by_template"] += 1
+    stats.conversations_refused_by_template += 1
 
 
 def build_rows(turns: list[Turn], max_length: int) -> list[Tokenized]:
@@ -267,7 +267,7 @@ def build_rows(turns: list[Turn], max_length: int) -> list[Tokenized]:
     return [Tokenized(ids[:max_length], mask[:max_length], len(ids) > max_length) for ids, mask in rows]
 
 
-def conversation_turns(tpl: ChatTemplate, messages: list[Message], tools, stats: Counter) -> list[Turn]:
+def conversation_turns(tpl: ChatTemplate, messages: list[Message], tools, stats: PrepStats) -> list[Turn]:
     """Every assistant turn of a conversation used as it is, located on token ids.
 
     Raises TemplateError when the template refuses the conversation (the caller counts it)."""
@@ -286,26 +286,26 @@ def conversation_turns(tpl: ChatTemplate, messages: list[Message], tools, stats:
                 after = full[len(context) :]
             else:
                 after = tpl.encode(full_text[len(context_text) :])
-                stats["turns_split_in_text"] += 1
+                stats.turns_split_in_text += 1
             ids = tpl.through_stop(after)
             mask = tpl.emitted_mask(ids, split_reasoning(m)[0] is not None)
         elif any(split_reasoning(m)):
             # The template drops part of the turn itself: train on what the model emits.
             ids, mask = tpl.raw_turn(m, context_text), None
-            stats["turns_raw_text"] += 1
+            stats.turns_raw_text += 1
         else:
-            stats["turns_dropped_unaligned"] += 1
+            stats.turns_dropped_unaligned += 1
             continue
         if not ids or (mask is not None and not any(mask)):
-            stats["turns_dropped_empty"] += 1
+            stats.turns_dropped_empty += 1
             continue
         turns.append(Turn(context, ids, mask))
     return turns
 
 
 def tokenize_conversation(
-    tpl: ChatTemplate, messages: list[Message], max_length: int, tools=None, stats: Counter | None = None
+    tpl: ChatTemplate, messages: list[Message], max_length: int, tools=None, stats: PrepStats | None = None
 ) -> list[Tokenized]:
     """The training rows of one conversation (see the module docstring)."""
-    turns = conversation_turns(tpl, messages, tools, Counter() if stats is None else stats)
+    turns = conversation_turns(tpl, messages, tools, PrepStats() if stats is None else stats)
     return build_rows(turns, max_length)

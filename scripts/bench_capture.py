@@ -16,7 +16,6 @@ import argparse
 import json
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -24,8 +23,11 @@ from hydra import compose, initialize_config_module
 
 from conf.schema import to_root_config
 from data_prep.capture import bare_forward, capture_shard
+from data_prep.keys import matmul_dtype
 from data_prep.linears import DataLinears
-from data_prep.prepare import capture_spec, iter_rows, matmul_dtype, select_samples
+from data_prep.prepare import capture_spec
+from data_prep.rows import sample_rows
+from data_prep.stats import PrepStats
 from data_prep.store import open_partial, write_split
 from data_prep.target import resolve_target
 
@@ -51,8 +53,7 @@ def main() -> None:
     n_layers = model.config.get_text_config().num_hidden_layers
     spec = capture_spec(cfg, n_layers)
     d = cfg.data
-    tpl = target.chat_template
-    rows = iter_rows(select_samples(cfg, tpl, Counter()), tpl, d.max_length, Counter())
+    rows = sample_rows(cfg, target, PrepStats())
     items = sorted((t for _, t in rows), key=lambda t: len(t.input_ids))
     shards = [items[i : i + d.shard_samples] for i in range(0, len(items), d.shard_samples)]
     tokens = sum(len(t.input_ids) for t in items)

@@ -30,7 +30,7 @@ def main(argv: list[str]) -> None:
         argv = ["+head=eagle3", *argv]
     cfg = compose_root(argv)
     with contextlib.redirect_stdout(sys.stderr):  # prepare's summary line; stdout is the JSON
-        folder = prepare(cfg)
+        folder = prepare(cfg).path
     lengths = CapturedDataset(folder, "train").lengths
     o = cfg.optim
     padded, packed = [], []

@@ -16,7 +16,6 @@ import resource
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -26,10 +25,13 @@ from conf.errors import UserError, exit_on_user_error
 from conf.schema import derive
 from data_prep.capture import bare_forward
 from data_prep.decode_attention import applies
+from data_prep.keys import matmul_dtype
 from data_prep.linears import DataLinears
-from data_prep.prepare import check_source, matmul_dtype, regenerated_rows, select_samples
+from data_prep.prepare import check_source
 from data_prep.regen_engine import default_workers
-from data_prep.regenerate import regenerate
+from data_prep.rows import sample_rows
+from data_prep.sources import prompt_uid
+from data_prep.stats import PrepStats
 from data_prep.target import resolve_target
 
 
@@ -44,24 +46,11 @@ def main(argv: list[str]) -> None:
     cfg = derive(cfg, {"data.max_samples": prompts})
     check_source(cfg)
     target = resolve_target(cfg)
-    model, tpl = target.model, target.chat_template
-    samples = list(select_samples(cfg, tpl, Counter()))
-    stats: Counter = Counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
-        answered = regenerate(
-            samples,
-            model,
-            tpl,
-            regen,
-            cfg.data.max_length,
-            Path(tmp) / "regen.jsonl",
-            stats,
-            target_path=target.path,
-            matmul_dtype=matmul_dtype(cfg),
-        )
-        regen_s = time.perf_counter() - start
-    rows = regenerated_rows(answered, cfg.data.max_length, Counter())
+    model = target.model
+    stats = PrepStats()
+    with tempfile.TemporaryDirectory() as tmp:  # a throw-away answer cache: every answer is new
+        rows = list(sample_rows(cfg, target, stats, answers=Path(tmp) / "regen.jsonl"))
+    regen_s = stats.regenerate_seconds  # the answers' writing alone, as data prep reports it
     items = sorted((t for _, t in rows), key=lambda t: len(t.input_ids))
     shards = [items[i : i + cfg.data.shard_samples] for i in range(0, len(items), cfg.data.shard_samples)]
     tokens = sum(len(t.input_ids) for t in items)
@@ -69,7 +58,7 @@ def main(argv: list[str]) -> None:
         start = time.perf_counter()
         bare_forward(model, shards, cfg.data.capture_batch_tokens, full_logits=False)
         forward_s = time.perf_counter() - start
-    regen_rate = stats["regenerated_tokens"] / regen_s
+    regen_rate = stats.regenerated_tokens / regen_s
     forward_rate = tokens / forward_s
     print(
         json.dumps(
@@ -80,9 +69,9 @@ def main(argv: list[str]) -> None:
                 "batch_size": regen.batch_size,
                 "workers": regen.workers or default_workers(model, regen.batch_size),
                 "backend": regen.backend,
-                "prompts": len(samples),
-                "new_tokens": stats["regenerated_tokens"],
-                "answers_cut_at_max_new_tokens": stats["answers_cut_at_max_new_tokens"],
+                "prompts": len({prompt_uid(uid) for uid, _ in rows}),
+                "new_tokens": stats.regenerated_tokens,
+                "answers_cut_at_max_new_tokens": stats.answers_cut_at_max_new_tokens,
                 "max_new_tokens": regen.max_new_tokens,
                 "regen_s": round(regen_s, 1),
                 "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

@@ -33,7 +33,6 @@ import resource
 import statistics
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,6 +43,7 @@ from conf.compose import compose_root, split_args
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import DataConfig, OptimConfig, RootConfig, derive
 from data_prep.sources import iter_samples
+from data_prep.stats import PrepStats
 from data_prep.target import resolve_target
 from heads.eagle3 import Eagle3Head, draft_layer_config
 from heads.folder import TargetSpec
@@ -61,7 +61,7 @@ def real_tokens(
     `input_ids`, `loss_mask`), the last `labelled` fraction of each row labelled."""
     texts = []
     # the source's answers as they are: enough for timing
-    for sample in iter_samples(derive(data_cfg, {"regenerate.enabled": False}), Counter()):
+    for sample in iter_samples(derive(data_cfg, {"regenerate.enabled": False}), PrepStats()):
         ids = tok.apply_chat_template(sample.messages, tokenize=True, return_dict=True)["input_ids"]
         if len(ids) >= seq_len:
             texts.append(ids[:seq_len])

@@ -1,7 +1,7 @@
 """`python -m tests.template_table [n=200]`: the eleven published chat templates over n ShareGPT
 conversations (all turns; every other one opening with a system message) given synthetic inline
 reasoning, through the data path that trains on
-conversations as they are (`data_prep.prepare.iter_rows`). One JSON line per template:
+conversations as they are (`data_prep.rows.iter_rows`). One JSON line per template:
 conversations in, rows out, turns by what happened to them, supervised tokens. Needs
 `../shared/chat-templates/` and the packaged ShareGPT set."""
 
@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 
 from conf.errors import UserError
 from conf.schema import DataConfig, RegenerateConfig
-from data_prep.prepare import iter_rows
+from data_prep.rows import iter_rows
 from data_prep.sources import iter_jsonl, iter_samples, sharegpt_jsonl
+from data_prep.stats import PrepStats
 from tests.test_chat_templates import FAMILIES, family
 
 
@@ -47,7 +47,7 @@ def main(n: int) -> None:
         cfg = DataConfig(source=str(src), max_samples=0, max_turns=0, max_length=2048,
                          regenerate=RegenerateConfig(enabled=False))
         for name in sorted(FAMILIES):
-            tpl, stats = family(name), Counter()
+            tpl, stats = family(name), PrepStats()
             samples, rows, error = list(iter_samples(cfg, stats)), [], None
             try:
                 rows = list(iter_rows(samples, tpl, cfg.max_length, stats))
@@ -57,11 +57,11 @@ def main(n: int) -> None:
                 "template": name,
                 "conversations": len(samples),
                 "rows": len(rows),
-                "assistant_turns": stats["assistant_turns"],
-                "conversations_refused": stats["conversations_refused_by_template"],
-                "turns_dropped": {k: v for k, v in stats.items() if k.startswith("turns_dropped")},
-                "turns_raw_text": stats["turns_raw_text"],
-                "turns_split_in_text": stats["turns_split_in_text"],
+                "assistant_turns": stats.assistant_turns,
+                "conversations_refused": stats.conversations_refused_by_template,
+                "turns_dropped": {k: v for k, v in stats.nonzero().items() if k.startswith("turns_dropped")},
+                "turns_raw_text": stats.turns_raw_text,
+                "turns_split_in_text": stats.turns_split_in_text,
                 "supervised_tokens": sum(sum(t.loss_mask) for _, t in rows),
                 "tokens": sum(len(t.input_ids) for _, t in rows),
                 "error": error,

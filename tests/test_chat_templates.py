@@ -9,13 +9,13 @@ its BOS/EOS set, as the family's own tokenizer has them.
 from __future__ import annotations
 
 import copy
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from jinja2.exceptions import TemplateError
 
+from data_prep.stats import PrepStats
 from data_prep.template import load_chat_template, tokenize_conversation
 from trainer.eagle3_trainee import ttt_batch_index
 from trainer.trainee import LABEL_INDEX
@@ -111,7 +111,7 @@ def test_supervised_tokens_are_exactly_each_turns_reasoning_answer_and_stop(name
         with pytest.raises(TemplateError, match="alternate"):  # prepare counts and skips it
             tokenize_conversation(tpl, conv, 4096)
         return
-    stats = Counter()
+    stats = PrepStats()
     rows = tokenize_conversation(tpl, conv, 4096, stats=stats)
     eos = tpl.tok.eos_token
     want = [emitted(name, m["reasoning"], m["content"], eos) for m in conv if m["role"] == "assistant"]
@@ -133,7 +133,7 @@ def test_supervised_tokens_are_exactly_each_turns_reasoning_answer_and_stop(name
     if name in rewrites or (name == "mistral-7b-instruct-v0.3" and with_system):
         assert len(rows) == 2
     if name == "deepseek-r1-distill":
-        assert stats["turns_raw_text"] == 2  # the template strips the reasoning it emits
+        assert stats.turns_raw_text == 2  # the template strips the reasoning it emits
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3-initial-2025-04"])

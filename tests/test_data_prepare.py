@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,7 +11,6 @@ import sys
 import pytest
 from conftest import build_tiny_target
 
-import data_prep.prepare as P
 from conf.errors import UserError
 from conf.schema import (
     DataConfig,
@@ -20,9 +20,9 @@ from conf.schema import (
     RegenerateConfig,
     RootConfig,
     TargetConfig,
-    derive,
 )
-from data_prep.prepare import prepare
+from data_prep.keys import folder_key, regen_cache_file
+from data_prep.prepare import capture_spec, prepare
 from data_prep.store import CapturedDataset, load_manifest, sha256_file
 from data_prep.target import load_target, resolve_target
 from data_prep.vocab import load_draft_vocab
@@ -69,8 +69,9 @@ def root(target_dir, source, cache_dir, head=None, regenerate=False, **data) -> 
 
 def test_eagle3_folder_manifest_dataset_and_vocab(tiny_llama_dir, source, tmp_path, capsys):
     cfg = root(tiny_llama_dir, source, tmp_path)
-    folder = prepare(cfg)
-    m = load_manifest(folder)
+    data = prepare(cfg)
+    folder, m = data.path, load_manifest(data.path)
+    assert data.manifest == m and data.samples == 24 and data.capture_tokens_per_s > 0
     assert m["layer_convention"] == "hf_hidden_states"
     assert m["aux_layer_ids"] == [2, 4, 5] and m["final_layer_id"] == 8
     assert m["storage_dtype"] == "bfloat16"
@@ -81,6 +82,7 @@ def test_eagle3_folder_manifest_dataset_and_vocab(tiny_llama_dir, source, tmp_pa
     }
     train, val = m["splits"]["train"], m["splits"]["validation"]
     assert train["samples"] + val["samples"] == 24 and val["samples"] > 0
+    assert data.splits["train"].masked_tokens == train["masked_tokens"] > 0
     for shard in train["shards"] + val["shards"]:
         assert sha256_file(folder / shard["file"]) == shard["sha256"]
     ds = CapturedDataset(folder, "train")
@@ -102,22 +104,22 @@ def test_eagle3_folder_manifest_dataset_and_vocab(tiny_llama_dir, source, tmp_pa
 
     # A second call reuses the folder without touching it.
     mtime = (folder / "manifest.json").stat().st_mtime_ns
-    assert prepare(cfg) == folder
+    assert prepare(cfg).path == folder
     assert (folder / "manifest.json").stat().st_mtime_ns == mtime
     assert "reused" in capsys.readouterr().out
 
 
 def test_medusa_final_only_joint_tokens_only_and_fp8(tiny_llama_dir, source, tmp_path):
-    final = prepare(root(tiny_llama_dir, source, tmp_path, MedusaConfig()))
+    final = prepare(root(tiny_llama_dir, source, tmp_path, MedusaConfig())).path
     item = CapturedDataset(final, "train")[0]
     assert set(item) == {"input_ids", "loss_mask", "final_hidden"}
     assert not (final / "draft_vocab.safetensors").exists()
-    joint = prepare(root(tiny_llama_dir, source, tmp_path, MedusaConfig(joint=True)))
+    joint = prepare(root(tiny_llama_dir, source, tmp_path, MedusaConfig(joint=True))).path
     assert set(CapturedDataset(joint, "train")[0]) == {"input_ids", "loss_mask"}
     assert load_manifest(joint)["final_layer_id"] is None
 
-    bf16 = prepare(root(tiny_llama_dir, source, tmp_path))
-    fp8 = prepare(root(tiny_llama_dir, source, tmp_path, storage_dtype="fp8"))
+    bf16 = prepare(root(tiny_llama_dir, source, tmp_path)).path
+    fp8 = prepare(root(tiny_llama_dir, source, tmp_path, storage_dtype="fp8")).path
     assert len({final, joint, bf16, fp8}) == 4
     a, b = CapturedDataset(bf16, "train")[3], CapturedDataset(fp8, "train")[3]
     scale = a["aux_hidden"].abs().max()
@@ -130,46 +132,48 @@ def test_medusa_final_only_joint_tokens_only_and_fp8(tiny_llama_dir, source, tmp
 
 
 def test_long_samples_truncated_and_counted(tiny_llama_dir, source, tmp_path):
-    folder = prepare(root(tiny_llama_dir, source, tmp_path, max_length=46))
-    m = load_manifest(folder)
-    assert m["stats"]["truncated"] == 24  # every sample is 48..56 tokens long
-    assert max(CapturedDataset(folder, "train").lengths) == 46
+    data = prepare(root(tiny_llama_dir, source, tmp_path, max_length=46))
+    assert data.stats.truncated == load_manifest(data.path)["stats"]["truncated"] == 24  # 48..56 tokens
+    assert max(CapturedDataset(data.path, "train").lengths) == 46
 
 
 def test_regenerated_answers_are_cached_across_sizes(tiny_llama_dir, tmp_path):
     src = tmp_path / "prompts.jsonl"
     src.write_text("".join(json.dumps({"prompt": f"Say {w}."}) + "\n" for w in WORDS))
-    folder = prepare(root(tiny_llama_dir, src, tmp_path / "c", regenerate=True, max_samples=6))
-    assert load_manifest(folder)["stats"]["regenerated_tokens"] > 0
+    data = prepare(root(tiny_llama_dir, src, tmp_path / "c", regenerate=True, max_samples=6))
+    assert data.stats.regenerated_tokens > 0 and data.regenerate_tokens_per_s > 0
     bigger = prepare(root(tiny_llama_dir, src, tmp_path / "c", regenerate=True, max_samples=8))
-    stats = load_manifest(bigger)["stats"]
-    assert bigger != folder and stats["regenerated_from_cache"] == 6
-    assert load_manifest(bigger)["splits"]["train"]["samples"] > 0
+    assert bigger.path != data.path and bigger.stats.regenerated_from_cache == 6
+    assert bigger.splits["train"].samples > 0
 
 
 def test_bf16_gemms_key_their_own_answers_and_folders(tiny_llama_dir, source, tmp_path):
     """data.matmul_dtype=bfloat16 writes other answers and hidden states: other cache file and
-    folder; `target` keeps the keys of folders built before the setting existed (none in them)."""
+    folder, both keys naming the precision."""
     own, bf16 = (root(tiny_llama_dir, source, tmp_path, matmul_dtype=m) for m in ("target", "bfloat16"))
     target = resolve_target(own)
     identity, tpl = target.identity, target.chat_template
-    assert "matmul_dtype" not in P.samples_key(own, identity, tpl)
-    assert P.samples_key(bf16, identity, tpl)["matmul_dtype"] == "torch.bfloat16"
-    assert P.regen_cache_file(own, identity, tpl) != P.regen_cache_file(bf16, identity, tpl)
+
+    def key(cfg):
+        return folder_key(cfg, identity, tpl, capture_spec(cfg, 8), 300)
+
+    assert key(own)["matmul_dtype"] == "torch.float32"
+    assert key(bf16)["matmul_dtype"] == "torch.bfloat16"
+    assert regen_cache_file(own, identity, tpl) != regen_cache_file(bf16, identity, tpl)
     # A bf16 target (its matmuls its own dtype) answers neither like a float32 one nor like a
     # float32 one with bf16 matmuls: its own keys.
-    half = derive(own, {"target.dtype": "bfloat16"})
-    files = {P.regen_cache_file(c, identity, tpl) for c in (own, bf16, half)}
-    assert len(files) == 3 and P.samples_key(half, identity, tpl)["dtype"] == "torch.bfloat16"
+    half = dataclasses.replace(own, target=dataclasses.replace(own.target, dtype="bfloat16"))
+    files = {regen_cache_file(c, identity, tpl) for c in (own, bf16, half)}
+    assert len(files) == 3 and key(half)["dtype"] == "torch.bfloat16"
     folder = prepare(bf16)
-    assert load_manifest(folder)["matmul_dtype"] == "bfloat16" and folder != prepare(own)
-    assert load_manifest(prepare(own))["matmul_dtype"] == "float32"
+    assert folder.manifest["matmul_dtype"] == "bfloat16" and folder.path != prepare(own).path
+    assert prepare(own).manifest["matmul_dtype"] == "float32"
 
 
 def test_data_from_another_target_is_refused(smol_tokenizer, source, tmp_path):
     target = build_tiny_target(tmp_path / "target", "llama", smol_tokenizer, seed=0)
     cfg = root(target, source, tmp_path / "cache", MedusaConfig())
-    folder = prepare(cfg)
+    folder = prepare(cfg).path
     build_tiny_target(target, "llama", smol_tokenizer, seed=1)  # new weights, same path
     with pytest.raises(UserError) as err:
         prepare(cfg)
@@ -225,9 +229,8 @@ def test_conversations_the_template_refuses_are_counted_and_most_refused_is_one_
         r["conversations"].insert(0, {"from": "system", "value": "Be brief."})
     src = tmp_path / "some.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    folder = prepare(root(tiny_llama_dir, src, tmp_path / "c", chat_template=MIXTRAL))
-    stats = load_manifest(folder)["stats"]
-    assert stats["conversations_refused_by_template"] == 2 and stats["turns_dropped_refused"] == 2
+    stats = prepare(root(tiny_llama_dir, src, tmp_path / "c", chat_template=MIXTRAL)).stats
+    assert stats.conversations_refused_by_template == 2 and stats.turns_dropped_refused == 2
     out = capsys.readouterr().out
     assert out.count("refuses") == 1 and f"{src}:1: Conversation roles must alternate" in out
     assert "conversations_refused_by_template=2" in out  # the prepare summary line

@@ -3,8 +3,6 @@ cache; the rows' supervised ids are exactly the ids the target generated."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 from split_helpers import validation_uids
 
@@ -12,6 +10,7 @@ from conf.errors import UserError
 from conf.schema import RegenerateConfig
 from data_prep.regenerate import read_cache, regenerate
 from data_prep.sources import Sample, answer_uid, prompt_uid
+from data_prep.stats import PrepStats
 from data_prep.target import load_target
 from data_prep.template import build_rows, load_chat_template
 
@@ -42,11 +41,11 @@ def test_answers_every_user_turn_and_resumes_from_a_torn_cache(tiny, tmp_path):
     model, tpl = tiny
     cfg = RegenerateConfig(max_new_tokens=6, batch_size=1)
     cache = tmp_path / "regen.jsonl"
-    stats = Counter()
+    stats = PrepStats()
     first = regenerate(SAMPLES, model, tpl, cfg, 512, cache, stats)
     assert [uid for uid, _ in first] == ["0", "1", "2", "3"]
     turns = first[1][1]
-    assert len(turns) == 2 and 0 < stats["regenerated_tokens"] <= 5 * 6
+    assert len(turns) == 2 and 0 < stats.regenerated_tokens <= 5 * 6
     # Each turn is served in the template's context: the system prompt, the earlier answer.
     system, hi, how = SAMPLES[1].messages
     assert turns[0].context == tpl.prompt_ids([system, hi])
@@ -64,16 +63,16 @@ def test_answers_every_user_turn_and_resumes_from_a_torn_cache(tiny, tmp_path):
     cache.write_bytes(b"".join(lines[:2]) + lines[2][:10])
     assert len(read_cache(cache)) == 2 and cache.read_bytes() == b"".join(lines[:2])
     cache.write_bytes(b"".join(lines[:2]) + lines[2][:10])
-    stats = Counter()
+    stats = PrepStats()
     again = regenerate(SAMPLES, model, tpl, cfg, 512, cache, stats)
-    assert stats["regenerated_from_cache"] == 2
+    assert stats.regenerated_from_cache == 2
     assert again == first
     assert len(read_cache(cache)) == 4
 
     # A second run generates nothing.
-    stats = Counter()
+    stats = PrepStats()
     assert regenerate(SAMPLES, model, tpl, cfg, 512, cache, stats) == first
-    assert stats["regenerated_tokens"] == 0 and stats["regenerated_from_cache"] == 4
+    assert stats.regenerated_tokens == 0 and stats.regenerated_from_cache == 4
 
 
 def test_batched_left_padded_generation_and_length_budget(tiny, tmp_path):
@@ -83,21 +82,21 @@ def test_batched_left_padded_generation_and_length_budget(tiny, tmp_path):
     samples = [Sample("a", [user("Hi")]), Sample("b", [user("Hi"), user(long)]), Sample("c", [user(long)])]
     # The budget admits the short first prompts only: b keeps one turn, c is skipped.
     max_length = len(tpl.prompt_ids([user("Hi")])) + 2 + cfg.max_new_tokens
-    stats = Counter()
+    stats = PrepStats()
     out = regenerate(samples, model, tpl, cfg, max_length, tmp_path / "r.jsonl", stats)
     assert [uid for uid, _ in out] == ["a", "b"]
     assert len(out[1][1]) == 1
-    assert stats["turns_dropped_too_long"] == 2 and stats["skipped_prompt_too_long"] == 1
+    assert stats.turns_dropped_too_long == 2 and stats.skipped_prompt_too_long == 1
     # Sampling with a temperature also runs through the same path.
     sampled = RegenerateConfig(max_new_tokens=3, batch_size=2, temperature=0.8, top_p=0.9)
-    out = regenerate(SAMPLES[:1], model, tpl, sampled, 512, tmp_path / "s.jsonl", Counter())
+    out = regenerate(SAMPLES[:1], model, tpl, sampled, 512, tmp_path / "s.jsonl", PrepStats())
     assert len(out[0][1][0].ids) > 0
 
 
 def test_n_answers_per_prompt_are_samples_seeded_by_uid_and_split_by_prompt(tiny, tmp_path):
     model, tpl = tiny
     cfg = RegenerateConfig(max_new_tokens=8, batch_size=3, temperature=1.0, num_samples=3)
-    out = regenerate(SAMPLES, model, tpl, cfg, 512, tmp_path / "n.jsonl", Counter())
+    out = regenerate(SAMPLES, model, tpl, cfg, 512, tmp_path / "n.jsonl", PrepStats())
     uids = [uid for uid, _ in out]
     assert uids[:3] == ["0", "0~1", "0~2"] and len(uids) == 12
     answers = {uid: turns[-1].ids for uid, turns in out}
@@ -106,7 +105,7 @@ def test_n_answers_per_prompt_are_samples_seeded_by_uid_and_split_by_prompt(tiny
     # prompts give the same text.
     alone = regenerate(
         SAMPLES[3:], model, tpl, RegenerateConfig(**{**vars(cfg), "batch_size": 1}), 512,
-        tmp_path / "alone.jsonl", Counter(),
+        tmp_path / "alone.jsonl", PrepStats(),
     )
     assert [turns[-1].ids for _, turns in alone] == [answers["3"], answers["3~1"], answers["3~2"]]
     # Validation holds out whole prompts: no prompt has answers in both splits.

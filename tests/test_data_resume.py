@@ -24,14 +24,15 @@ from tests.cli_helpers import kill_when, run_cli, start_cli, summary_folder
 CHILD = r"""
 import sys, time
 from hydra import compose, initialize_config_module
+import data_prep.build as B
 import data_prep.prepare as P
 from conf.schema import to_root_config
-real = P.capture_shard
+real = B.capture_shard
 def slow(*args, **kwargs):
     out = real(*args, **kwargs)
     time.sleep(1.0)
     return out
-P.capture_shard = slow
+B.capture_shard = slow
 with initialize_config_module(config_module="conf", version_base="1.3"):
     cfg = to_root_config(compose(config_name="config", overrides=sys.argv[1:]))
 P.prepare(cfg)
@@ -99,8 +100,8 @@ def test_sigkill_mid_capture_then_resume_gives_identical_shards(tiny_llama_dir, 
     kept = {p.name: os.stat(p).st_ino for p in done}
     assert not list(killed_cache.glob("*/manifest.json"))
 
-    resumed = prepare(compose_cfg(common + [f"data.cache_dir={killed_cache}"]))
-    clean = prepare(compose_cfg(common + [f"data.cache_dir={clean_cache}"]))
+    resumed = prepare(compose_cfg(common + [f"data.cache_dir={killed_cache}"])).path
+    clean = prepare(compose_cfg(common + [f"data.cache_dir={clean_cache}"])).path
     assert resumed.name == clean.name and not list(killed_cache.glob("*.partial"))
     # The shards finished before the kill were kept, not rewritten.
     for name, inode in kept.items():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import pytest
 from split_helpers import validation_uids
@@ -19,6 +18,7 @@ from data_prep.sources import (
     sharegpt_jsonl,
     split_hash,
 )
+from data_prep.stats import PrepStats
 
 
 def write_jsonl(path, rows) -> str:
@@ -75,7 +75,7 @@ def test_shapes_normalise_to_role_content():
 def test_bad_rows_name_file_line_and_field(tmp_path, row, expected):
     path = write_jsonl(tmp_path / "f.jsonl", [SHAREGPT_ROW, row])
     with pytest.raises(UserError) as err:
-        list(iter_samples(cfg_for(path), Counter()))
+        list(iter_samples(cfg_for(path), PrepStats()))
     msg = str(err.value)
     assert "\n" not in msg
     assert msg.startswith(str(tmp_path / expected.split(":")[0])) and expected.split(":", 1)[1] in msg
@@ -93,12 +93,12 @@ def test_no_assistant_turn_is_skipped_and_counted(tmp_path):
         },
     ]
     path = write_jsonl(tmp_path / "f.jsonl", rows)
-    stats = Counter()
+    stats = PrepStats()
     samples = list(iter_samples(cfg_for(path), stats))
     assert [s.uid for s in samples] == ["1"]
-    assert stats == Counter(rows=3, skipped_no_assistant=2)
+    assert stats == PrepStats(rows=3, skipped_no_assistant=2)
     # With regeneration the prompts are all that matter: every row with a user turn is usable.
-    stats = Counter()
+    stats = PrepStats()
     samples = list(iter_samples(cfg_for(path, regenerate=True), stats))
     assert [s.uid for s in samples] == ["1", "2", "3"]
     assert all(m["role"] != "assistant" for s in samples for m in s.messages)
@@ -118,7 +118,7 @@ def test_datasets_source_saved_to_disk(tmp_path):
     import datasets
 
     datasets.Dataset.from_list([OPENAI_ROW, OPENAI_ROW]).save_to_disk(str(tmp_path / "ds"))
-    samples = list(iter_samples(cfg_for(str(tmp_path / "ds")), Counter()))
+    samples = list(iter_samples(cfg_for(str(tmp_path / "ds")), PrepStats()))
     assert [s.uid for s in samples] == ["0", "1"]
     assert samples[0].messages[-1] == {"role": "assistant", "content": "4"}
 
@@ -126,13 +126,13 @@ def test_datasets_source_saved_to_disk(tmp_path):
 def test_json_array_file(tmp_path):
     path = tmp_path / "chats.json"
     path.write_text(json.dumps([SHAREGPT_ROW, OPENAI_ROW]))
-    assert [s.uid for s in iter_samples(cfg_for(str(path)), Counter())] == ["0", "1"]
+    assert [s.uid for s in iter_samples(cfg_for(str(path)), PrepStats())] == ["0", "1"]
     path.write_text('[\n{"conversations": [}\n]')
     with pytest.raises(UserError, match=r"chats.json:2: malformed JSON"):
-        list(iter_samples(cfg_for(str(path)), Counter()))
+        list(iter_samples(cfg_for(str(path)), PrepStats()))
     path.write_text(json.dumps([SHAREGPT_ROW, {"messages": [{"role": "user"}]}]))
     with pytest.raises(UserError, match=r"chats.json: element 1: field messages\[0\].content"):
-        list(iter_samples(cfg_for(str(path)), Counter()))
+        list(iter_samples(cfg_for(str(path)), PrepStats()))
 
 
 def test_non_utf8_sources_name_file_and_line(tmp_path):
@@ -140,19 +140,19 @@ def test_non_utf8_sources_name_file_and_line(tmp_path):
     jsonl = tmp_path / "chats.jsonl"
     jsonl.write_bytes(good + b"\n" + good + b"\n" + good.replace(b"hello", b"h\xe9llo") + b"\n")
     with pytest.raises(UserError, match=r"chats.jsonl:3: not UTF-8 text"):
-        list(iter_samples(cfg_for(str(jsonl)), Counter()))
+        list(iter_samples(cfg_for(str(jsonl)), PrepStats()))
     array = tmp_path / "chats.json"
     array.write_bytes(b"[\n" + good + b",\n" + good.replace(b"hello", b"h\xe9llo") + b"\n]")
     with pytest.raises(UserError, match=r"chats.json:3: not UTF-8 text"):
-        list(iter_samples(cfg_for(str(array)), Counter()))
+        list(iter_samples(cfg_for(str(array)), PrepStats()))
 
 
 def test_missing_jsonl_and_bad_dataset_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="data.source=.*no such file"):
-        list(iter_samples(cfg_for(str(tmp_path / "nope.jsonl")), Counter()))
+        list(iter_samples(cfg_for(str(tmp_path / "nope.jsonl")), PrepStats()))
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="data.source="):
-        list(iter_samples(cfg_for(str(tmp_path / "empty")), Counter()))
+        list(iter_samples(cfg_for(str(tmp_path / "empty")), PrepStats()))
 
 
 def test_json_array_recovers_complete_elements_of_a_truncated_file():

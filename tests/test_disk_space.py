@@ -6,6 +6,7 @@ where this runs as root, else the free-space probe is patched."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
+import data_prep.build as build
 import data_prep.prepare as P
 import data_prep.store as store
 from conf.errors import UserError
@@ -89,7 +91,7 @@ def test_cli_refuses_offline_capture_on_a_small_disk_and_auto_goes_online(
 
 def test_refusal_comes_before_the_target_loads(tiny_llama_dir, chat_file, tmp_path, monkeypatch):
     """The free-space probe says 1 MB: nothing is captured, the target is never loaded."""
-    monkeypatch.setattr(P.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 10**6}))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: type("Usage", (), {"free": 10**6}))
     monkeypatch.setattr(Target, "load_model", lambda self: pytest.fail("the target was loaded"))
     with pytest.raises(UserError) as err:
         P.prepare(cfg_for(tiny_llama_dir, chat_file, tmp_path, hidden_states="offline"))
@@ -120,7 +122,7 @@ def test_a_disk_that_fills_mid_capture_is_one_line_and_resumes(
     if disk == "tmpfs":
         small = request.getfixturevalue("small_disk")
         cache = small.path / "data"
-        monkeypatch.setattr(P, "free_bytes", lambda path: 10**12)
+        monkeypatch.setattr(build, "free_bytes", lambda path: 10**12)
     else:
         cache = tmp_path / "data"
         fail_writes_after(monkeypatch, shards=2)
@@ -138,8 +140,8 @@ def test_a_disk_that_fills_mid_capture_is_one_line_and_resumes(
     monkeypatch.undo()
     if disk == "tmpfs":
         small.resize("16m")
-    resumed = P.prepare(cfg)
-    clean = P.prepare(cfg_for(tiny_llama_dir, chat_file, tmp_path / "clean", **settings))
+    resumed = P.prepare(cfg).path
+    clean = P.prepare(cfg_for(tiny_llama_dir, chat_file, tmp_path / "clean", **settings)).path
     assert {name: (resumed / "train" / name).stat().st_ino for name in kept} == kept
     assert shard_bytes(resumed) == shard_bytes(clean)
     assert load_manifest(resumed)["splits"] == load_manifest(clean)["splits"]
@@ -164,7 +166,7 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_only_whole_folders(smal
 
     from heads.eagle3 import Eagle3Config, Eagle3Head
     from trainer.checkpoint import RESUME_THEN, TrainState, checkpoint_root, save_checkpoint
-    from trainer.selection import save_best
+    from trainer.loop import save_best
 
     acc = Accelerator(cpu=True)
     layer = torch.nn.Linear(512, 512)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 from test_sync_free import assert_steps_never_sync, eagle3, medusa1, samples
 
 import data_prep.prepare as P
+import data_prep.rows as rows
 from conf.errors import UserError
 from conf.schema import (
     DataConfig,
@@ -65,8 +67,8 @@ def shard_tensors(folder: Path, split: str) -> list[dict[str, torch.Tensor]]:
 
 
 def test_online_folder_keeps_tokens_only(tiny_llama_dir, chat_file, tmp_path):
-    offline = P.prepare(cfg_for(tiny_llama_dir, chat_file, tmp_path))
-    online = P.prepare(cfg_for(tiny_llama_dir, chat_file, tmp_path, hidden_states="online"))
+    offline = P.prepare(cfg_for(tiny_llama_dir, chat_file, tmp_path)).path
+    online = P.prepare(cfg_for(tiny_llama_dir, chat_file, tmp_path, hidden_states="online")).path
     assert online != offline and online.parent == offline.parent
     m_off, m_on = load_manifest(offline), load_manifest(online)
     assert (m_off["hidden_states"], m_on["hidden_states"]) == ("offline", "online")
@@ -116,7 +118,7 @@ def test_online_batch_is_the_offline_batch(tiny_llama_dir, chat_file, tmp_path, 
     folders = {
         mode: P.prepare(
             cfg_for(tiny_llama_dir, chat_file, tmp_path, head, storage_dtype=storage, hidden_states=mode)
-        )
+        ).path
         for mode in ("offline", "online")
     }
     assert_online_batch_is_the_offline_batch(folders["offline"], folders["online"], model)
@@ -139,16 +141,16 @@ def test_auto_chooses_by_free_disk(
     tiny_llama_dir, chat_file, tmp_path, monkeypatch, capsys, free_gib, chosen
 ):
     usage = type("Usage", (), {"free": int(free_gib * 2**30)})
-    monkeypatch.setattr(P.shutil, "disk_usage", lambda path: usage)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
     cfg = cfg_for(tiny_llama_dir, chat_file, tmp_path, MedusaConfig(), hidden_states="auto")
-    folder = P.prepare(cfg)
+    folder = P.prepare(cfg).path
     assert load_manifest(folder)["hidden_states"] == chosen
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("data.hidden_states=auto")]
     assert len(lines) == 1 and lines[0].startswith(f"data.hidden_states=auto: {chosen} (captured hidden")
     assert "x 128 bytes" in lines[0]  # Medusa-1: the final layer, 64 x 2 bytes per token
     # A built folder is reused as it is, whatever the disk says now.
-    monkeypatch.setattr(P.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 0}))
-    assert P.prepare(cfg) == folder
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: type("Usage", (), {"free": 0}))
+    assert P.prepare(cfg).path == folder
     assert f"data.hidden_states=auto: {chosen} (its data folder is built already)" in capsys.readouterr().out
 
 
@@ -156,17 +158,17 @@ def test_prepare_streams_and_tokenises_once(tiny_llama_dir, chat_file, tmp_path,
     """Each sample is tokenised once, the source is read only as far as `max_samples` takes
     (a broken line after them is never seen), and no spill is left behind."""
     calls = Counter()
-    real = P.conversation_turns
+    real = rows.conversation_turns
 
     def counted(*args):
         calls["n"] += 1
         return real(*args)
 
-    monkeypatch.setattr(P, "conversation_turns", counted)
+    monkeypatch.setattr(rows, "conversation_turns", counted)
     source = tmp_path / "chats.jsonl"
     source.write_text(chat_file.read_text() + "{not json\n")
     cfg = cfg_for(tiny_llama_dir, source, tmp_path / "cache", max_samples=40, hidden_states="online")
-    folder = P.prepare(cfg)
+    folder = P.prepare(cfg).path
     assert calls["n"] == 40
     assert sum(s["samples"] for s in load_manifest(folder)["splits"].values()) == 40
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]

@@ -5,7 +5,6 @@ SmolLM2 through vLLM's offline LLM into the same cache format."""
 from __future__ import annotations
 
 import importlib.util
-from collections import Counter
 
 import pytest
 
@@ -14,6 +13,7 @@ from conf.schema import RegenerateConfig
 from data_prep.regen_vllm import check_vllm_installed
 from data_prep.regenerate import read_cache, regenerate
 from data_prep.sources import Sample
+from data_prep.stats import PrepStats
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -36,7 +36,7 @@ def test_vllm_backend_regenerates_smollm2(tmp_path):
     )]
     cfg = RegenerateConfig(max_new_tokens=24, backend="vllm")
     cache = tmp_path / "vllm.jsonl"
-    out = regenerate(samples, model, tok, cfg, 512, cache, Counter(), target_path=resolve_target_path(name))
+    out = regenerate(samples, model, tok, cfg, 512, cache, PrepStats(), target_path=resolve_target_path(name))
     assert [s.uid for s in out] == ["0", "1", "2"]
     assert all(s.messages[-1]["role"] == "assistant" and s.messages[-1]["content"] for s in out)
     assert set(read_cache(cache)) == {"0", "1", "2"}

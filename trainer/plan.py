@@ -59,9 +59,10 @@ from conf.errors import UserError
 from conf.files import atomic_write_text, read_json
 from conf.schema import EXPORT_FORMATS, OptimConfig, RootConfig, derive
 from conf.sizes import Sizes
-from data_prep.prepare import prepare, regen_cache_file
+from data_prep.keys import regen_cache_file
+from data_prep.prepare import prepare
 from data_prep.regenerate import read_cache
-from data_prep.store import CapturedDataset, load_manifest, online_capture
+from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target
 from trainer.decoding import GREEDY, greedy_generate, speculative_generate
 from trainer.distributed import build_accelerator
@@ -246,14 +247,6 @@ def _probe_config(cfg: RootConfig, samples: int, hidden_states: str, run_dir: Pa
     })
 
 
-def _manifest_rates(folder: Path) -> tuple[dict, float, int]:
-    """(manifest, tokens per sample, samples) of a data folder."""
-    manifest = load_manifest(folder)
-    samples = sum(s["samples"] for s in manifest["splits"].values())
-    tokens = sum(s["tokens"] for s in manifest["splits"].values())
-    return manifest, tokens / max(samples, 1), samples
-
-
 def _regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> dict:
     """The first `batch_size` conversations regenerated into the cache (their ids into a
     throwaway online folder): new tokens/s, new and row tokens per conversation, how many
@@ -265,15 +258,14 @@ def _regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> dict:
         return probed
     cache = regen_cache_file(cfg, target.identity, target.chat_template)
     k = max(PROBE_SAMPLES, d.regenerate.batch_size // d.regenerate.num_samples)
-    folder = prepare(_probe_config(cfg, k, "online", run_dir), target=target)
+    data = prepare(_probe_config(cfg, k, "online", run_dir), target=target)
     probed["cached"] = len(read_cache(cache))  # the probe's answers included: the run reuses them
-    manifest, probed["row_tokens"], probed["samples"] = _manifest_rates(folder)
-    shutil.rmtree(folder, ignore_errors=True)
-    stats = manifest["stats"]
-    made = stats.get("regenerated_tokens", 0)
+    probed["row_tokens"], probed["samples"] = data.tokens_per_sample, data.samples
+    shutil.rmtree(data.path, ignore_errors=True)
+    made = data.stats.regenerated_tokens
     if made:  # else every probed answer was cached: the probe range is free, its rate unknown
-        answered = max(1, probed["samples"] - stats.get("regenerated_from_cache", 0))
-        probed["rate"] = made / max(stats["regenerate_seconds"], 1e-9)
+        answered = max(1, data.samples - data.stats.regenerated_from_cache)
+        probed["rate"] = data.regenerate_tokens_per_s
         probed["answer_tokens"] = made / answered
     return probed
 
@@ -284,9 +276,8 @@ def _train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int) -
     rates and costs `Rates` names); also its tokens per conversation and the head's bytes. The
     head it trained stays in run_dir/head for the evaluation probe."""
     probe = _probe_config(cfg, samples, cfg.data.hidden_states, run_dir)
-    folder = prepare(probe, target=target)
-    manifest, row_tokens, _ = _manifest_rates(folder)
-    train_ds = CapturedDataset(folder, "train")
+    data = prepare(probe, target=target)
+    train_ds = CapturedDataset(data.path, "train")
     steps = min(PROBE_STEPS, steps_per_epoch(train_ds, probe.optim, probe.seed, 1))
     if steps == 0:
         raise UserError(
@@ -297,22 +288,22 @@ def _train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int) -
     probe = derive(probe, {"optim.epochs": 1, "optim.max_steps": steps, "optim.val_every": steps,
                            "optim.save_every": steps})
     acc = build_accelerator(probe.dist, probe.optim, str(run_dir))
-    trainee = build_trainee(probe, target.model, folder)
+    trainee = build_trainee(probe, target.model, data.path)
     head_bytes = sum(p.numel() for p in trainee.parameters() if p.requires_grad) * 2
-    val_ds = CapturedDataset(folder, "validation")
-    result = fit(probe, acc, trainee, train_ds, val_ds, run_dir, online_capture(manifest, target.model))
+    val_ds = CapturedDataset(data.path, "validation")
+    result = fit(probe, acc, trainee, train_ds, val_ds, run_dir, online_capture(data.manifest, target.model))
     del acc, trainee
     gc.collect()
-    shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(data.path, ignore_errors=True)
     between = result.between_steps
     return {
-        "capture_tokens_per_s": manifest.get("capture_tokens_per_s", math.inf),
+        "capture_tokens_per_s": math.inf if data.capture_tokens_per_s is None else data.capture_tokens_per_s,
         "train_tokens_per_s": result.step_tokens_per_s,
         "tokens_per_step": result.tokens_per_step,
         "validate_s_per_token": between.per_validation() / max(sum(val_ds.lengths), 1),
         "save_best_s": between.per_best_save(),
         "checkpoint_s": between.per_checkpoint(),
-        "row_tokens": row_tokens,
+        "row_tokens": data.tokens_per_sample,
         "head_bytes": head_bytes,
     }
 

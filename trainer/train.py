@@ -21,9 +21,10 @@ from conf.compose import hydra_main
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import RootConfig, to_root_config
 from conf.sizes import Sizes
+from data_prep.folder import DataFolder
 from data_prep.masks import attention_layout
 from data_prep.prepare import check_source, prepare
-from data_prep.store import CapturedDataset, load_manifest, online_capture
+from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target, resolve_target
 from heads.export import export_head, formats_for
 from trainer.checkpoint import latest_checkpoint
@@ -35,7 +36,7 @@ from trainer.trainees import build_trainee
 from trainer.val_decode import build_val_decoder
 
 
-def prepare_data(cfg: RootConfig, acc, target: Target) -> Path:
+def prepare_data(cfg: RootConfig, acc, target: Target) -> DataFolder:
     """The data folder on every rank, built once per file system: global rank 0 first; then the
     first rank of each other node reuses it (a shared file system) or builds its own copy
     (node-local disks, from the same config the same bytes); then every other rank reuses its
@@ -127,28 +128,26 @@ def run(cfg: RootConfig) -> dict:
     if budget is not None:
         stages.done("probes")
     cfg = sizes.apply(cfg)
-    data_dir = prepare_data(cfg, acc, target)
+    data = prepare_data(cfg, acc, target)
     stages.done("data")
-    manifest = load_manifest(data_dir)
-    train_ds = CapturedDataset(data_dir, "train")
-    val_ds = CapturedDataset(data_dir, "validation")
-    samples = sum(s["samples"] for s in manifest["splits"].values())
+    train_ds = CapturedDataset(data.path, "train")
+    val_ds = CapturedDataset(data.path, "validation")
     if budget is not None:
-        sizes = recheck(cfg, budget, started, train_ds, val_ds, samples)
+        sizes = recheck(cfg, budget, started, train_ds, val_ds, data.samples)
         cfg = sizes.apply(cfg)
-    trainee = build_trainee(cfg, model, data_dir)
+    trainee = build_trainee(cfg, model, data.path)
     val_decode = build_val_decoder(cfg, trainee, (model, target.tokenizer), val_ds)
-    capture = online_capture(manifest, model)
+    capture = online_capture(data.manifest, model)
     result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode, sizes.deadline)
     if budget is not None:
         note_stop(cfg, budget, result.steps)
     stages.done("train")
     summary = {
         "run_dir": str(run_dir),
-        "data_dir": str(data_dir),
-        "hidden_states": manifest.get("hidden_states", "offline"),
-        "data_samples": samples,
-        "data_tokens": sum(s["tokens"] for s in manifest["splits"].values()),
+        "data_dir": str(data.path),
+        "hidden_states": data.hidden_states,
+        "data_samples": data.samples,
+        "data_tokens": data.tokens,
         **result.summary(),
     }
     if acc.is_main_process:

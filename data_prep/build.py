@@ -1,0 +1,236 @@
+"""Building one data folder, under its lock (`prepare` holds it): spill the samples' rows to disk,
+choose the mode (`data.hidden_states=auto`), capture the shards into the partial folder (resuming
+a killed build's), then write the draft vocabulary and the manifest and move the folder into
+place. Offline capture checks the free disk against its known size before it starts."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from conf.errors import UserError
+from conf.files import free_bytes, human_bytes
+from conf.schema import RootConfig
+from data_prep.capture import LAYER_CONVENTION, TOKEN_BYTES, CaptureSpec, capture_shard
+from data_prep.folder import DataFolder
+from data_prep.keys import FolderKey, data_base, matmul_dtype
+from data_prep.linears import DataLinears
+from data_prep.rows import spill_samples
+from data_prep.sources import held_out
+from data_prep.stats import PrepStats
+from data_prep.store import (
+    FORMAT_VERSION,
+    MANIFEST,
+    SPLITS,
+    TokenSpill,
+    check_target,
+    finish,
+    load_manifest,
+    open_partial,
+    write_split,
+)
+from data_prep.template import Tokenized
+from data_prep.vocab import (
+    VOCAB_FILE,
+    build_draft_vocab,
+    count_masked_tokens,
+    coverage,
+    draft_vocab_bytes,
+    save_draft_vocab,
+)
+
+
+def progress_bars(cfg: RootConfig) -> Callable | None:
+    """A tqdm factory on stderr (`logging.progress`), else None."""
+    if not cfg.logging.progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return lambda **kw: tqdm(file=sys.stderr, dynamic_ncols=True, **kw)
+
+
+def choose_hidden_states(spec: CaptureSpec, tokens: int, hidden_size: int, base: Path) -> str:
+    """`data.hidden_states=auto`: online when the captured shards would take more than half of the
+    free disk under the cache (the rest is for checkpoints, exports and other runs). One line
+    says which and why."""
+    per_token = spec.bytes_per_token(hidden_size)
+    need, free = tokens * per_token, free_bytes(base)
+    mode = "online" if need > free / 2 else "offline"
+    print(
+        f"data.hidden_states=auto: {mode} (captured hidden states would take {human_bytes(need)} "
+        f"= {tokens} tokens x {per_token} bytes, {'more than' if mode == 'online' else 'within'} "
+        f"half of the {human_bytes(free)} free under {base})"
+    )
+    return mode
+
+
+def check_space(cfg: RootConfig, spec: CaptureSpec, tokens: int, hidden_size: int, partial: Path,
+                fixed: int) -> None:
+    """Refuse, before capture starts, a capture whose shards (and `fixed` bytes more: the draft
+    vocabulary) cannot fit under the cache: their size is known (tokens x bytes per token), and a
+    disk that fills mid-capture wastes the capture so far. Shards a killed run already wrote into
+    `partial` count as written."""
+    per_token = spec.bytes_per_token(hidden_size) + TOKEN_BYTES
+    written = sum(f.stat().st_size for f in partial.rglob("shard-*.safetensors"))
+    need, free = tokens * per_token + fixed - written, free_bytes(partial)
+    if need > free:
+        raise UserError(
+            f"data.hidden_states={cfg.data.hidden_states}: capturing {tokens} tokens x {per_token} "
+            f"bytes needs {human_bytes(need)} more under {data_base(cfg)}, which has "
+            f"{human_bytes(free)} free; free space, set data.cache_dir to a larger disk, or use "
+            f"data.hidden_states=online (the target runs in training; {TOKEN_BYTES} bytes per token)"
+        )
+
+
+def built_folder(key: FolderKey, modes: tuple[str, ...]) -> DataFolder | None:
+    """The finished folder of one of `modes`, checked against the target and announced; None
+    when none is built yet."""
+    for mode in modes:
+        path = key.folder(mode)
+        if (path / MANIFEST).exists():
+            manifest = load_manifest(path)
+            check_target(manifest, key.target.identity, f"data folder {str(path)!r}")
+            if len(modes) > 1:
+                print(f"data.hidden_states=auto: {mode} (its data folder is built already)")
+            folder = DataFolder.from_manifest(path, manifest)
+            print(folder.summary(reused=True))
+            return folder
+    return None
+
+
+def split_order(spill: TokenSpill, val_fraction: float) -> dict[str, torch.Tensor]:
+    """Each split's spill indices, length-sorted: the capture batches of each shard then waste
+    little padding."""
+    held = held_out(spill.split_hashes(), val_fraction)
+    every = torch.arange(len(spill))
+    return {"train": spill.by_length(every[~held]), "validation": spill.by_length(every[held])}
+
+
+class ShardWriter:
+    """Writes the splits' shards from the spill: reads each shard's rows back, captures what
+    `stored` names (loading the target and converting its linear layers on the first shard that
+    needs them), counts the train split's supervised ids for the draft vocabulary, and times the
+    forward alone, which is the rate the time budget (`trainer.plan`) scales with the data."""
+
+    def __init__(self, key: FolderKey, stored: CaptureSpec, spill: TokenSpill,
+                 order: dict[str, torch.Tensor]):
+        self.cfg, self.target, self.stored = key.cfg, key.target, stored
+        self.spill, self.order, self.bar = spill, order, None
+        self.vocab, self.vocab_size = key.vocab, key.target.identity["vocab_size"]
+        self.counts = torch.zeros(self.vocab_size, dtype=torch.int64)
+        self.tokens, self.seconds = 0, 0.0
+        self._linears: DataLinears | None = None
+
+    def write(self, partial: Path, progress: Callable | None) -> dict[str, dict]:
+        """Each split's manifest record: its sizes and its shards'."""
+        desc = "capture" if self.stored.needs_forward else "write"
+        self.bar = progress(total=self.spill.tokens, unit="tok", desc=desc) if progress else None
+        splits = {}
+        for split in SPLITS:
+            records = write_split(partial, split, self._chunks(split), self._shard, self._written)
+            splits[split] = {
+                k: sum(r[k] for r in records) for k in ("samples", "tokens", "masked_tokens")
+            } | {"shards": records}
+        if self.bar is not None:
+            self.bar.close()
+        return splits
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    def _chunks(self, split: str) -> Iterator[list[Tokenized]]:
+        """The split's shards, read back from the spill one at a time."""
+        indices, n = self.order[split], self.cfg.data.shard_samples
+        for i in range(0, len(indices), n):
+            chunk = self.spill.read(indices[i : i + n].tolist())
+            if split == "train" and self.vocab:
+                self.counts.add_(count_masked_tokens(chunk, self.vocab_size))
+            yield chunk
+
+    def _shard(self, chunk: list[Tokenized]) -> dict[str, torch.Tensor]:
+        # Loading the target and converting its linear layers happen once, before the first
+        # shard's clock starts.
+        if self.stored.needs_forward and self._linears is None:
+            self._linears = DataLinears(self.target.model, matmul_dtype(self.cfg))
+        start = time.perf_counter()
+        with self._linears or contextlib.nullcontext():
+            model = self.target.model if self.stored.needs_forward else None
+            tensors = capture_shard(model, chunk, self.stored, self.cfg.data.capture_batch_tokens)
+        self.seconds += time.perf_counter() - start
+        self.tokens += sum(len(t.input_ids) for t in chunk)
+        return tensors
+
+    def _written(self, record: dict) -> None:
+        if self.bar is not None:
+            self.bar.update(record["tokens"])
+            if self.seconds:
+                self.bar.set_postfix(tok_s=f"{self.tokens_per_s():.0f}")
+
+
+def write_draft_vocab(partial: Path, counts: torch.Tensor, size: int) -> dict:
+    """The draft vocabulary of the `size` ids most often supervised, saved; its manifest record."""
+    d2t, t2d = build_draft_vocab(counts, size)
+    save_draft_vocab(partial, d2t, t2d)
+    return {"file": VOCAB_FILE, "size": d2t.numel(), "coverage": coverage(counts, t2d)}
+
+
+def base_manifest(cfg: RootConfig, identity: dict, spec: CaptureSpec, mode: str) -> dict:
+    """What the manifest says of the folder before its shards are written."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "target": identity,
+        "layer_convention": LAYER_CONVENTION,
+        "hidden_states": mode,
+        "aux_layer_ids": list(spec.aux_layer_ids),
+        "final_layer_id": spec.final_layer_id,
+        "storage_dtype": spec.storage_dtype,
+        "matmul_dtype": str(matmul_dtype(cfg)).removeprefix("torch."),
+        "max_length": cfg.data.max_length,
+        "data": dataclasses.asdict(cfg.data),
+        "splits": {},
+        "draft_vocab": None,
+    }
+
+
+def build_folder(key: FolderKey, modes: tuple[str, ...]) -> DataFolder:
+    """Build the data folder of `key` in the mode `modes` allows (`prepare` holds its lock): spill
+    the samples, choose the mode, capture the shards into the partial folder (resuming a killed
+    build's), write the draft vocabulary and the manifest, move the folder into place."""
+    cfg, spec, identity = key.cfg, key.spec, key.target.identity
+    stats, progress = PrepStats(), progress_bars(cfg)
+    spill_dir = key.sibling(".spill")
+    shutil.rmtree(spill_dir, ignore_errors=True)  # what a killed run left
+    try:
+        spill = TokenSpill(spill_dir)
+        spill_samples(cfg, key.target, spill, stats, progress)
+        mode = modes[0] if len(modes) == 1 else choose_hidden_states(
+            spec, spill.tokens, identity["hidden_size"], data_base(cfg)
+        )
+        path = key.folder(mode)
+        # Online shards hold what Medusa-2's do: tokens only.
+        stored = spec if mode == "offline" else CaptureSpec((), None, spec.storage_dtype)
+        order = split_order(spill, cfg.data.val_fraction)
+        plan = {"folder": path.name, "splits": {k: spill.digest(v) for k, v in order.items()}}
+        partial = open_partial(path, plan)
+        if stored.needs_forward:
+            fixed = draft_vocab_bytes(key.vocab, identity["vocab_size"])
+            check_space(cfg, stored, spill.tokens, identity["hidden_size"], partial, fixed)
+        writer = ShardWriter(key, stored, spill, order)
+        manifest = base_manifest(cfg, identity, spec, mode) | {"splits": writer.write(partial, progress)}
+    finally:
+        shutil.rmtree(spill_dir, ignore_errors=True)
+    if key.vocab:
+        manifest["draft_vocab"] = write_draft_vocab(partial, writer.counts, key.vocab)
+    if stored.needs_forward:
+        manifest["capture_tokens_per_s"] = writer.tokens_per_s()
+    manifest["stats"] = stats.as_dict()
+    folder = DataFolder.from_manifest(path, finish(partial, path, manifest))
+    print(folder.summary(reused=False))
+    return folder
