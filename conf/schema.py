@@ -454,7 +454,7 @@ class Eagle3Config(ObjectiveConfig):
     prompt_loss_weight: float = 1.0
     # Objective: the test-time-training unroll length and the weight of step k (step_weight**k).
     # 3 = the tokens the evaluator and the serve commands draft: on the embedded default it beat 7
-    # and tied 4 at the lowest cost (see README, Measured: "and `head.ttt_length=3`"). Serving
+    # and tied 4 at the lowest cost (see README, Measured: "then `head.ttt_length=3`"). Serving
     # more draft tokens wants as many steps.
     ttt_length: int = 3
     step_weight: float = 0.8
