@@ -64,9 +64,10 @@ def mixed_precision(cfg: DistConfig) -> str:
 
 
 def _skip_deepspeed_shm_build() -> None:
-    """DeepSpeed compiles a shared-memory comm helper at init (~4 min on 2 cores) that gloo
-    never uses; replace its builder. Reached through sys.modules because
-    `import deepspeed.comm.torch` binds the name `torch`, not the module."""
+    """DeepSpeed compiles a shared-memory comm helper at init (minutes on 2 cores: README,
+    Measured: "DeepSpeed's shared-memory helper") that gloo never uses; replace its builder.
+    Reached through sys.modules because `import deepspeed.comm.torch` binds the name `torch`,
+    not the module."""
     import deepspeed.comm.torch  # noqa: F401
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
