@@ -12,7 +12,8 @@ import importlib.util
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+# The repository root, found from here so that the file works in tests/ or a tier under it.
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
 README = ROOT / "README.md"
 MAX_CELL = 120
 # `python -m` modules the README may name that are tools, not this repository's modules.
