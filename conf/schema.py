@@ -108,8 +108,8 @@ class TargetConfig(_Checked):
     name_or_path: str = "smollm2-135m-instruct"
     revision: str | None = None
     # "auto": bfloat16 on a GPU, float32 on a CPU: bf16 norms, softmax and attention are slow on a
-    # CPU (an all-bf16 SmolLM2 regenerated at 0.75x float32's speed on the 2-core EPYC), and the
-    # evaluator's lossless check wants float32. Data prep's matmuls: `data.matmul_dtype`.
+    # CPU (see README, Measured: "all-bf16 target"), and the evaluator's lossless check wants
+    # float32. Data prep's matmuls: `data.matmul_dtype`.
     dtype: str = "auto"
     # "auto": cuda if available, else cpu.
     device: str = "auto"
@@ -174,13 +174,14 @@ class DataConfig(_Checked):
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     storage_dtype: str = "bfloat16"  # bfloat16 | fp8 (e4m3 with a scale per token and layer)
     # The target's linear layers while it writes data (regeneration, capture, online capture):
-    # auto = bf16 GEMMs for a float32 target on a CPU with native bf16 (AVX512-BF16/AMX: ~2.5x
-    # float32 matmuls), else the target's dtype; target = target.dtype; bfloat16 = bf16 GEMMs.
+    # auto = bf16 GEMMs for a float32 target on a CPU with native bf16 (AVX512-BF16/AMX; see
+    # README, Measured: `data.matmul_dtype=bfloat16`), else the target's dtype; target =
+    # target.dtype; bfloat16 = bf16 GEMMs.
     matmul_dtype: str = "auto"
     # Where the head's hidden states come from. offline: captured once into the data folder,
-    # (aux layers + 1) x hidden x 2 bytes per token in bf16 (4.6 KB for SmolLM2, 32 KiB for an
-    # 8B target). online: the frozen target computes them in the training loop, per batch; the
-    # folder keeps ids and masks (~5 bytes per token). auto (default): online when the captured
+    # (aux layers + 1) x hidden x 2 bytes per token in bf16 (README, "Online or offline hidden
+    # states", has the table). online: the frozen target computes them in the training loop, per
+    # batch; the folder keeps ids and masks only. auto (default): online when the captured
     # shards would take more than half of the free disk under the cache, else offline (deciding
     # costs one statvfs, and auto reuses a folder built in either mode).
     hidden_states: str = "auto"
@@ -234,8 +235,8 @@ class OptimConfig(_Checked):
     max_batch_size: int = 16
     # Several samples per row (trainer/batching.py `packed_batches`), kept apart by per-sample
     # position ids and attention, instead of one right-padded sample per row. Off by default:
-    # padded batches of the default data pad 3.8% (packed 0.7%), and packed rows, as long as
-    # the longest sample, spend more on attention than that (scripts/bench_packing.py).
+    # the default data pads little (see README, Measured: `scripts/bench_packing.py`), and packed
+    # rows, as long as the longest sample, spend more on attention than that saves.
     packing: bool = False
     # None: the head's own default (`DEFAULT_EPOCHS`), set when the root config is built.
     epochs: int | None = None
@@ -429,8 +430,8 @@ class Eagle3Config(ObjectiveConfig):
 
     PREFIX: ClassVar[str] = "head"
     # optim.epochs when it is null: the field's 2-3 passes over regenerated data. On the embedded
-    # default, 2 epochs over 560 conversations (109k answer tokens; 16 min) evaluated at 1.322
-    # against 1.307 for 5 epochs over 192 (21k; 10 min) and 1.268 for 1 epoch over 600.
+    # default 2 epochs over 560 conversations beat 5 over 192 and 1 over 600 (see README,
+    # Measured: `+head=eagle3 budget=null` and the two rows after it).
     DEFAULT_EPOCHS: ClassVar[int] = 2
     name: str = "eagle3"
     # Architecture. HF `hidden_states` indices (k = residual stream after k decoder layers).
@@ -445,8 +446,8 @@ class Eagle3Config(ObjectiveConfig):
     # EAGLE-3 layout): one RMSNorm over the fused [3*Ht] features before fc; the residual taken
     # after hidden_norm; the post-norm hidden fed back between draft steps (EAGLE 3.1).
     # On by default: on the embedded default's data and steps they raised vLLM's acceptance length
-    # from 1.179 to 1.197, and with prompt rows to 1.220 (README, "What trains and which head is
-    # kept"). A head folder saved without them still reads as all off (`heads.eagle3.norm_flags`).
+    # (see README, Measured: rows "original EAGLE-3" and "the three `head.norm_*` on"). A head
+    # folder saved without them still reads as all off (`heads.eagle3.norm_flags`).
     norm_before_fc: bool = True
     norm_before_residual: bool = True
     norm_output: bool = True
@@ -454,8 +455,8 @@ class Eagle3Config(ObjectiveConfig):
     prompt_loss_weight: float = 1.0
     # Objective: the test-time-training unroll length and the weight of step k (step_weight**k).
     # 3 = the tokens the evaluator and the serve commands draft: on the embedded default it beat 7
-    # (vLLM acceptance 1.242 vs 1.220) and tied 4 (1.241), at the lowest cost. Serving more draft
-    # tokens wants as many steps.
+    # and tied 4 at the lowest cost (see README, Measured: "then `head.ttt_length=3`"). Serving
+    # more draft tokens wants as many steps.
     ttt_length: int = 3
     step_weight: float = 0.8
 
@@ -477,8 +478,9 @@ class MedusaConfig(ObjectiveConfig):
 
     PREFIX: ClassVar[str] = "head"
     # optim.epochs when it is null: one pass over the default 560 conversations. Medusa's four
-    # full-vocabulary heads cost ~3.5 s per 1,024-token step on 2 cores, so a second pass would
-    # not fit the 20-minute main job (3 passes over 192 conversations were the old default).
+    # full-vocabulary heads are slow to train on a CPU (see README, Measured: `bench_train.py
+    # +head=medusa`), so a second pass would not fit the 20-minute main job (3 passes over 192
+    # conversations were the old default).
     DEFAULT_EPOCHS: ClassVar[int] = 1
     name: str = "medusa"
     # Architecture.

@@ -10,6 +10,29 @@ Online training (`data.hidden_states=online`) stores none of it: the training lo
 forward on each batch (`capture_batch`) and rounds through the storage dtype, so the objective
 gets the very batch it would have read from disk.
 
+What each mode costs. Offline keeps (aux layers + 1) x hidden size x 2 bytes per token in bf16,
+plus 5 for the ids and the loss mask; online keeps the ids, masks and offsets (~5 bytes per
+token) plus the draft vocabulary's `d2t`/`t2d` (~115 KB), and every rank runs its own frozen
+replica of the target on every training and validation batch (no grad, the target's dtype, this
+module's code and layer ids, rounded through `data.storage_dtype`). The head then gets its batch
+bit for bit where capture and training pad a batch alike, else up to the bf16 rounding of about
+one value in 10^5 (float32 attention reduces over differently blocked keys), so losses agree to
+~1e-4 of their value (tests/test_online.py). The replica lives outside the DDP/ZeRO wrap: not in
+the optimizer, not sharded or all-reduced, not in checkpoints; resume is exact in both modes.
+At 8B (32 KiB per token offline), 50k regenerated conversations of ~1k tokens are 1.6 TB offline
+and 250 MB online, and the 300k-500k conversations that give acceptance lengths of 2.5-3 fit on
+no single node's disk. Offline pays the forward once: it suits shards that fit comfortably and
+are reused (several runs, epochs or head variants on one data set), or a GPU that cannot hold
+the target beside the head. Online suits data that does not fit (any 7-8B target past a few
+thousand conversations), one-off runs, or a GPU that reading 32 KiB per token would starve; it
+pays one target forward per token in every epoch, and each rank holds the target (16 GB in bf16
+at 8B). `scripts/bench_online.py` prints both training speeds and the bare capture forward.
+
+`data.hidden_states=auto` (`data_prep.prepare`) picks online when the estimated shards exceed half
+of the free disk under the cache and says why in one line, else offline, into the very folder an
+explicit `offline` builds. An explicit `offline` whose shards cannot fit refuses before capture
+starts, in one line (needed, free, and `online` as the way out).
+
 Both check every layer's hidden states for values that overflowed (fp16 targets do): offline
 capture refuses the shard in one line naming the layer and the sample; online capture hands the
 loop where it happened as a device tensor (`checked_capture`), which the loop reads only where

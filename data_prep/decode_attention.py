@@ -2,14 +2,14 @@
 row's own cached positions, for the regeneration engine's decode steps.
 
 PyTorch's CPU attention runs a decode step as hundreds of tiny GEMMs (3 grouped queries x 64 per
-KV head and row): on the 2-core EPYC it reads the cache at ~7 GB/s of the ~22 GB/s one core
-streams, and it reads every row to the batch's longest width, so about half of what it reads is
-masked out. Regeneration spent as long in attention as in all its matmuls (50 s against 57 s on
-one engine). This kernel reads each row's keys and values once, only up to the row's own length,
-each key and value for all the queries that share its KV head: 64 rows to width 300 take 1.5 ms
-against PyTorch's 3.9 ms, and one engine regenerates 1.5x faster. On a sliding-window layer
-(Mistral, Gemma 3, ...) a row reads only the last `window` positions, as transformers' mask lets
-it; attention with more than a softmax over scores (gpt-oss sinks, soft-capping) stays PyTorch's.
+KV head and row): it reads the cache at a fraction of the speed one core streams, and it reads
+every row to the batch's longest width, so about half of what it reads is masked out.
+Regeneration spent about as long in attention as in all its matmuls. This kernel reads each
+row's keys and values once, only up to the row's own length, each key and value for all the
+queries that share its KV head (README, Measured: the two "decode attention" rows). On a
+sliding-window layer (Mistral, Gemma 3, ...) a row reads only the last `window` positions, as
+transformers' mask lets it; attention with more than a softmax over scores (gpt-oss sinks,
+soft-capping) stays PyTorch's.
 
 It is a short C function compiled on first use with the system's C compiler (`cc -O3 -march=native`)
 into the draftsmith cache (once, under a lock, however many runs start together) and loaded

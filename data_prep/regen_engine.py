@@ -19,6 +19,13 @@ the architecture is not re-implemented. A slot keeps every position on every lay
 layer's mask (and the kernel) reads only its window, which is what transformers computes with
 its rolling sliding-window caches. A target whose layers are neither full nor sliding attention
 is refused (`masks.attention_layout`).
+
+`data.regenerate.batch_size` rows are split over `data.regenerate.workers` engines (0: one per 32
+rows on a CPU, one on a GPU). The linears follow `data.matmul_dtype` as all of data prep does: bf16
+GEMMs on a CPU with native bf16, else float32 weights packed once. The attention kernel is built
+once with the system's `cc` into the cache; without a compiler the engine keeps PyTorch's
+attention, with the same answers, slower. `python scripts/bench_regen.py` measures the engine's
+new tokens/s against the bare capture forward on the same conversations (README, Measured).
 """
 
 from __future__ import annotations

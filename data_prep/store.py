@@ -9,6 +9,10 @@ name and renamed, so every shard file present is complete: a killed run resumes 
 one, and because shards are a pure function of their samples the result is byte-identical.
 `prepare` builds a folder only under its build lock (`conf.files.build_once`), so two runs never
 write into one partial folder.
+
+Every shard and the draft vocabulary carry a sha256 in the manifest, checked once per process when
+opened: a damaged file stops the run in one line naming it and the command that rebuilds it
+(`rebuild_hint`), instead of training on it (a head's own weights: `heads.folder`).
 """
 
 from __future__ import annotations

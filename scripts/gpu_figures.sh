@@ -13,8 +13,8 @@
 # STAGES picks some of them (default "main decode train specforge regen"); the run ends with one table.
 # Every stage has its own time limit (together 230 + 2x60 + 2x35 + 60 + 60 = 540 s, the 9 minutes), so a slow stage costs its own figure, not the others'; the
 # main job keeps its best head so far, which stage 2 measures even if training was cut short.
-# On an H200 host (2026-11-29) regeneration ran at ~5.5k new tokens/s at batch 256 or 512, so
-# SAMPLES=2000 spends ~75 s there.
+# SAMPLES=2000 keeps the regeneration stage short on an H200 (README, Measured:
+# "gpu_figures.sh, regeneration stage").
 #
 #   OUT=<dir> [TARGET=<alias|.gguf|folder|hub id>] [SOURCE=sharegpt|<file.jsonl>] [STAGES=...] \
 #       [SAMPLES=2000] [EPOCHS=3] [MAIN_LIMIT=230] [PYTHON=python3] bash scripts/gpu_figures.sh [main-job overrides]

@@ -3,6 +3,44 @@
 CPU multi-process runs have traps that fail silently (a launcher starting one process, replicas
 that never talk, NCCL on a machine without CUDA); `build_accelerator` closes each of them and checks
 the world size it got against the one it was launched with.
+
+Several nodes run the same command (`dist=ddp`, or `dist=zero2` for DeepSpeed). Rank 0 prepares
+the data first, and the first rank of each other node then reuses it (a shared file system) or
+builds the same bytes on its own disk (`trainer.train.prepare_data`). Put `run_dir` on a shared
+file system (checkpoints hold every rank's RNG state) and, to regenerate once, `data.cache_dir`
+too (or run `python -m data_prep.prepare` there first). With node-local caches each node decides
+`data.hidden_states=auto` by its own disk: name the mode where the nodes' disks differ.
+tests/test_online.py runs two "nodes" on one machine (two `torchrun --nnodes 2 --node_rank {0,1}`
+launchers, a c10d rendezvous on 127.0.0.1, gloo) online, and checks that their replicas agree and
+their losses equal those of a 2-process offline DDP run. The README has the torchrun line; with
+accelerate, the same job on 2 nodes of 8 GPUs (`machine_rank: 1` in the second node's copy):
+
+    cat > multinode.yaml <<'YAML'
+    distributed_type: MULTI_GPU
+    num_machines: 2
+    num_processes: 16            # all nodes together
+    machine_rank: 0
+    main_process_ip: node0.example
+    main_process_port: 29500
+    rdzv_backend: c10d
+    same_network: true
+    YAML
+    accelerate launch --config_file multinode.yaml -m trainer.train +head=eagle3 dist=ddp \
+      data.hidden_states=online run_dir=/shared/runs/eagle3 data.cache_dir=/shared/draftsmith/data
+
+and under Slurm:
+
+    #!/bin/bash
+    #SBATCH --job-name=draftsmith-eagle3
+    #SBATCH --nodes=2
+    #SBATCH --ntasks-per-node=1            # one torchrun per node; it starts the 8 ranks
+    #SBATCH --gpus-per-node=8
+    #SBATCH --cpus-per-task=32
+    head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    srun torchrun --nnodes "$SLURM_NNODES" --nproc_per_node 8 --rdzv_id "$SLURM_JOB_ID" \
+      --rdzv_backend c10d --rdzv_endpoint "$head_node:29500" -m trainer.train +head=eagle3 dist=ddp \
+      data.hidden_states=online run_dir=/shared/runs/eagle3-$SLURM_JOB_ID \
+      data.cache_dir=/shared/draftsmith/data
 """
 
 from __future__ import annotations
@@ -18,17 +56,18 @@ from data_prep.linears import native_bf16
 
 
 def mixed_precision(cfg: DistConfig) -> str:
-    """`dist.mixed_precision`; auto = bf16 autocast on a GPU and on a CPU with native bf16 (the
-    2-core EPYC trains the default EAGLE-3 head 1.34x faster: 770 vs 576 tokens/s), else none."""
+    """`dist.mixed_precision`; auto = bf16 autocast on a GPU and on a CPU with native bf16 (faster
+    there: README, Measured: `bench_train.py dist.mixed_precision=bf16`), else none."""
     if cfg.mixed_precision != "auto":
         return cfg.mixed_precision
     return "bf16" if torch.cuda.is_available() or native_bf16() else "no"
 
 
 def _skip_deepspeed_shm_build() -> None:
-    """DeepSpeed compiles a shared-memory comm helper at init (~4 min on 2 cores) that gloo
-    never uses; replace its builder. Reached through sys.modules because
-    `import deepspeed.comm.torch` binds the name `torch`, not the module."""
+    """DeepSpeed compiles a shared-memory comm helper at init (minutes on 2 cores: README,
+    Measured: "DeepSpeed's shared-memory helper") that gloo never uses; replace its builder.
+    Reached through sys.modules because `import deepspeed.comm.torch` binds the name `torch`,
+    not the module."""
     import deepspeed.comm.torch  # noqa: F401
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None

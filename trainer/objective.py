@@ -11,6 +11,12 @@ batch-level variant): KL's pull while the overlap is small, TV once it has grown
 
 Everything here is pure tensor maths on rows [N, V], so that EAGLE-3 (soft targets over its draft
 vocabulary) and Medusa (the data's token) train the very same objective.
+
+Which rows: `head.prompt_loss_weight=w` trains every real position that is not an answer token
+(prompt, system and template tokens) at weight w against the answers' 1 (0: answers only,
+Medusa's default; 1: all alike, EAGLE-3's). Capture keeps hidden states at every position, so one
+data folder serves every w; validation metrics stay on the answers. `ce+tv` is ce +
+`head.tv_weight` x tv; `lk`'s eta is `head.lk_eta`.
 """
 
 from __future__ import annotations

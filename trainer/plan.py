@@ -33,14 +33,14 @@ what each stage then took goes into summary.json; the plan also goes into the ru
 plan.json, which `resume=true` follows instead of planning again.
 
 The policy was measured on the embedded default (evaluator, 3 prompts per task; the README's
-"Measured" table holds every run): at equal time more conversations beat more epochs (560 x 2
-epochs scored 1.322 against 1.307 for 192 x 5 and, in the time of 560 x 2, 1.268 for 600 x 1,
-so two epochs before more data), and longer budgets went to conversations: 408, 872 and 1,860 of
-them at 10, 20 and 40 minutes scored 1.304, 1.403 and 1.494. Offline capture beat online on a
-CPU (online runs the target in every epoch: 333 conversations instead of 408 in 10 minutes, for
-1.296 against 1.304), so `data.hidden_states=auto` keeps offline while the disk holds it. The
-answers per prompt are the user's `data.regenerate.num_samples`: two answers sampled at 0.7
-measured 1.311 against one greedy answer's 1.289 at 10 minutes (30 prompts), one budget on one
+"Measured" table holds every run, and the rows named here are its rows): at equal time more
+conversations beat more epochs (`+head=eagle3 budget=null` against the two rows after it), so two
+epochs before more data; longer budgets went to conversations (`budget=10m`, `+head=eagle3`,
+`budget=40m`). Offline capture beat online on a CPU, since online runs the target in every epoch
+and buys fewer conversations for the same time (`budget=10m data.hidden_states=online`), so
+`data.hidden_states=auto` keeps offline while the disk holds it. The answers per prompt are the
+user's `data.regenerate.num_samples`: two sampled answers scored above one greedy answer at 10
+minutes (`data.regenerate.num_samples=2` and the 10-prompt row after it), one budget on one
 target, not yet a default. Medusa's four full-vocabulary heads are slow to train on a CPU, and
 one pass over more data served it best.
 """

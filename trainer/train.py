@@ -4,6 +4,12 @@ prepare data (if its cache is missing) -> train -> evaluate -> export, then say 
 Every rank runs this file and holds its own target (online it computes the hidden states of the
 rank's batches); rank 0 prepares data first, evaluates, exports and prints. Several nodes work
 alike, over a shared file system or each with its own copy of the data (see `prepare_data`).
+
+`resume=true` (same `run_dir`) goes on after any stop, `kill -9` included: regeneration keeps
+each answered conversation (a torn last line is cut) and answers the rest, capture resumes after
+the last shard written, training from the last checkpoint with the uninterrupted run's losses,
+the plan from plan.json, and an export or a data folder appears whole or not at all
+(tests/test_data_resume.py, test_train.py, test_export.py).
 """
 
 from __future__ import annotations

@@ -5,6 +5,11 @@ The simulated acceptance length assumes each draft step independent and right-pr
 acceptance can peak and fall while it keeps rising (heads trained past their best). This runs the
 evaluator's own decoder (`trainer.decoding`), shape and counting, greedy, on prompts of the
 validation split: what the data's answers continue from, never the evaluation's tasks.
+
+`optim.val_decode_prompts=n` decodes n prompts per validation (the `eval.*` shape, greedy,
+`eval.max_new_tokens`) and logs `decoded_acceptance_length`; rank 0 decodes (not with ZeRO-3).
+`optim.select_by=decoded` (needs n > 0) keeps, evaluates and exports the head with the best
+decoded figure; summary.json names its `best_step`, and checkpoints carry the best so far.
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@ Every key below was read off the loaders (vLLM 0.32 `llama_eagle3.py` and
 `transformers_utils/configs/speculators/`, SGLang `llama_eagle3.py` + `model_runner.py`,
 TensorRT-LLM `modeling_speculative.py` + `speculative/eagle3.py`, vllm-project/speculators
 `models/eagle3/config.py`). The engines disagree on what an aux-layer id means; the project keeps
-one convention (HF `hidden_states` index) and translates only here, in `engine_layer_ids`.
+one convention (HF `hidden_states` index) and translates only here, in `engine_layer_ids`: the
+config carries vLLM's ids (the project's own) at the top level and SGLang's (one less) in
+`eagle_config`; TensorRT-LLM takes `eagle3_layers_to_capture` (one less) at serve time, which
+the model card prints.
 
 Both layouts carry the same tensors; only the decoder layer's prefix differs (`midlayer.` vs
 `layers.0.`). Reading a folder back is strict: an unknown or missing name is an error, because

@@ -6,6 +6,7 @@ on the same static caches, so a fault there would make them wrong alike and stil
 greedy baseline is itself held to the target's own `generate` (each task's first prompt, or every
 prompt with `eval.reference=generate`). The head is checked against the target before anything
 is decoded; `eval.save_outputs` writes every speculative output, so anyone can check it.
+A prompt whose outputs differ is named in eval.json and eval.md.
 """
 
 from __future__ import annotations
