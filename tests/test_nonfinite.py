@@ -63,7 +63,9 @@ def test_offline_capture_refuses_an_overflowing_layer(overflowing_target, chat_f
     cache = tmp_path / "cache"
     args = eagle3_args(overflowing_target, chat_file, tmp_path / "run")
     args = [a for a in args if not a.startswith(("data.cache_dir=", "run_dir=", "optim.", "pipeline."))]
-    cmd = [sys.executable, "-m", "data_prep.prepare", *args, f"data.cache_dir={cache}"]
+    # with its progress bars, which must not redraw after the error line (`one_error_line`)
+    cmd = [sys.executable, "-m", "data_prep.prepare", *args, f"data.cache_dir={cache}",
+           "logging.progress=true"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     line = one_error_line(subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env))
     want = f"the target's hidden states overflow: layer {OVERFLOW_LAYER + 1} (HF hidden_states index"
