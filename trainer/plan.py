@@ -32,6 +32,14 @@ deadline (`training_deadline`) if it still runs slower than measured. Everything
 what each stage then took goes into summary.json; the plan also goes into the run_dir's
 plan.json, which `resume=true` follows instead of planning again.
 
+The planner keeps its word or says so, before the data stage: probes that take more than
+`PROBE_SHARE` of the budget stop the job (`_within_share`), and so does a plan whose smallest size
+(`MIN_CONVERSATIONS`) still overruns the budget, in one line naming its largest stage and the
+settings that would fit (`unmet_line`: a larger `budget`, fewer `eval.max_prompts_per_task` or
+`eval.max_new_tokens` when evaluation is the largest, or explicit sizes). What the plan decides is
+one frozen `conf.sizes.Sizes`; the run goes on with `Sizes.apply(cfg)`, a derived config, and the
+user's config is never written.
+
 The policy was measured on the embedded default (evaluator, 3 prompts per task; the README's
 "Measured" table holds every run, and the rows named here are its rows): at equal time more
 conversations beat more epochs (`+head=eagle3 budget=null` against the two rows after it), so two
