@@ -58,9 +58,10 @@ from pathlib import Path
 
 from conf.errors import UserError
 from conf.files import atomic_write_text, read_json
-from conf.schema import EXPORT_FORMATS, OptimConfig, RootConfig
+from conf.schema import OptimConfig, RootConfig
 from data_prep.regenerate import read_cache
 from data_prep.target import Target
+from heads.kinds import head_kind
 
 MARGIN = 0.06  # of the budget, kept back for the export and the noise in the measured rates
 PROBE_SAMPLES = 48  # conversations in the capture-and-train probe folder
@@ -375,7 +376,7 @@ def measure(cfg: RootConfig, target: Target, model) -> Rates:
         evaluate_s = _evaluation_probe(cfg, target, model, run_dir / "head")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    formats = len(cfg.export.formats or EXPORT_FORMATS[cfg.head.name]) if cfg.pipeline.export else 0
+    formats = len(cfg.export.formats or head_kind(cfg.head.name).formats) if cfg.pipeline.export else 0
     head_bytes = trained.pop("head_bytes")
     return Rates(
         regenerate_tokens_per_s=regenerated["rate"],

@@ -22,17 +22,9 @@ from conf.errors import UserError, exit_on_user_error
 from conf.schema import RootConfig, to_root_config
 from data_prep.masks import attention_layout
 from data_prep.target import Target, resolve_target
+from heads.kinds import check_export_formats
 from trainer.checkpoint import latest_checkpoint
-
-
-def build_trainee(cfg: RootConfig, target, data_dir: Path):
-    if cfg.head.name == "eagle3":
-        from trainer.eagle3_trainee import build_eagle3_trainee
-
-        return build_eagle3_trainee(cfg, target, data_dir)
-    from trainer.medusa_trainee import build_medusa_trainee
-
-    return build_medusa_trainee(cfg, target, data_dir)
+from trainer.kind_builders import build_trainee
 
 
 def prepare_data(cfg: RootConfig, acc, target: Target, model) -> Path:
@@ -188,8 +180,10 @@ def run(cfg: RootConfig) -> dict:
 @hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
 @exit_on_user_error
 def main(dict_cfg: DictConfig) -> None:
-    run(to_root_config(dict_cfg))
+    cfg = to_root_config(dict_cfg)
+    check_export_formats(cfg)
+    run(cfg)
 
 
 if __name__ == "__main__":
-    hydra_main(main)
+    hydra_main(main, check_export_formats)
