@@ -127,7 +127,8 @@ def evaluate(
         attention_layout(target.config)  # refused before any weights load
         model = target.load_model(cfg.target)
     tokenizer = target.tokenizer
-    mode = resolve_mode(ev.mode, saved_head_kind(head_path).name)
+    kind = saved_head_kind(head_path)
+    mode = resolve_mode(ev.mode, kind.name)
     shape = draft_shape(ev, mode)
     drafter, verifier = load_drafter(head_path, model, target.name, [shape])
     # The verifier's own stop tokens: a Medusa-2 head verifies with its fine-tuned copy.
@@ -165,7 +166,7 @@ def evaluate(
 
     settings = {
         "head": str(head_path),
-        "kind": head_kind(head_path),
+        "kind": kind.name,
         "target": target.name,
         "mode": mode,
         "num_speculative_tokens": ev.num_speculative_tokens,
