@@ -28,6 +28,7 @@ CPU the process's peak RSS). `tiny=true` keeps the code path at toy sizes (a CPU
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import statistics
@@ -86,13 +87,15 @@ def lowest_draft_vocab(vocab: int, draft: int) -> tuple[torch.Tensor, torch.Tens
 
 def bench_trainee(cfg: RootConfig, model) -> tuple[torch.nn.Module, dict]:
     """A fresh trainee of the configured kind as training builds it, without a data folder (a
-    draft vocabulary, if the kind has one, of the lowest ids), and the fields the line names."""
+    draft vocabulary, if the kind has one, of the lowest ids), and the fields the line names.
+    Only the labelled fraction trains (`--labelled`), whatever the kind's default prompt weight."""
     kind = head_kind(cfg.head.name)
     fields = {name: getattr(cfg.head, name) for name in kind.bench_fields}
     draft = draft_vocab_size(cfg, model.config.vocab_size)
     if draft is not None:
         fields["draft_vocab_size"] = draft
-    return build_trainee(cfg, model, None), fields
+    answers_only = dataclasses.replace(cfg, head=dataclasses.replace(cfg.head, prompt_loss_weight=0.0))
+    return build_trainee(answers_only, model, None), fields
 
 
 def parse(argv: list[str], labelled: float = 1.0) -> tuple[RootConfig, float]:
