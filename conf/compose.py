@@ -48,18 +48,22 @@ def compose_root(overrides: list[str]) -> RootConfig:
 
 
 @exit_on_user_error
-def check_command_line(argv: list[str]) -> RootConfig | None:
+def check_command_line(argv: list[str], *checks: Callable[[RootConfig], None]) -> RootConfig | None:
     """Compose the overrides in `argv` as Hydra will, exiting 2 with one line on any mistake.
 
     Hydra's own error path ends with its `HYDRA_FULL_ERROR` hint; composing first means the last
-    line a user sees is ours. Hydra's flags (`--multirun`, `--cfg`, ...) and `hydra.*` overrides
-    are left to Hydra."""
+    line a user sees is ours. `checks` are the app's checks that need a layer above conf (the head
+    kind's export formats: `heads.kinds.check_export_formats`). Hydra's flags (`--multirun`,
+    `--cfg`, ...) and `hydra.*` overrides are left to Hydra."""
     if any(arg.startswith("-") for arg in argv):
         return None
-    return compose_root([arg for arg in argv if not arg.startswith("hydra.")])
+    cfg = compose_root([arg for arg in argv if not arg.startswith("hydra.")])
+    for check in checks:
+        check(cfg)
+    return cfg
 
 
-def hydra_main(app: Callable[[], None]) -> None:
+def hydra_main(app: Callable[[], None], *checks: Callable[[RootConfig], None]) -> None:
     """Run a `@hydra.main` app after `check_command_line` accepted the command line."""
-    check_command_line(sys.argv[1:])
+    check_command_line(sys.argv[1:], *checks)
     app()

@@ -4,7 +4,9 @@ Hydra composes the YAML; `to_root_config` merges it into these dataclasses. A wr
 unknown key fails in the merge, a wrong value in the dataclass's `__post_init__`: either way as
 one line naming the override, before any model, data or process group is touched. Only what
 needs the outside world waits: whether `data.source` exists (data_prep checks it before loading)
-and aux-layer ids against the target's layer count (checked when the target's config is read).
+and aux-layer ids against the target's layer count (checked when the target's config is read);
+and `export.formats`, which belong to the head kinds above conf (`heads.kinds.check_export_formats`,
+run by the commands before anything loads).
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ MATMUL_DTYPES = ("auto", "target", "bfloat16")
 HIDDEN_STATES = ("offline", "online", "auto")
 REGEN_BACKENDS = ("hf", "vllm")
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
-# Export folder formats by head kind (heads/export reads its layouts under these names).
-EXPORT_FORMATS = {"eagle3": ("eagle3", "speculators"), "medusa": ("medusa-vllm", "medusa-tgi")}
 STRATEGIES = ("none", "ddp", "deepspeed")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 WANDB_MODES = ("disabled", "offline", "online")
@@ -371,7 +371,8 @@ class EvalConfig(_Checked):
 @dataclass(frozen=True)
 class ExportConfig(_Checked):
     PREFIX: ClassVar[str] = "export"
-    # None: every format that holds the head's kind (EXPORT_FORMATS).
+    # None: every format of the head's kind. The formats are the kinds' (`heads.kinds`), which
+    # check this list when a command starts (`check_export_formats`): conf cannot import them.
     formats: list[str] | None = None
     out_dir: str | None = None
     push_to_hub: str | None = None
@@ -379,10 +380,6 @@ class ExportConfig(_Checked):
     license: str = "apache-2.0"  # the model card's license: the target's, the head derives from it
 
     def check(self) -> None:
-        known = [f for kind in EXPORT_FORMATS.values() for f in kind]
-        self._require(
-            "formats", lambda v: v is None or (v and set(v) <= set(known)), f"null or a subset of {known}"
-        )
         self._one_of("dtype", EXPORT_DTYPES)
 
 
@@ -509,7 +506,8 @@ class MedusaConfig(ObjectiveConfig):
         self._at_least(0, "joint_head_loss_scale", "head_warmup_steps")
 
 
-HEAD_CONFIGS: dict[str, type] = {"eagle3": Eagle3Config, "medusa": MedusaConfig}
+# The head config groups by name (`+head=<name>`); each kind's record (`heads.kinds`) holds the rest.
+HEAD_CONFIGS: dict[str, type] = {cls.name: cls for cls in (Eagle3Config, MedusaConfig)}
 
 
 # ---- the root -------------------------------------------------------------------------------
@@ -562,13 +560,6 @@ class RootConfig:
                 f"optim.skip_nonfinite={self.optim.skip_nonfinite}: DeepSpeed takes the optimizer "
                 "step inside backward, before a step could be skipped; use dist=ddp or 0"
             )
-        if self.head is not None and self.export.formats:
-            wrong = [f for f in self.export.formats if f not in EXPORT_FORMATS[self.head.name]]
-            if wrong:
-                raise UserError(
-                    f"export.formats={wrong}: a {self.head.name} head exports as "
-                    f"{', '.join(EXPORT_FORMATS[self.head.name])}"
-                )
 
 
 def derive(obj: Any, changes: dict[str, Any]) -> Any:

@@ -34,22 +34,18 @@ from data_prep.keys import FolderKey, data_base
 from data_prep.regen_vllm import check_vllm_installed
 from data_prep.sources import check_source_exists
 from data_prep.target import Target, resolve_target
-from heads.eagle3 import resolve_aux_layer_ids
+from heads.kinds import head_kind
 
 
 def capture_spec(cfg: RootConfig, num_hidden_layers: int) -> CaptureSpec:
-    """What the chosen head trains on."""
-    head, n = cfg.head, num_hidden_layers
-    if head.name == "eagle3":
-        aux = resolve_aux_layer_ids(head.aux_layer_ids, n)
-        return CaptureSpec(tuple(aux), n, cfg.data.storage_dtype)
-    if head.joint:  # Medusa-2 runs the target itself during training
-        return CaptureSpec((), None, cfg.data.storage_dtype)
-    return CaptureSpec((), n, cfg.data.storage_dtype)
+    """What the chosen head trains on: the layers its kind captures (`heads.kinds`)."""
+    aux, final = head_kind(cfg.head.name).captured_layers(cfg.head, num_hidden_layers)
+    return CaptureSpec(aux, final, cfg.data.storage_dtype)
 
 
 def draft_vocab_size(cfg: RootConfig, vocab_size: int) -> int | None:
-    return min(cfg.data.draft_vocab_size, vocab_size) if cfg.head.name == "eagle3" else None
+    """The draft vocabulary's size, or None for a kind that drafts over the whole vocabulary."""
+    return min(cfg.data.draft_vocab_size, vocab_size) if head_kind(cfg.head.name).draft_vocab else None
 
 
 def check_source(cfg: RootConfig) -> None:

@@ -88,6 +88,12 @@ def resolve_aux_layer_ids(
     return aux
 
 
+def captured_layers(cfg: Eagle3Config, num_hidden_layers: int) -> tuple[tuple[int, ...], int]:
+    """(aux layer ids, final layer id) the head trains on: the three fused features, and the final
+    hidden state the target's lm_head turns into the teacher's distribution."""
+    return tuple(resolve_aux_layer_ids(cfg.aux_layer_ids, num_hidden_layers)), num_hidden_layers
+
+
 def draft_rope(text_config) -> dict:
     """The rope the draft layer runs and its exported config names: the target's own (theta,
     scaling, `max_position_embeddings` beside it), so the draft rotates positions as the target
@@ -321,3 +327,12 @@ class Eagle3Head(nn.Module):
             raise UserError(f"head={str(path)!r}: missing {missing}, unexpected {unexpected}")
         head.embed_tokens.weight.data.copy_(target_model.get_input_embeddings().weight.float())
         return head
+
+
+def load_for_decoding(path: str | Path, target_model, target_name: str) -> tuple[Eagle3Head, object]:
+    """(head, the model that verifies its drafts) for decoding: the head refuses a target other
+    than its own, and aux layer ids this target lacks, before anything is decoded."""
+    head = Eagle3Head.from_pretrained(path, target_model, target_name)
+    n_layers = target_model.config.get_text_config().num_hidden_layers
+    resolve_aux_layer_ids(head.aux_layer_ids, n_layers, f"the head at {str(path)!r}: aux_layer_ids")
+    return head, target_model

@@ -44,6 +44,12 @@ def head_config(target_config, cfg: MedusaConfig) -> dict:
     }
 
 
+def captured_layers(cfg: MedusaConfig, num_hidden_layers: int) -> tuple[tuple[int, ...], int | None]:
+    """(aux layer ids, final layer id) the heads train on: the final hidden state; none for
+    Medusa-2, which runs the target itself during training."""
+    return (), None if cfg.joint else num_hidden_layers
+
+
 class MedusaBlock(nn.Module):
     """`num_layers` residual steps x + SiLU(W x + b); W and b start at zero, so the identity."""
 
@@ -164,3 +170,10 @@ def load_joint_target(path: str | Path, target_model):
 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=target_model.dtype)
     return model.to(target_model.device).eval().requires_grad_(False)
+
+
+def load_for_decoding(path: str | Path, target_model, target_name: str) -> tuple[MedusaHead, object]:
+    """(heads, the model that verifies their drafts) for decoding: a jointly trained Medusa-2
+    head verifies with its own target."""
+    head = MedusaHead.from_pretrained(path, target_model, target_name)
+    return head, load_joint_target(path, target_model)

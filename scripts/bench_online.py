@@ -22,7 +22,7 @@ import time
 from functools import partial
 
 import torch
-from bench_train import TRAINEES, batch_shape, parse, real_tokens
+from bench_train import batch_shape, bench_trainee, parse, real_tokens
 
 from data_prep.capture import capture_batch, hidden_states
 from data_prep.prepare import capture_spec
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
     model = target.model
     spec = capture_spec(cfg, model.config.get_text_config().num_hidden_layers)
     tokens = real_tokens(target.tokenizer, cfg.data, *batch_shape(cfg), labelled)
-    trainee, fields = TRAINEES[cfg.head.name](cfg, model)
+    trainee, fields = bench_trainee(cfg, model)
     rows = [{k: v[r] for k, v in tokens.items()} for r in range(len(tokens["input_ids"]))]
     online = collate(rows, trainee.batch_index)  # what the loader hands the loop, on the CPU
     capture = partial(capture_batch, model, spec)

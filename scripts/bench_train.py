@@ -28,6 +28,7 @@ CPU the process's peak RSS). `tiny=true` keeps the code path at toy sizes (a CPU
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import statistics
@@ -42,15 +43,17 @@ from transformers import LlamaConfig
 from conf.compose import compose_root, split_args
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import DataConfig, OptimConfig, RootConfig, derive
+from data_prep.prepare import capture_spec, draft_vocab_size
 from data_prep.sources import iter_samples
 from data_prep.stats import PrepStats
 from data_prep.target import resolve_target
 from heads.eagle3 import Eagle3Head, draft_layer_config
 from heads.folder import TargetSpec
+from heads.kinds import head_kind
 from trainer.batching import best_fit_rows, collate, collate_packed
 from trainer.distributed import mixed_precision
 from trainer.eagle3_trainee import Eagle3Trainee
-from trainer.medusa_trainee import build_medusa_trainee
+from trainer.kind_builders import build_trainee
 from trainer.trainee import Batch, BatchIndex
 
 
@@ -82,24 +85,17 @@ def lowest_draft_vocab(vocab: int, draft: int) -> tuple[torch.Tensor, torch.Tens
     return d2t, t2d
 
 
-def eagle3_trainee(cfg, model) -> tuple[torch.nn.Module, dict]:
-    vocab = model.config.vocab_size
-    draft = min(cfg.data.draft_vocab_size, vocab)
-    d2t, t2d = lowest_draft_vocab(vocab, draft)
-    head = Eagle3Head.from_target(model, cfg.target.name_or_path, cfg.head, d2t, t2d)
-    trainee = Eagle3Trainee(
-        head, model.get_output_embeddings().weight, cfg.head.ttt_length, cfg.head.step_weight
-    )
-    return trainee, {"ttt_length": cfg.head.ttt_length, "draft_vocab_size": draft}
-
-
-def medusa_trainee(cfg, model) -> tuple[torch.nn.Module, dict]:
-    trainee = build_medusa_trainee(cfg, model, None)
-    fields = {"num_heads": cfg.head.num_heads, "joint": cfg.head.joint, "lora_rank": cfg.head.lora_rank}
-    return trainee, fields
-
-
-TRAINEES = {"eagle3": eagle3_trainee, "medusa": medusa_trainee}
+def bench_trainee(cfg: RootConfig, model) -> tuple[torch.nn.Module, dict]:
+    """A fresh trainee of the configured kind as training builds it, without a data folder (a
+    draft vocabulary, if the kind has one, of the lowest ids), and the fields the line names.
+    Only the labelled fraction trains (`--labelled`), whatever the kind's default prompt weight."""
+    kind = head_kind(cfg.head.name)
+    fields = {name: getattr(cfg.head, name) for name in kind.bench_fields}
+    draft = draft_vocab_size(cfg, model.config.vocab_size)
+    if draft is not None:
+        fields["draft_vocab_size"] = draft
+    answers_only = dataclasses.replace(cfg, head=dataclasses.replace(cfg.head, prompt_loss_weight=0.0))
+    return build_trainee(answers_only, model, None), fields
 
 
 def parse(argv: list[str], labelled: float = 1.0) -> tuple[RootConfig, float]:
@@ -385,11 +381,12 @@ def main(argv: list[str]) -> None:
     model = target.model
     batch = real_tokens(target.tokenizer, cfg.data, *batch_shape(cfg), labelled)
     batch = {k: v.to(model.device) for k, v in batch.items()}
-    trainee, fields = TRAINEES[cfg.head.name](cfg, model)
+    trainee, fields = bench_trainee(cfg, model)
     with torch.no_grad():  # captured as training will see them (Medusa-2 reads none)
         hs = model(batch["input_ids"], output_hidden_states=True).hidden_states
-    if cfg.head.name == "eagle3":
-        batch["aux_hidden"] = torch.cat([hs[i] for i in trainee.head.aux_layer_ids], -1).float()
+    aux = capture_spec(cfg, model.config.get_text_config().num_hidden_layers).aux_layer_ids
+    if aux:
+        batch["aux_hidden"] = torch.cat([hs[i] for i in aux], -1).float()
     batch["final_hidden"] = hs[-1].float()
     trainee.to(model.device)
     batch |= trainee.batch_index(batch)  # what the loader adds on the CPU; here once, untimed

@@ -144,17 +144,15 @@ def ours_on_export(
     """Our speculative decoder with one export's weights over the prompts: its text, whether it is
     our greedy text, and its acceptance counted as vLLM counts it."""
     from heads.export import detect_format, load_export
-    from heads.folder import TargetSpec
-    from trainer.decoding import Chain, Eagle3Drafter, MedusaDrafter, speculative_generate
+    from heads.kinds import format_kind
+    from trainer.decoding import Chain, speculative_generate
+    from trainer.kind_builders import build_drafter
 
     fmt = detect_format(export_dir)
+    kind = format_kind(fmt)
     head = load_export(export_dir, model, target)
-    is_medusa = fmt.startswith("medusa")
-    if is_medusa:
-        drafter = MedusaDrafter(head, TargetSpec.from_model(model, target).num_hidden_layers)
-    else:
-        drafter = Eagle3Drafter(head)
-    k = head.num_heads if is_medusa else k
+    drafter = build_drafter(kind, head, model)
+    k = kind.served_tokens(head.config, k)
     drafts = accepted = 0
     per_pos = [0] * k
     spec_tokens = []
@@ -167,7 +165,7 @@ def ours_on_export(
     return {
         "export": export_dir,
         "format": fmt,
-        "method": "medusa" if is_medusa else "eagle3",
+        "method": kind.name,
         "num_speculative_tokens": k,
         "spec_tokens": spec_tokens,
         "lossless": spec_tokens == greedy,

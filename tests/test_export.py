@@ -6,6 +6,7 @@ project's folder format; exports are real safetensors folders read back by our s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import signal
@@ -19,16 +20,19 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from conf.errors import UserError
-from conf.schema import EXPORT_DTYPES, EXPORT_FORMATS, Eagle3Config
+from conf.schema import EXPORT_DTYPES, HEAD_CONFIGS, Eagle3Config
 from data_prep.target import load_target
 from heads.eagle3 import Eagle3Head
-from heads.export import DTYPES, LAYOUTS, detect_format, export_head, load_export
+from heads.export import DTYPES, detect_format, export_head, load_export
 from heads.export.card import CardFacts, render
-from heads.export.check import KINDS, verify_export
+from heads.export.check import verify_export
 from heads.export.core import cast_weights
 from heads.export.eagle3 import engine_layer_ids, read_native, read_speculators, serving_notes
 from heads.folder import load_head
+from heads.kinds import KINDS, head_kind, layouts
 from tests.cli_helpers import cli_env
+
+EAGLE3_CHECK = head_kind("eagle3").check
 
 # Checkpoint names the engines load for a one-layer EAGLE-3 head, written down from their source:
 # vLLM 0.32 `llama_eagle3.py` (Eagle3LlamaForCausalLM.load_weights + WeightsMapper "midlayer." ->
@@ -89,7 +93,7 @@ def head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
 
 def trained_outputs(head_dir: Path, target_model) -> dict:
     head = Eagle3Head.from_pretrained(head_dir, target_model, "tiny")
-    return KINDS["eagle3"].outputs(head.eval())
+    return EAGLE3_CHECK.outputs(head.eval())
 
 
 def test_engine_layer_ids_follow_each_engines_capture_rule():
@@ -158,9 +162,9 @@ def test_float32_round_trip_gives_identical_logits(head_dir, tmp_path, tiny_targ
     assert report["max_abs_diff_vs_trained_float32"] == 0.0
     cfg, tensors = reader(out)
     _, spec, _ = load_head(head_dir, "eagle3")
-    reloaded = KINDS["eagle3"].build(cfg, spec, tensors, tiny_target)
+    reloaded = EAGLE3_CHECK.build(cfg, spec, tensors, tiny_target)
     expected = trained_outputs(head_dir, tiny_target)
-    got = KINDS["eagle3"].outputs(reloaded)
+    got = EAGLE3_CHECK.outputs(reloaded)
     for k in expected:
         assert torch.equal(expected[k], got[k]), k
 
@@ -206,12 +210,8 @@ def test_self_check_catches_a_changed_weight(head_dir, tmp_path, monkeypatch):
         out["norm.weight"] = out["norm.weight"] + 1
         return out
 
-    import heads.export as export
-
-    layout = export.LAYOUTS["speculators"]
-    monkeypatch.setitem(
-        export.LAYOUTS, "speculators", export.Layout(**{**layout.__dict__, "tensors": corrupt})
-    )
+    formats = head_kind("eagle3").formats
+    monkeypatch.setitem(formats, "speculators", dataclasses.replace(formats["speculators"], tensors=corrupt))
     with pytest.raises(UserError, match="self-check failed: norm.weight: values differ"):
         export_head(head_dir, "speculators", tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.tmp-*"))
@@ -223,10 +223,12 @@ def test_not_a_head_folder_is_a_user_error(head_dir, tmp_path):
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.tmp-*"))
 
 
-def test_layouts_are_the_schemas_formats():
-    """conf.schema.EXPORT_FORMATS names the formats (config checks, defaults); every one has a
-    layout here, and no layout exists that the config could not ask for."""
-    assert list(LAYOUTS) == [fmt for fmts in EXPORT_FORMATS.values() for fmt in fmts]
+def test_every_format_belongs_to_one_kind_and_every_kind_to_the_schema():
+    """The kinds' records name the formats (config checks, defaults): no format name is shared by
+    two kinds (`format_kind` would pick the first), and the records are the schema's head groups."""
+    names = [fmt for k in KINDS.values() for fmt in k.formats]
+    assert len(names) == len(set(names)) == len(layouts()) == 4
+    assert {n: k.config for n, k in KINDS.items()} == HEAD_CONFIGS
     assert set(DTYPES) == set(EXPORT_DTYPES)
 
 
@@ -260,7 +262,7 @@ def test_model_card_states_metadata_acceptance_serving_and_data():
             "chat_template_kwargs": {"enable_thinking": False},
         },
     )
-    card = render(facts)
+    card = render(facts, head_kind("eagle3"))
     head, _, body = card.partition("\n---\n")
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in head
     assert "library_name: vllm" in head and "license: apache-2.0" in head and "- eagle3" in head
@@ -441,7 +443,7 @@ def test_norm_variants_round_trip(variant_head_dir, tmp_path, tiny_target, fmt, 
     read_cfg, read_tensors = reader(out)
     assert {k: read_cfg[k] for k in NORM_FLAGS_ON} == NORM_FLAGS_ON
     _, spec, _ = load_head(variant_head_dir, "eagle3")
-    got = KINDS["eagle3"].outputs(KINDS["eagle3"].build(read_cfg, spec, read_tensors, tiny_target))
+    got = EAGLE3_CHECK.outputs(EAGLE3_CHECK.build(read_cfg, spec, read_tensors, tiny_target))
     expected = trained_outputs(variant_head_dir, tiny_target)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
@@ -509,7 +511,7 @@ def test_self_check_refuses_a_flipped_flag(variant_head_dir, tmp_path):
     edit_config(out, lambda c: c.update(norm_output=False))
     src_cfg, spec, src_tensors = load_head(variant_head_dir, "eagle3")
     with pytest.raises(UserError, match="config norm_output: True != False"):
-        verify_export("eagle3", src_cfg, spec, src_tensors, read_speculators(out), torch.bfloat16)
+        verify_export(EAGLE3_CHECK, src_cfg, spec, src_tensors, read_speculators(out), torch.bfloat16)
 
 
 def test_serving_notes_name_the_engines_that_ignore_flags(variant_head_dir, head_dir):

@@ -17,9 +17,9 @@ from conf.errors import UserError
 from conf.schema import MedusaConfig
 from data_prep.target import load_target
 from heads.export import detect_format, export_head, formats_for, load_export
-from heads.export.check import KINDS
 from heads.export.medusa import read_tgi, read_vllm
 from heads.folder import load_head, save_head
+from heads.kinds import head_kind
 from heads.medusa import MedusaHead
 
 HEADS, LAYERS = 3, 2
@@ -101,7 +101,7 @@ def test_round_trip_gives_identical_logits(head_dir, tmp_path, tiny_target, fmt,
     assert report["outputs_identical"] and report["max_abs_diff_vs_trained_float32"] == 0.0
     trained = MedusaHead.from_pretrained(head_dir, tiny_target, "tiny").eval()
     reloaded = load_export(out, tiny_target, "tiny")
-    ops = KINDS["medusa"]
+    ops = head_kind("medusa").check
     assert torch.equal(ops.outputs(trained)["logits"], ops.outputs(reloaded)["logits"])
     cfg, tensors = reader(out)
     assert cfg["num_heads"] == HEADS and len(tensors) == len(trained.state_dict())

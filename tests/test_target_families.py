@@ -39,7 +39,7 @@ from transformers import AutoConfig, LlamaConfig
 
 from conf.compose import compose_root
 from conf.errors import first_line
-from conf.schema import EXPORT_FORMATS, MedusaConfig
+from conf.schema import MedusaConfig
 from data_prep.capture import length_batches
 from data_prep.masks import attention_layout
 from data_prep.prepare import prepare
@@ -48,7 +48,7 @@ from data_prep.store import CapturedDataset, load_manifest
 from data_prep.target import load_target
 from heads.eagle3 import Eagle3Head
 from heads.export import load_export
-from heads.export.check import KINDS
+from heads.kinds import head_kind
 from heads.medusa import MedusaHead
 from trainer.decoding import greedy_generate, speculative_generate
 from trainer.evaluate.run import load_drafter
@@ -194,12 +194,12 @@ def test_engine_and_decoders_write_what_generate_writes_past_the_window(family):
 @pytest.mark.parametrize("head", list(HEADS))
 def test_every_export_reads_back_as_the_trained_head(family, head):
     exports = family.exports(head)
-    assert sorted(exports) == sorted(EXPORT_FORMATS[head])
+    assert sorted(exports) == sorted(head_kind(head).formats)
     name = str(family.target_dir)
     trained = HEADS[head].from_pretrained(family.runs[head]["head_dir"], family.model, name).eval()
-    want = KINDS[head].outputs(trained)
+    want = head_kind(head).check.outputs(trained)
     for fmt, folder in exports.items():
-        got = KINDS[head].outputs(load_export(folder, family.model, name).eval())
+        got = head_kind(head).check.outputs(load_export(folder, family.model, name).eval())
         assert all(torch.equal(want[k], got[k]) for k in want), fmt
 
 

@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 
 from conf.schema import Eagle3Config
-from heads.export import FORMAT_KINDS, export_head
+from heads.export import export_head
+from heads.kinds import format_kind
 from tests import test_export
 from tests.conftest import TINY_FAMILIES, byte_tokenizer, save_target, special_token_ids, tiny_family_target
 from tests.test_export_medusa import make_head as make_medusa_head
@@ -123,7 +124,7 @@ def test_vllm_serves_the_export_losslessly(served, name):
     line = lines[name]
     assert line["target"] == str(target)  # named by the speculators export's verifier
     assert line["ours_lossless"], line
-    unserved = UNSERVED.get((family, FORMAT_KINDS[EXPORTS[name][0]]))
+    unserved = UNSERVED.get((family, format_kind(EXPORTS[name][0]).name))
     if unserved:
         reason, refusal = unserved
         assert not line["loaded"] and refusal in line["error"], f"vLLM now serves it: {line}"

@@ -6,7 +6,7 @@ lm_head that turns stored final hidden states into teacher logits.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -16,6 +16,7 @@ from torch import nn
 
 from heads.eagle3 import Eagle3Head
 from trainer.decoding import Eagle3Drafter
+from trainer.decoding.drafters import Shape
 from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean
 from trainer.trainee import (
     LABEL_INDEX,
@@ -230,12 +231,23 @@ class Eagle3Trainee(nn.Module):
         return Eagle3Drafter(self.head), target
 
 
-def build_eagle3_trainee(cfg, target, data_dir: Path) -> Eagle3Trainee:
-    """A fresh head for `target` over the draft vocabulary built with the data."""
-    from data_prep.vocab import load_draft_vocab
+def build_eagle3_trainee(cfg, target, data_dir: Path | None) -> Eagle3Trainee:
+    """A fresh head for `target` over the draft vocabulary built with the data (no data folder:
+    the lowest ids, which cost a step what any vocabulary of that size costs)."""
+    from data_prep.vocab import build_draft_vocab, load_draft_vocab
 
-    d2t, t2d = load_draft_vocab(data_dir)
+    if data_dir is None:
+        vocab = target.config.get_text_config().vocab_size
+        counts = torch.zeros(vocab, dtype=torch.long)
+        d2t, t2d = build_draft_vocab(counts, min(cfg.data.draft_vocab_size, vocab))
+    else:
+        d2t, t2d = load_draft_vocab(data_dir)
     head = Eagle3Head.from_target(target, cfg.target.name_or_path, cfg.head, d2t, t2d)
     lm_head = target.get_output_embeddings().weight
     objective = Objective.from_config(cfg.head)
     return Eagle3Trainee(head, lm_head, cfg.head.ttt_length, cfg.head.step_weight, objective)
+
+
+def eagle3_drafter(head: Eagle3Head, target, shapes: Sequence[Shape] = ()) -> Eagle3Drafter:
+    """A loaded head as the decoding drafter: it grows any chain or tree (`shapes` are all fine)."""
+    return Eagle3Drafter(head)

@@ -11,6 +11,7 @@ num_heads x tokens x vocab logits (3 GiB for SmolLM2) at once.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from conf.schema import MedusaConfig
 from data_prep.capture import document_inputs
 from heads.medusa import TARGET_DIR, MedusaHead, write_target_checksums
 from trainer.decoding import MedusaDrafter
+from trainer.decoding.drafters import Shape
 from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean
 from trainer.trainee import (
     LABEL_INDEX,
@@ -387,3 +389,12 @@ def build_medusa_trainee(cfg, target, data_dir: Path) -> nn.Module:
     if cfg.head.joint:
         return JointMedusaTrainee(head, target, cfg.head, cfg.optim.grad_accum)
     return MedusaTrainee(head, cfg.head.head_weight, Objective.from_config(cfg.head))
+
+
+def medusa_drafter(head: MedusaHead, target, shapes: Sequence[Shape] = ()) -> MedusaDrafter:
+    """Loaded heads as the decoding drafter on `target`'s final hidden state, refusing a shape
+    that asks for more heads than there are."""
+    drafter = MedusaDrafter(head, target.config.get_text_config().num_hidden_layers)
+    for shape in shapes:
+        drafter.check(shape)
+    return drafter

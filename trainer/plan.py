@@ -65,19 +65,20 @@ from pathlib import Path
 
 from conf.errors import UserError
 from conf.files import atomic_write_text, read_json
-from conf.schema import EXPORT_FORMATS, OptimConfig, RootConfig, derive
+from conf.schema import OptimConfig, RootConfig, derive
 from conf.sizes import Sizes
 from data_prep.keys import regen_cache_file
 from data_prep.prepare import prepare
 from data_prep.regenerate import read_cache
 from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target
+from heads.kinds import head_kind
 from trainer.decoding import GREEDY, greedy_generate, speculative_generate
 from trainer.distributed import build_accelerator
 from trainer.evaluate.run import draft_shape, load_drafter, pass_schedule, resolve_mode
 from trainer.evaluate.tasks import encode_all, load_prompts
+from trainer.kind_builders import build_trainee
 from trainer.loop import fit, steps_per_epoch
-from trainer.trainees import build_trainee
 
 MARGIN = 0.06  # of the budget, kept back for the export and the noise in the measured rates
 PROBE_SAMPLES = 48  # conversations in the capture-and-train probe folder
@@ -397,7 +398,7 @@ def measure(cfg: RootConfig, target: Target) -> Rates:
         _within_share(cfg, started, "evaluation")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    formats = len(cfg.export.formats or EXPORT_FORMATS[cfg.head.name]) if cfg.pipeline.export else 0
+    formats = len(cfg.export.formats or head_kind(cfg.head.name).formats) if cfg.pipeline.export else 0
     head_bytes = trained.pop("head_bytes")
     return Rates(
         regenerate_tokens_per_s=regenerated["rate"],

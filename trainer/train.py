@@ -33,12 +33,13 @@ from data_prep.prepare import check_source, prepare
 from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target, resolve_target
 from heads.export import export_head, formats_for
+from heads.kinds import check_export_formats
 from trainer.checkpoint import latest_checkpoint
 from trainer.distributed import build_accelerator
 from trainer.evaluate.run import evaluate
+from trainer.kind_builders import build_trainee
 from trainer.loop import fit
 from trainer.plan import note_stop, plan_run, recheck
-from trainer.trainees import build_trainee
 from trainer.val_decode import build_val_decoder
 
 
@@ -180,8 +181,10 @@ def run(cfg: RootConfig) -> dict:
 @hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
 @exit_on_user_error
 def main(dict_cfg: DictConfig) -> None:
-    run(to_root_config(dict_cfg))
+    cfg = to_root_config(dict_cfg)
+    check_export_formats(cfg)
+    run(cfg)
 
 
 if __name__ == "__main__":
-    hydra_main(main)
+    hydra_main(main, check_export_formats)

@@ -10,8 +10,6 @@ with `push_to_hub=<repo_id>`, the folder is uploaded.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,72 +17,19 @@ from safetensors.torch import save_file
 
 from conf.errors import UserError
 from conf.files import disk_full_is_one_line, read_json, staged_dir
-from conf.schema import EXPORT_DTYPES, EXPORT_FORMATS
-from heads.export import eagle3 as e3
-from heads.export import medusa as em
+from conf.schema import EXPORT_DTYPES
+from heads import kinds  # read when called: the kinds' records hold this package's layouts
 from heads.export.card import CardFacts, hub_id, render
-from heads.export.check import KINDS, verify_export
-from heads.export.core import cast_weights
-from heads.folder import TargetSpec, head_kind, load_head, run_config
+from heads.export.check import verify_export
+from heads.export.core import ExportContext, Layout, Tensors
+from heads.folder import TargetSpec, load_head, run_config
 
-Tensors = dict[str, torch.Tensor]
 DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
-# The head kind each format holds, from the schema's list (the one place format names live).
-FORMAT_KINDS = {fmt: kind for kind, fmts in EXPORT_FORMATS.items() for fmt in fmts}
-
-
-@dataclass(frozen=True)
-class ExportContext:
-    """Facts a format's config needs beyond the head itself."""
-
-    dtype: str
-    num_speculative_tokens: int
-    verifier: str  # the target as the engine should load it: a Hub id or a path
-    verifier_architectures: list[str]
-
-
-def _cast(tensors: Tensors, cfg: dict, dtype: torch.dtype) -> Tensors:
-    return cast_weights(tensors, dtype)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How one format (a key of FORMAT_KINDS) writes and reads a head."""
-
-    weights_file: str
-    config: Callable[[dict, ExportContext], dict]
-    read: Callable[[Path], tuple[dict, Tensors]]  # our strict loader for the format
-    tensors: Callable[[Tensors, dict, torch.dtype], Tensors] = _cast  # our names -> the format's
-
-
-LAYOUTS: dict[str, Layout] = {
-    "eagle3": Layout(
-        e3.WEIGHTS_FILE,
-        lambda cfg, ctx: e3.native_config(cfg, ctx.dtype),
-        e3.read_native,
-        e3.native_tensors,
-    ),
-    "speculators": Layout(
-        e3.WEIGHTS_FILE,
-        lambda cfg, ctx: e3.speculators_config(
-            cfg, ctx.dtype, ctx.num_speculative_tokens, ctx.verifier, ctx.verifier_architectures
-        ),
-        e3.read_speculators,
-        e3.speculators_tensors,
-    ),
-    "medusa-vllm": Layout(em.VLLM_WEIGHTS, lambda cfg, ctx: em.vllm_config(cfg, ctx.dtype), em.read_vllm),
-    "medusa-tgi": Layout(
-        em.TGI_WEIGHTS,
-        lambda cfg, ctx: em.tgi_config(cfg, ctx.dtype, ctx.verifier),
-        em.read_tgi,
-        em.tgi_tensors,
-    ),
-}
 
 
 def formats_for(head_path: str | Path, formats: list[str] | None) -> list[str]:
     """The formats to write for a head: those asked for, or every one that holds its kind."""
-    return list(formats or EXPORT_FORMATS[head_kind(head_path)])
+    return list(formats or kinds.saved_head_kind(head_path).formats)
 
 
 def _verifier(spec: TargetSpec, target_model) -> tuple[str, list[str]]:
@@ -126,11 +71,11 @@ def export_head(
     compared, and the Hub commit with `push_to_hub`). `fmt` and `dtype` are taken as checked:
     `export.formats` / `export.dtype` by the config schema, the CLI's own `format=` by the CLI.
     """
-    layout, kind, head_path, out = LAYOUTS[fmt], FORMAT_KINDS[fmt], Path(head_path), Path(out_dir)
+    kind, head_path, out = kinds.format_kind(fmt), Path(head_path), Path(out_dir)
+    layout = kind.formats[fmt]
     check_out_dir(out)
-    src_cfg, spec, src_tensors = load_head(head_path, kind)
-    if kind == "medusa":  # every head drafts one token; vLLM sets num_heads from this number
-        num_speculative_tokens = src_cfg["num_heads"]
+    src_cfg, spec, src_tensors = load_head(head_path, kind.name)
+    num_speculative_tokens = kind.served_tokens(src_cfg, num_speculative_tokens)
     if target_model is not None:
         spec.check(
             TargetSpec.from_model(target_model, spec.name_or_path), f"head={str(head_path)!r}"
@@ -146,22 +91,21 @@ def export_head(
         _write(tmp, layout, config, layout.tensors(src_tensors, src_cfg, DTYPES[dtype]))
         where = f"format={fmt} out={str(out)!r}"
         check = verify_export(
-            kind, src_cfg, spec, src_tensors, layout.read(tmp), DTYPES[dtype], target_model, where
+            kind.check, src_cfg, spec, src_tensors, layout.read(tmp), DTYPES[dtype], target_model, where
         )
         facts = CardFacts(
             fmt=fmt,
-            kind=kind,
+            kind=kind.name,
             target_name=spec.name_or_path,
             location=push_to_hub or str(out.resolve()),
             num_speculative_tokens=num_speculative_tokens,
             license=license,
-            layer_ids=e3.engine_layer_ids(src_cfg["aux_layer_ids"]) if fmt == "eagle3" else {},
             eval_report=report,
             data=run.get("data"),
             training={k: run[k] for k in ("head", "optim") if k in run},
-            notes=e3.serving_notes(src_cfg, fmt) if kind == "eagle3" else [],
+            **kind.card_facts(src_cfg, fmt),
         )
-        (tmp / "README.md").write_text(render(facts))
+        (tmp / "README.md").write_text(render(facts, kind))
     result = {"format": fmt, "out": str(out), **check}
     if push_to_hub:
         from heads.export.hub import push_folder
@@ -174,21 +118,18 @@ def detect_format(folder: str | Path) -> str:
     """Which export format a folder holds, from its config.json."""
     folder = Path(folder)
     cfg = read_json(folder / "config.json", "export")
-    if "speculators_model_type" in cfg:
-        return "speculators"
-    if "medusa_num_heads" in cfg:
-        return "medusa-tgi"
-    if cfg.get("model_type") == "medusa":
-        return "medusa-vllm"
-    if "draft_vocab_size" in cfg:
-        return "eagle3"
-    raise UserError(f"{folder}: config.json is none of the formats {', '.join(LAYOUTS)}")
+    layouts = kinds.layouts()
+    found = next((fmt for fmt, layout in layouts.items() if layout.matches(cfg)), None)
+    if found is None:
+        raise UserError(f"{folder}: config.json is none of the formats {', '.join(layouts)}")
+    return found
 
 
 def load_export(folder: str | Path, target_model, target_name: str) -> torch.nn.Module:
     """An exported folder back as a draftsmith head module (our own loader for its format), e.g.
     to evaluate exactly what an engine will serve."""
     fmt = detect_format(folder)
-    cfg, tensors = LAYOUTS[fmt].read(Path(folder))
+    kind = kinds.format_kind(fmt)
+    cfg, tensors = kind.formats[fmt].read(Path(folder))
     spec = TargetSpec.from_model(target_model, target_name)
-    return KINDS[FORMAT_KINDS[fmt]].build(cfg, spec, tensors, target_model)
+    return kind.check.build(cfg, spec, tensors, target_model)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from conf.compose import split_args
 from conf.errors import UserError, exit_on_user_error
-from conf.schema import EXPORT_FORMATS
 from heads.export import export_head, formats_for
 from heads.folder import compose_for_head
+from heads.kinds import check_export_formats, head_kind
 
 OWN_KEYS = ("head", "format", "out", "eval", "push_to_hub")
 
@@ -20,8 +20,9 @@ def main(argv: list[str] | None = None) -> None:
     own, overrides = split_args(sys.argv[1:] if argv is None else argv, OWN_KEYS)
     head = own.get("head", "")
     cfg = compose_for_head(head, overrides)
+    check_export_formats(cfg)
     asked = own["format"].split(",") if own.get("format") else None
-    kind_formats = EXPORT_FORMATS[cfg.head.name]
+    kind_formats = list(head_kind(cfg.head.name).formats)
     if asked and not set(asked) <= set(kind_formats):  # format= is ours, not a schema field
         raise UserError(
             f"format={own['format']}: expected one of {', '.join(kind_formats)} "

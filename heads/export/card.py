@@ -1,7 +1,10 @@
 """The README.md written next to every export: Hub metadata, measured acceptance, how to serve.
 
 Pure text assembly from plain dicts, so tests check it without a model; `export_head` gathers the
-facts (eval.json, the run's config, the aux-layer ids per engine) and passes them in.
+facts (eval.json, the run's config, the aux-layer ids per engine) and passes them in, with the
+kind's record for what differs by kind (title, library, serve commands). The kinds' export modules
+import `CardFacts` to write their serve commands, so this module names `HeadKind` for type
+checkers only.
 """
 
 from __future__ import annotations
@@ -9,19 +12,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from heads.kinds import HeadKind
 
 # Aliases of the project's embedded targets -> their Hub ids (for base_model and serve commands).
 HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 # Data sources of data_prep -> Hub dataset ids, for the `datasets` metadata.
 DATASET_IDS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
-
-LIBRARY = {
-    "eagle3": "vllm",
-    "speculators": "vllm",
-    "medusa-vllm": "vllm",
-    "medusa-tgi": "text-generation-inference",
-}
 
 
 def hub_id(target_name: str) -> str | None:
@@ -35,7 +35,7 @@ def hub_id(target_name: str) -> str | None:
 @dataclass
 class CardFacts:
     fmt: str  # export format name
-    kind: str  # eagle3 | medusa
+    kind: str  # the head kind's name (a tag on the card)
     target_name: str
     location: str  # where users fetch the head from: a Hub repo id or the exported folder
     num_speculative_tokens: int
@@ -47,12 +47,12 @@ class CardFacts:
     notes: list[str] = field(default_factory=list)
 
 
-def front_matter(f: CardFacts) -> str:
+def front_matter(f: CardFacts, library: str) -> str:
     base = hub_id(f.target_name)
     lines = ["---"]
     if base:
         lines.append(f"base_model: {base}")
-    lines += [f"library_name: {LIBRARY[f.fmt]}", f"license: {f.license}", "tags:"]
+    lines += [f"library_name: {library}", f"license: {f.license}", "tags:"]
     tags = ["speculative-decoding", f.kind, "draft-model", "draftsmith", f.fmt]
     lines += [f"- {t}" for t in dict.fromkeys(tags)]
     source = (f.data or {}).get("source")
@@ -106,73 +106,7 @@ def acceptance_section(report: dict | None) -> str:
     )
 
 
-def _serve_eagle3(f: CardFacts) -> list[str]:
-    base = hub_id(f.target_name) or f.target_name
-    k, loc = f.num_speculative_tokens, f.location
-    spec = json.dumps({"method": "eagle3", "model": loc, "num_speculative_tokens": k})
-    lines = []
-    if f.fmt == "speculators":
-        lines += [
-            "vLLM (the config names the target, so one argument is enough):",
-            "",
-            "```bash",
-            f"vllm serve {loc}",
-            "```",
-            "",
-            "or explicitly:",
-            "",
-        ]
-    else:
-        lines += ["vLLM:", ""]
-    lines += ["```bash", f"vllm serve {base} --speculative-config '{spec}'", "```", ""]
-    if f.fmt == "eagle3":
-        ids = f.layer_ids["trtllm"]
-        lines += [
-            "SGLang:",
-            "",
-            "```bash",
-            f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path {loc} --speculative-num-steps {k} "
-            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
-            "```",
-            "",
-            "TensorRT-LLM (PyTorch backend; it takes the layer ids at serve time, in its own "
-            "numbering):",
-            "",
-            "```yaml",
-            "speculative_config:",
-            "  decoding_type: Eagle3",
-            f"  max_draft_len: {k}",
-            f"  speculative_model: {loc}",
-            f"  eagle3_layers_to_capture: {ids}",
-            "```",
-        ]
-    return lines
-
-
-def _serve_medusa(f: CardFacts) -> list[str]:
-    base = hub_id(f.target_name) or f.target_name
-    k, loc = f.num_speculative_tokens, f.location
-    if f.fmt == "medusa-tgi":
-        return [
-            "Text Generation Inference (the config names the base model):",
-            "",
-            "```bash",
-            f"text-generation-launcher --model-id {loc} --speculate {k}",
-            "```",
-        ]
-    spec = json.dumps({"method": "medusa", "model": loc, "num_speculative_tokens": k})
-    return [
-        "vLLM (num_speculative_tokens must equal the number of heads):",
-        "",
-        "```bash",
-        f"vllm serve {base} --speculative-config '{spec}'",
-        "```",
-    ]
-
-
-def serve_section(f: CardFacts) -> str:
-    lines = _serve_eagle3(f) if f.kind == "eagle3" else _serve_medusa(f)
+def serve_section(lines: list[str]) -> str:
     return "\n".join(["## Serve", "", *lines, ""])
 
 
@@ -254,19 +188,21 @@ def training_section(training: dict | None) -> str:
     return "\n".join(["## Training", "", *lines, ""])
 
 
-def render(f: CardFacts) -> str:
-    title = "EAGLE-3 draft head" if f.kind == "eagle3" else "Medusa heads"
+def render(f: CardFacts, kind: HeadKind) -> str:
+    """The card of an export of `kind` (`f.kind` names it): its title, library and serve commands
+    come from the kind's record."""
+    title = kind.title
     intro = (
         f"{title} for `{hub_id(f.target_name) or f.target_name}`, trained and exported "
         f"(format `{f.fmt}`) with draftsmith. It only speeds up that target: the verifier "
         "decides every token, so outputs are the target's own."
     )
     parts = [
-        front_matter(f),
+        front_matter(f, kind.formats[f.fmt].library),
         f"# {title} for {hub_id(f.target_name) or f.target_name}",
         intro,
         acceptance_section(f.eval_report),
-        serve_section(f),
+        serve_section(kind.serve_lines(f)),
         layer_ids_section(f),
         data_section(f.data),
         training_section(f.training),

@@ -1,7 +1,10 @@
-"""What every export layout shares: the storage cast, reading a folder, the strict name check."""
+"""What every export layout shares: its description (`Layout`), the storage cast, reading a folder,
+the strict name check."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,6 +19,33 @@ Tensors = dict[str, torch.Tensor]
 def cast_weights(tensors: Tensors, dtype: torch.dtype) -> Tensors:
     """Float weights to the storage dtype; integer and bool tensors (d2t, t2d) stay as they are."""
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+
+
+def _cast(tensors: Tensors, cfg: dict, dtype: torch.dtype) -> Tensors:
+    return cast_weights(tensors, dtype)
+
+
+@dataclass(frozen=True)
+class ExportContext:
+    """Facts a format's config needs beyond the head itself."""
+
+    dtype: str
+    num_speculative_tokens: int
+    verifier: str  # the target as the engine should load it: a Hub id or a path
+    verifier_architectures: list[str]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one export format writes and reads a head (each kind's export module defines its own,
+    and `heads.kinds` lists them under the kind)."""
+
+    weights_file: str
+    config: Callable[[dict, ExportContext], dict]
+    read: Callable[[Path], tuple[dict, Tensors]]  # our strict loader for the format
+    matches: Callable[[dict], bool]  # whether a config.json is this format's (`detect_format`)
+    library: str  # the engine library the model card names (Hub `library_name`)
+    tensors: Callable[[Tensors, dict, torch.dtype], Tensors] = _cast  # our names -> the format's
 
 
 def read_folder(folder: Path, weights: str) -> tuple[dict, Tensors]:

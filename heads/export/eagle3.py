@@ -19,6 +19,7 @@ when `norm_before_fc` is off, so a flag that is not written is a head served dif
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -26,7 +27,9 @@ from transformers import LlamaConfig
 
 from conf.errors import UserError
 from heads.eagle3 import NORM_FLAGS, Eagle3Head, norm_flags
-from heads.export.core import cast_weights, check_layout, read_folder
+from heads.export.card import CardFacts, hub_id
+from heads.export.check import KindOps
+from heads.export.core import Layout, cast_weights, check_layout, read_folder
 from heads.folder import TargetSpec
 
 WEIGHTS_FILE = "model.safetensors"
@@ -340,3 +343,109 @@ def head_outputs(head: Eagle3Head, seed: int = 0) -> dict[str, torch.Tensor]:
         fused = head.fuse(aux)
         hidden, logits, _ = head.step(fused, ids, torch.arange(t).unsqueeze(0))
     return {"fused": fused, "fed_back_hidden": hidden, "draft_logits": logits}
+
+
+def _target_embed(cfg: dict, target_model) -> torch.Tensor:
+    """The target's input embeddings, or a fixed random stand-in: they are never exported, so
+    any shared matrix tests the exported weights equally well."""
+    if target_model is not None:
+        return target_model.get_input_embeddings().weight.detach().float().cpu()
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(cfg["vocab_size"], cfg["hidden_size"], generator=g)
+
+
+def config_fields(cfg: dict) -> dict:
+    """The fields an exported config must reproduce for the self-check."""
+    c = LlamaConfig(**cfg)
+    keys = (
+        "hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim "
+        "rms_norm_eps max_position_embeddings vocab_size rope_parameters draft_vocab_size "
+        "target_hidden_size"
+    ).split()
+    return (
+        {k: getattr(c, k) for k in keys}
+        | {"aux_layer_ids": sorted(cfg["aux_layer_ids"])}
+        | norm_flags(cfg)
+    )
+
+
+CHECK = KindOps(
+    build=lambda cfg, spec, t, target: build_head(cfg, spec, t, _target_embed(cfg, target)),
+    outputs=head_outputs,
+    config_fields=config_fields,
+)
+
+
+def card_facts(cfg: dict, fmt: str) -> dict:
+    """The model card's EAGLE-3 facts: each engine's aux-layer ids (the native format is the one
+    SGLang and TensorRT-LLM read) and the notes on engines that would serve the head wrongly."""
+    ids = engine_layer_ids(cfg["aux_layer_ids"]) if fmt == "eagle3" else {}
+    return {"layer_ids": ids, "notes": serving_notes(cfg, fmt)}
+
+
+def serve_lines(f: CardFacts) -> list[str]:
+    """The model card's serve commands: vLLM for both formats, SGLang and TensorRT-LLM for the
+    native one."""
+    base = hub_id(f.target_name) or f.target_name
+    k, loc = f.num_speculative_tokens, f.location
+    spec = json.dumps({"method": "eagle3", "model": loc, "num_speculative_tokens": k})
+    lines = []
+    if f.fmt == "speculators":
+        lines += [
+            "vLLM (the config names the target, so one argument is enough):",
+            "",
+            "```bash",
+            f"vllm serve {loc}",
+            "```",
+            "",
+            "or explicitly:",
+            "",
+        ]
+    else:
+        lines += ["vLLM:", ""]
+    lines += ["```bash", f"vllm serve {base} --speculative-config '{spec}'", "```", ""]
+    if f.fmt == "eagle3":
+        ids = f.layer_ids["trtllm"]
+        lines += [
+            "SGLang:",
+            "",
+            "```bash",
+            f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {loc} --speculative-num-steps {k} "
+            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
+            "```",
+            "",
+            "TensorRT-LLM (PyTorch backend; it takes the layer ids at serve time, in its own "
+            "numbering):",
+            "",
+            "```yaml",
+            "speculative_config:",
+            "  decoding_type: Eagle3",
+            f"  max_draft_len: {k}",
+            f"  speculative_model: {loc}",
+            f"  eagle3_layers_to_capture: {ids}",
+            "```",
+        ]
+    return lines
+
+
+FORMATS = {
+    "eagle3": Layout(
+        WEIGHTS_FILE,
+        lambda cfg, ctx: native_config(cfg, ctx.dtype),
+        read_native,
+        lambda top: "draft_vocab_size" in top and "speculators_model_type" not in top,
+        "vllm",
+        native_tensors,
+    ),
+    "speculators": Layout(
+        WEIGHTS_FILE,
+        lambda cfg, ctx: speculators_config(
+            cfg, ctx.dtype, ctx.num_speculative_tokens, ctx.verifier, ctx.verifier_architectures
+        ),
+        read_speculators,
+        lambda top: "speculators_model_type" in top,
+        "vllm",
+        speculators_tensors,
+    ),
+}

@@ -11,12 +11,17 @@ lm_head at `{h}.{num_layers}.weight`, bias always loaded), `layers/speculative.p
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from conf.errors import UserError
-from heads.export.core import Tensors, cast_weights, check_layout, read_folder
+from heads.export.card import CardFacts, hub_id
+from heads.export.check import KindOps
+from heads.export.core import Layout, Tensors, cast_weights, check_layout, read_folder
+from heads.folder import TargetSpec
+from heads.medusa import MedusaHead
 
 VLLM_WEIGHTS = "model.safetensors"
 TGI_WEIGHTS = "medusa_lm_head.safetensors"
@@ -148,3 +153,64 @@ def head_outputs(head, seed: int = 0) -> Tensors:
     x = torch.randn(1, 6, head.config["hidden_size"], generator=g)
     with torch.no_grad():
         return {"logits": head(x)}
+
+
+def _build(cfg: dict, spec: TargetSpec, tensors: Tensors, target_model) -> MedusaHead:
+    head = MedusaHead(cfg, spec)
+    head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    return head.eval()
+
+
+def config_fields(cfg: dict) -> dict:
+    """The fields an exported config must reproduce for the self-check."""
+    return {k: cfg[k] for k in ("num_heads", "num_layers", "hidden_size", "vocab_size", "fc_bias")}
+
+
+CHECK = KindOps(build=_build, outputs=head_outputs, config_fields=config_fields)
+
+
+def served_tokens(cfg: dict, asked: int) -> int:
+    """Every head drafts one token, and vLLM sets num_heads from num_speculative_tokens: an
+    export serves with as many tokens as it has heads, whatever was asked."""
+    return cfg["num_heads"]
+
+
+def serve_lines(f: CardFacts) -> list[str]:
+    """The model card's serve command: TGI for its format, vLLM for the other."""
+    base = hub_id(f.target_name) or f.target_name
+    k, loc = f.num_speculative_tokens, f.location
+    if f.fmt == "medusa-tgi":
+        return [
+            "Text Generation Inference (the config names the base model):",
+            "",
+            "```bash",
+            f"text-generation-launcher --model-id {loc} --speculate {k}",
+            "```",
+        ]
+    spec = json.dumps({"method": "medusa", "model": loc, "num_speculative_tokens": k})
+    return [
+        "vLLM (num_speculative_tokens must equal the number of heads):",
+        "",
+        "```bash",
+        f"vllm serve {base} --speculative-config '{spec}'",
+        "```",
+    ]
+
+
+FORMATS = {
+    "medusa-vllm": Layout(
+        VLLM_WEIGHTS,
+        lambda cfg, ctx: vllm_config(cfg, ctx.dtype),
+        read_vllm,
+        lambda top: top.get("model_type") == "medusa",
+        "vllm",
+    ),
+    "medusa-tgi": Layout(
+        TGI_WEIGHTS,
+        lambda cfg, ctx: tgi_config(cfg, ctx.dtype, ctx.verifier),
+        read_tgi,
+        lambda top: "medusa_num_heads" in top,
+        "text-generation-inference",
+        tgi_tensors,
+    ),
+}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conf.files import atomic_write, atomic_write_text
+from heads.kinds import head_kind
 from trainer.decoding import DecodeStats
 from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
 
@@ -133,7 +134,7 @@ def _drafting(s: dict) -> str:
     if s["mode"] == "chain":
         return f"chain drafting (k={s['num_speculative_tokens']})"
     t = s["tree"]
-    if s["kind"] == "medusa":
+    if head_kind(s["kind"]).static_tree:
         nodes = len(t["medusa_choices"] or DEFAULT_MEDUSA_CHOICES)
         return f"static tree drafting ({nodes} nodes)"
     return (

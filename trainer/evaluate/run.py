@@ -16,16 +16,13 @@ from pathlib import Path
 
 import torch
 
-from conf.errors import UserError
 from conf.schema import EvalConfig, RootConfig
 from data_prep.masks import attention_layout
 from data_prep.target import Target, eos_token_ids, resolve_target
-from heads.folder import head_kind
+from heads.kinds import head_kind, saved_head_kind
 from trainer.decoding import (
     GREEDY,
     Chain,
-    Eagle3Drafter,
-    MedusaDrafter,
     Sampling,
     Tree,
     greedy_generate,
@@ -38,13 +35,14 @@ from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
 from trainer.evaluate.progress import EvalProgress
 from trainer.evaluate.report import Record, summarise, write_outputs, write_report
 from trainer.evaluate.tasks import encode_all, load_prompts
+from trainer.kind_builders import build_drafter
 
 
 def resolve_mode(mode: str, kind: str) -> str:
     """`auto` -> the shape a head of `kind` is usually served with."""
     if mode != "auto":
         return mode
-    return "tree" if kind == "medusa" else "chain"
+    return head_kind(kind).served_shape
 
 
 def draft_shape(cfg: EvalConfig, mode: str) -> Shape:
@@ -71,24 +69,10 @@ def load_drafter(head_path: str | Path, model, target_name: str, shapes: list[Sh
     """-> (drafter, the model that verifies). Refuses a head built for another target (vocab,
     hidden size, layer count, aux layer ids) or unable to draft `shapes`, with the mismatch
     named, before any decoding. A jointly trained Medusa-2 head verifies with its own target."""
-    kind = head_kind(head_path)
+    kind = saved_head_kind(head_path)
     device = model.get_input_embeddings().weight.device
-    n_layers = model.config.get_text_config().num_hidden_layers
-    if kind == "eagle3":
-        from heads.eagle3 import Eagle3Head, resolve_aux_layer_ids
-
-        head = Eagle3Head.from_pretrained(head_path, model, target_name)
-        resolve_aux_layer_ids(head.aux_layer_ids, n_layers, f"the head at {str(head_path)!r}: aux_layer_ids")
-        return Eagle3Drafter(head.to(device).eval()), model
-    if kind == "medusa":
-        from heads.medusa import MedusaHead, load_joint_target
-
-        head = MedusaHead.from_pretrained(head_path, model, target_name)
-        drafter = MedusaDrafter(head.to(device).eval(), n_layers)
-        for shape in shapes:
-            drafter.check(shape)
-        return drafter, load_joint_target(head_path, model)
-    raise UserError(f"head={str(head_path)!r}: unknown head kind {kind!r}")
+    head, verifier = kind.load_for_decoding(head_path, model, target_name)
+    return build_drafter(kind, head.to(device).eval(), model, shapes), verifier
 
 
 def tie_tolerance(dtype: torch.dtype, top_logit: float) -> float:
@@ -164,7 +148,8 @@ def evaluate(
     attention_layout(target.config)  # refused before any weights load
     model = target.model
     tokenizer = target.tokenizer
-    mode = resolve_mode(ev.mode, head_kind(head_path))
+    kind = saved_head_kind(head_path)
+    mode = resolve_mode(ev.mode, kind.name)
     shape = draft_shape(ev, mode)
     drafter, verifier = load_drafter(head_path, model, target.name, [shape])
     # The verifier's own stop tokens: a Medusa-2 head verifies with its fine-tuned copy.
@@ -201,7 +186,7 @@ def evaluate(
 
     settings = {
         "head": str(head_path),
-        "kind": head_kind(head_path),
+        "kind": kind.name,
         "target": target.name,
         "mode": mode,
         "num_speculative_tokens": ev.num_speculative_tokens,
