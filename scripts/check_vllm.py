@@ -143,7 +143,7 @@ def ours_on_export(
 ) -> dict:
     """Our speculative decoder with one export's weights over the prompts: its text, whether it is
     our greedy text, and its acceptance counted as vLLM counts it."""
-    from heads.export import detect_format, load_export
+    from heads.export.write import detect_format, load_export
     from heads.kinds import format_kind
     from trainer.decoding import Chain, speculative_generate
     from trainer.kind_builders import build_drafter

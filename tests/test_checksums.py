@@ -16,7 +16,7 @@ import torch
 
 from conf.errors import UserError
 from conf.files import check_sha256, sha256_file
-from heads.export import export_head
+from heads.export.write import export_head
 from heads.folder import CHECKSUM, CONFIG_NAME, WEIGHTS_NAME, load_head, save_head
 from tests.conftest import run_train_cli, tiny_run_args
 

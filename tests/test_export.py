@@ -23,11 +23,11 @@ from conf.errors import UserError
 from conf.schema import EXPORT_DTYPES, HEAD_CONFIGS, Eagle3Config
 from data_prep.target import load_target
 from heads.eagle3 import Eagle3Head
-from heads.export import DTYPES, detect_format, export_head, load_export
 from heads.export.card import CardFacts, render
 from heads.export.check import verify_export
 from heads.export.core import cast_weights
 from heads.export.eagle3 import engine_layer_ids, read_native, read_speculators, serving_notes
+from heads.export.write import DTYPES, detect_format, export_head, load_export
 from heads.folder import load_head
 from heads.kinds import KINDS, head_kind, layouts
 from tests.cli_helpers import cli_env
@@ -528,7 +528,7 @@ def test_serving_notes_name_the_engines_that_ignore_flags(variant_head_dir, head
 KILLED_EXPORT = r"""
 import os, shutil, signal, sys
 from pathlib import Path
-import heads.export as E
+import heads.export.write as E
 point = sys.argv[1]
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
 real_write, real_replace, real_rmtree = E._write, os.replace, shutil.rmtree

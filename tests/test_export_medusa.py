@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from conf.errors import UserError
 from conf.schema import MedusaConfig
 from data_prep.target import load_target
-from heads.export import detect_format, export_head, formats_for, load_export
 from heads.export.medusa import read_tgi, read_vllm
+from heads.export.write import detect_format, export_head, formats_for, load_export
 from heads.folder import load_head, save_head
 from heads.kinds import head_kind
 from heads.medusa import MedusaHead

@@ -29,6 +29,17 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def runtime_nodes(tree: ast.AST):
+    """Every node of `tree` but those under `if TYPE_CHECKING:`, which never run: an import a
+    type checker alone reads closes no loop."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            yield from (n for child in node.orelse for n in ast.walk(child))
+            continue
+        yield node
+        yield from runtime_nodes(node)
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the project modules it imports anywhere in its text. `from a.b import c` names
     the module a.b.c when there is one, else a.b (a package's `__init__`)."""
@@ -42,7 +53,7 @@ def import_graph() -> dict[str, set[str]]:
     graph = {}
     for name, path in paths.items():
         found = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        for node in runtime_nodes(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             if isinstance(node, ast.Import):
                 found |= {known(alias.name) for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -106,3 +117,11 @@ def test_a_loop_through_a_function_level_import_is_found():
              "trainer.loop": set(), "conf.schema": set()}
     assert cycles(graph) == [["trainer.plan", "trainer.train"]]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_imports_for_type_checkers_alone_are_not_followed():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from heads.kinds import K\n"
+                     "def f():\n    import trainer.loop\n")
+    imported = [n.module if isinstance(n, ast.ImportFrom) else n.names[0].name
+                for n in runtime_nodes(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
+    assert imported == ["typing", "trainer.loop"]

@@ -47,7 +47,7 @@ from data_prep.regen_engine import generate
 from data_prep.store import CapturedDataset, load_manifest
 from data_prep.target import load_target
 from heads.eagle3 import Eagle3Head
-from heads.export import load_export
+from heads.export.write import load_export
 from heads.kinds import head_kind
 from heads.medusa import MedusaHead
 from trainer.decoding import greedy_generate, speculative_generate

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from conf.schema import Eagle3Config
-from heads.export import export_head
+from heads.export.write import export_head
 from heads.kinds import format_kind
 from tests import test_export
 from tests.conftest import TINY_FAMILIES, byte_tokenizer, save_target, special_token_ids, tiny_family_target

@@ -32,7 +32,7 @@ from data_prep.masks import attention_layout
 from data_prep.prepare import check_source, prepare
 from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target, resolve_target
-from heads.export import export_head, formats_for
+from heads.export.write import export_head, formats_for
 from heads.kinds import check_export_formats
 from trainer.checkpoint import latest_checkpoint
 from trainer.distributed import build_accelerator

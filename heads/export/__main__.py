@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conf.compose import split_args
 from conf.errors import UserError, exit_on_user_error
-from heads.export import export_head, formats_for
+from heads.export.write import export_head, formats_for
 from heads.folder import compose_for_head
 from heads.kinds import check_export_formats, head_kind
 

@@ -1,0 +1,135 @@
+"""Export a trained head for the serving engines: `python -m heads.export head=<path> format=<fmt>`.
+
+Formats: `eagle3` (native LlamaForCausalLMEagle3 folder: vLLM, SGLang, TensorRT-LLM),
+`speculators` (vLLM's one-command format), `medusa-vllm`, `medusa-tgi`. Each export is written to a
+temporary folder, reloaded by the format's own strict reader and compared with the trained head
+(tensors, config, outputs) before it is renamed into place; then a model card is added and,
+with `push_to_hub=<repo_id>`, the folder is uploaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from conf.errors import UserError
+from conf.files import disk_full_is_one_line, read_json, staged_dir
+from conf.schema import EXPORT_DTYPES
+from heads import kinds
+from heads.export.card import CardFacts, hub_id, render
+from heads.export.check import verify_export
+from heads.export.core import ExportContext, Layout, Tensors
+from heads.folder import TargetSpec, load_head, run_config
+
+DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
+
+
+def formats_for(head_path: str | Path, formats: list[str] | None) -> list[str]:
+    """The formats to write for a head: those asked for, or every one that holds its kind."""
+    return list(formats or kinds.saved_head_kind(head_path).formats)
+
+
+def _verifier(spec: TargetSpec, target_model) -> tuple[str, list[str]]:
+    name = hub_id(spec.name_or_path) or str(Path(spec.name_or_path).expanduser().resolve())
+    if target_model is not None:
+        return name, list(target_model.config.architectures or [])
+    local = Path(spec.name_or_path).expanduser() / "config.json"
+    return name, (read_json(local, "target").get("architectures", []) if local.exists() else [])
+
+
+def _write(folder: Path, layout: Layout, config: dict, tensors: Tensors) -> None:
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(tensors, folder / layout.weights_file, metadata={"format": "pt"})
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse an `out` that is, or lies under, an existing file, before anything is written (the
+    temporary folder beside it would be left behind when the rename fails)."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise UserError(f"out={str(out)!r}: {existing} is a file; expected a folder to export into")
+
+
+def export_head(
+    head_path: str | Path,
+    fmt: str,
+    out_dir: str | Path,
+    target_model=None,
+    eval_json: str | Path | None = None,
+    push_to_hub: str | None = None,
+    dtype: str = "bfloat16",
+    num_speculative_tokens: int = 3,
+    license: str = "apache-2.0",
+) -> tuple[Path, dict]:
+    """Write `head_path` (a draftsmith head folder) to `out_dir` in format `fmt`, self-checked.
+
+    Returns the folder and the report printed by the CLI (format, out, what the self-check
+    compared, and the Hub commit with `push_to_hub`). `fmt` and `dtype` are taken as checked:
+    `export.formats` / `export.dtype` by the config schema, the CLI's own `format=` by the CLI.
+    """
+    kind, head_path, out = kinds.format_kind(fmt), Path(head_path), Path(out_dir)
+    layout = kind.formats[fmt]
+    check_out_dir(out)
+    src_cfg, spec, src_tensors = load_head(head_path, kind.name)
+    num_speculative_tokens = kind.served_tokens(src_cfg, num_speculative_tokens)
+    if target_model is not None:
+        spec.check(
+            TargetSpec.from_model(target_model, spec.name_or_path), f"head={str(head_path)!r}"
+        )
+    verifier, arch = _verifier(spec, target_model)
+    ctx = ExportContext(dtype, num_speculative_tokens, verifier, arch)
+    config = layout.config(src_cfg, ctx)
+    report = read_json(Path(eval_json), "eval") if eval_json else None
+    run = run_config(head_path)
+
+    full = "free space and export again (nothing was written under it)"
+    with disk_full_is_one_line(out.parent, full), staged_dir(out) as tmp:
+        _write(tmp, layout, config, layout.tensors(src_tensors, src_cfg, DTYPES[dtype]))
+        where = f"format={fmt} out={str(out)!r}"
+        check = verify_export(
+            kind.check, src_cfg, spec, src_tensors, layout.read(tmp), DTYPES[dtype], target_model, where
+        )
+        facts = CardFacts(
+            fmt=fmt,
+            kind=kind.name,
+            target_name=spec.name_or_path,
+            location=push_to_hub or str(out.resolve()),
+            num_speculative_tokens=num_speculative_tokens,
+            license=license,
+            eval_report=report,
+            data=run.get("data"),
+            training={k: run[k] for k in ("head", "optim") if k in run},
+            **kind.card_facts(src_cfg, fmt),
+        )
+        (tmp / "README.md").write_text(render(facts, kind))
+    result = {"format": fmt, "out": str(out), **check}
+    if push_to_hub:
+        from heads.export.hub import push_folder
+
+        result["pushed"] = push_folder(out, push_to_hub)
+    return out, result
+
+
+def detect_format(folder: str | Path) -> str:
+    """Which export format a folder holds, from its config.json."""
+    folder = Path(folder)
+    cfg = read_json(folder / "config.json", "export")
+    layouts = kinds.layouts()
+    found = next((fmt for fmt, layout in layouts.items() if layout.matches(cfg)), None)
+    if found is None:
+        raise UserError(f"{folder}: config.json is none of the formats {', '.join(layouts)}")
+    return found
+
+
+def load_export(folder: str | Path, target_model, target_name: str) -> torch.nn.Module:
+    """An exported folder back as a draftsmith head module (our own loader for its format), e.g.
+    to evaluate exactly what an engine will serve."""
+    fmt = detect_format(folder)
+    kind = kinds.format_kind(fmt)
+    cfg, tensors = kind.formats[fmt].read(Path(folder))
+    spec = TargetSpec.from_model(target_model, target_name)
+    return kind.check.build(cfg, spec, tensors, target_model)
