@@ -28,7 +28,6 @@ CPU the process's peak RSS). `tiny=true` keeps the code path at toy sizes (a CPU
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import resource
 import statistics
@@ -94,8 +93,7 @@ def bench_trainee(cfg: RootConfig, model) -> tuple[torch.nn.Module, dict]:
     draft = draft_vocab_size(cfg, model.config.vocab_size)
     if draft is not None:
         fields["draft_vocab_size"] = draft
-    answers_only = dataclasses.replace(cfg, head=dataclasses.replace(cfg.head, prompt_loss_weight=0.0))
-    return build_trainee(answers_only, model, None), fields
+    return build_trainee(derive(cfg, {"head.prompt_loss_weight": 0.0}), model, None), fields
 
 
 def parse(argv: list[str], labelled: float = 1.0) -> tuple[RootConfig, float]:
