@@ -34,7 +34,7 @@ from data_prep.keys import FolderKey, data_base
 from data_prep.regen_vllm import check_vllm_installed
 from data_prep.sources import check_source_exists
 from data_prep.target import Target, resolve_target
-from heads.kinds import head_kind
+from heads.kinds import check_export_formats, head_kind
 
 
 def capture_spec(cfg: RootConfig, num_hidden_layers: int) -> CaptureSpec:
@@ -99,4 +99,4 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    hydra_main(main)
+    hydra_main(main, check_export_formats)
