@@ -1,0 +1,240 @@
+"""`prepare(cfg)` end to end on a tiny target: what each head gets, caching, refusal, the CLI."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import data_prep.prepare as P
+from conf.errors import UserError
+from conf.schema import (
+    DataConfig,
+    Eagle3Config,
+    LoggingConfig,
+    MedusaConfig,
+    RegenerateConfig,
+    RootConfig,
+    TargetConfig,
+)
+from data_prep.prepare import prepare
+from data_prep.store import CapturedDataset, load_manifest, sha256_file
+from data_prep.target import load_target, resolve_target
+from data_prep.vocab import load_draft_vocab
+from heads.eagle3 import Eagle3Head
+from tests.conftest import build_tiny_target
+
+WORDS = "apple river stone cloud garden rocket violin tiger paper summer".split()
+
+
+def conversations(n: int) -> list[dict]:
+    rows = []
+    for i in range(n):
+        w = WORDS[i % len(WORDS)]
+        rows.append(
+            {
+                "conversations": [
+                    {"from": "human", "value": f"Tell me about the {w} number {i}."},
+                    {"from": "gpt", "value": f"The {w} {i} is " + "very " * (i % 7) + "nice."},
+                ]
+            }
+        )
+    return rows
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    path = tmp_path_factory.mktemp("src") / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in conversations(24)))
+    return path
+
+
+def root(target_dir, source, cache_dir, head=None, regenerate=False, **data) -> RootConfig:
+    return RootConfig(
+        target=TargetConfig(name_or_path=str(target_dir), num_threads=1),
+        data=DataConfig(
+            source=str(source),
+            cache_dir=str(cache_dir),
+            regenerate=RegenerateConfig(enabled=regenerate, max_new_tokens=6, batch_size=4),
+            **({"shard_samples": 5, "val_fraction": 0.2, "draft_vocab_size": 300} | data),
+        ),
+        logging=LoggingConfig(progress=False),
+        head=head or Eagle3Config(),
+    )
+
+
+def test_eagle3_folder_manifest_dataset_and_vocab(tiny_llama_dir, source, tmp_path, capsys):
+    cfg = root(tiny_llama_dir, source, tmp_path)
+    folder = prepare(cfg)
+    m = load_manifest(folder)
+    assert m["layer_convention"] == "hf_hidden_states"
+    assert m["aux_layer_ids"] == [2, 4, 5] and m["final_layer_id"] == 8
+    assert m["storage_dtype"] == "bfloat16"
+    assert {k: m["target"][k] for k in ("vocab_size", "hidden_size", "num_hidden_layers")} == {
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "num_hidden_layers": 8,
+    }
+    train, val = m["splits"]["train"], m["splits"]["validation"]
+    assert train["samples"] + val["samples"] == 24 and val["samples"] > 0
+    for shard in train["shards"] + val["shards"]:
+        assert sha256_file(folder / shard["file"]) == shard["sha256"]
+    ds = CapturedDataset(folder, "train")
+    assert len(ds) == train["samples"] and ds.lengths == sorted(ds.lengths)
+    item = ds[0]
+    assert item["aux_hidden"].shape == (ds.lengths[0], 3 * 64)
+    assert item["final_hidden"].shape == (ds.lengths[0], 64)
+    assert 0 < int(item["loss_mask"].sum()) < ds.lengths[0]
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary.startswith("data: 24 samples") and "bytes/token" in summary
+    assert "tokens/s" in summary and "coverage 1.0000" in summary
+
+    d2t, t2d = load_draft_vocab(folder)
+    assert d2t.numel() == int(t2d.sum()) <= 300  # capped, and only ids the answers contain
+    assert m["draft_vocab"]["size"] == d2t.numel()
+    model, _ = load_target(str(tiny_llama_dir), num_threads=1)
+    head = Eagle3Head.from_target(model, str(tiny_llama_dir), cfg.head, d2t, t2d)
+    assert head.aux_layer_ids == m["aux_layer_ids"]
+
+    # A second call reuses the folder without touching it.
+    mtime = (folder / "manifest.json").stat().st_mtime_ns
+    assert prepare(cfg) == folder
+    assert (folder / "manifest.json").stat().st_mtime_ns == mtime
+    assert "reused" in capsys.readouterr().out
+
+
+def test_medusa_final_only_joint_tokens_only_and_fp8(tiny_llama_dir, source, tmp_path):
+    final = prepare(root(tiny_llama_dir, source, tmp_path, MedusaConfig()))
+    item = CapturedDataset(final, "train")[0]
+    assert set(item) == {"input_ids", "loss_mask", "final_hidden"}
+    assert not (final / "draft_vocab.safetensors").exists()
+    joint = prepare(root(tiny_llama_dir, source, tmp_path, MedusaConfig(joint=True)))
+    assert set(CapturedDataset(joint, "train")[0]) == {"input_ids", "loss_mask"}
+    assert load_manifest(joint)["final_layer_id"] is None
+
+    bf16 = prepare(root(tiny_llama_dir, source, tmp_path))
+    fp8 = prepare(root(tiny_llama_dir, source, tmp_path, storage_dtype="fp8"))
+    assert len({final, joint, bf16, fp8}) == 4
+    a, b = CapturedDataset(bf16, "train")[3], CapturedDataset(fp8, "train")[3]
+    scale = a["aux_hidden"].abs().max()
+    assert (a["aux_hidden"] - b["aux_hidden"]).abs().max() < 0.1 * scale
+
+    def nbytes(folder):
+        return sum(s["bytes"] for s in load_manifest(folder)["splits"]["train"]["shards"])
+
+    assert nbytes(fp8) < 0.6 * nbytes(bf16)
+
+
+def test_long_samples_truncated_and_counted(tiny_llama_dir, source, tmp_path):
+    folder = prepare(root(tiny_llama_dir, source, tmp_path, max_length=46))
+    m = load_manifest(folder)
+    assert m["stats"]["truncated"] == 24  # every sample is 48..56 tokens long
+    assert max(CapturedDataset(folder, "train").lengths) == 46
+
+
+def test_regenerated_answers_are_cached_across_sizes(tiny_llama_dir, tmp_path):
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"Say {w}."}) + "\n" for w in WORDS))
+    folder = prepare(root(tiny_llama_dir, src, tmp_path / "c", regenerate=True, max_samples=6))
+    assert load_manifest(folder)["stats"]["regenerated_tokens"] > 0
+    bigger = prepare(root(tiny_llama_dir, src, tmp_path / "c", regenerate=True, max_samples=8))
+    stats = load_manifest(bigger)["stats"]
+    assert bigger != folder and stats["regenerated_from_cache"] == 6
+    assert load_manifest(bigger)["splits"]["train"]["samples"] > 0
+
+
+def test_bf16_gemms_key_their_own_answers_and_folders(tiny_llama_dir, source, tmp_path):
+    """data.matmul_dtype=bfloat16 writes other answers and hidden states: other cache file and
+    folder; `target` keeps the keys of folders built before the setting existed (none in them)."""
+    own, bf16 = (root(tiny_llama_dir, source, tmp_path, matmul_dtype=m) for m in ("target", "bfloat16"))
+    target = resolve_target(own)
+    identity, tpl = target.identity, target.chat_template
+    assert "matmul_dtype" not in P.samples_key(own, identity, tpl)
+    assert P.samples_key(bf16, identity, tpl)["matmul_dtype"] == "torch.bfloat16"
+    assert P.regen_cache_file(own, identity, tpl) != P.regen_cache_file(bf16, identity, tpl)
+    # A bf16 target (its matmuls its own dtype) answers neither like a float32 one nor like a
+    # float32 one with bf16 matmuls: its own keys.
+    half = copy.deepcopy(own)
+    half.target.dtype = "bfloat16"
+    files = {P.regen_cache_file(c, identity, tpl) for c in (own, bf16, half)}
+    assert len(files) == 3 and P.samples_key(half, identity, tpl)["dtype"] == "torch.bfloat16"
+    folder = prepare(bf16)
+    assert load_manifest(folder)["matmul_dtype"] == "bfloat16" and folder != prepare(own)
+    assert load_manifest(prepare(own))["matmul_dtype"] == "float32"
+
+
+def test_data_from_another_target_is_refused(smol_tokenizer, source, tmp_path):
+    target = build_tiny_target(tmp_path / "target", "llama", smol_tokenizer, seed=0)
+    cfg = root(target, source, tmp_path / "cache", MedusaConfig())
+    folder = prepare(cfg)
+    build_tiny_target(target, "llama", smol_tokenizer, seed=1)  # new weights, same path
+    with pytest.raises(UserError) as err:
+        prepare(cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"data folder {str(folder)!r}: data was captured")
+    assert "weights" in msg
+
+
+def run_cli(*overrides, cwd):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(
+        [sys.executable, "-m", "data_prep.prepare", *overrides],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_cli_bad_input_is_one_line_and_exit_2(tiny_llama_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(conversations(1)[0]) + "\n" + '{"conversations": [\n')
+    proc = run_cli(
+        "+head=medusa",
+        f"target.name_or_path={tiny_llama_dir}",
+        "target.num_threads=1",
+        f"data.source={bad}",
+        "data.regenerate.enabled=false",
+        f"data.cache_dir={tmp_path}",
+        f"run_dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert lines == [f"error: {bad}:2: malformed JSON (Expecting value at column 20)"]
+
+
+MIXTRAL = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "chat-templates",
+                       "mixtral-8x7b-instruct-v0.1.jinja")
+
+
+@pytest.mark.skipif(not os.path.exists(MIXTRAL), reason="the shared chat templates are absent")
+def test_conversations_the_template_refuses_are_counted_and_most_refused_is_one_line(
+    tiny_llama_dir, tmp_path, capsys
+):
+    """Mixtral's template refuses a system message ("roles must alternate"): such conversations
+    are skipped, named once and counted in the manifest; a source where most turns are refused
+    stops with one line naming the template and the first bad row."""
+    rows = conversations(6)
+    for r in rows[:2]:
+        r["conversations"].insert(0, {"from": "system", "value": "Be brief."})
+    src = tmp_path / "some.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    folder = prepare(root(tiny_llama_dir, src, tmp_path / "c", chat_template=MIXTRAL))
+    stats = load_manifest(folder)["stats"]
+    assert stats["conversations_refused_by_template"] == 2 and stats["turns_dropped_refused"] == 2
+    out = capsys.readouterr().out
+    assert out.count("refuses") == 1 and f"{src}:1: Conversation roles must alternate" in out
+    assert "conversations_refused_by_template=2" in out  # the prepare summary line
+    for r in rows[2:5]:
+        r["conversations"].insert(0, {"from": "system", "value": "Be brief."})
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    most = r"mixtral.*5 of 6 assistant turns could not be trained \(first at .*some.jsonl:1"
+    with pytest.raises(UserError, match=most):
+        prepare(root(tiny_llama_dir, src, tmp_path / "c", chat_template=MIXTRAL))

@@ -1,0 +1,187 @@
+"""A data cache on a disk too small: offline capture refuses before it starts (one line: needed,
+free, the online mode), `auto` picks online there, and a disk that fills anyway is one line naming
+the folder, after which the same command resumes the partial folder. The disk is a real tmpfs
+where this runs as root, else the free-space probe is patched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import SafetensorError
+
+import data_prep.prepare as P
+import data_prep.store as store
+from conf.errors import UserError
+from data_prep.store import load_manifest
+from data_prep.target import Target, load_target, resolve_target_path
+from tests.e2e.test_data_resume import shard_bytes
+from tests.support.cli import error_lines, run_cli, summary_folder
+from tests.unit.trainer.test_online import cfg_for
+
+# What safetensors raises on a full disk (captured on a 1 MB tmpfs): its own error type, the
+# errno in the text only.
+SAFETENSORS_ENOSPC = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+@dataclass
+class SmallDisk:
+    path: Path
+
+    def resize(self, size: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(self.path)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MB tmpfs, mounted for the test; skips where it cannot be mounted (not root)."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)]
+    mounted = subprocess.run(mount, capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    yield SmallDisk(path)
+    subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def prepare_args(target: Path, source: Path, cache: Path, *extra: str) -> list[str]:
+    return [
+        "+head=eagle3",
+        f"target.name_or_path={target}",
+        "target.num_threads=1",
+        f"data.source={source}",
+        "data.regenerate.enabled=false",
+        "data.max_samples=0",
+        "data.draft_vocab_size=300",
+        f"data.cache_dir={cache}",
+        "logging.progress=false",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_cli_refuses_offline_capture_on_a_small_disk_and_auto_goes_online(
+    tiny_llama_dir, chat_file, tmp_path, small_disk
+):
+    """64 conversations, ~1.8 MB of EAGLE-3 hidden states, on a 1 MB file system."""
+    cache = small_disk.path / "data"
+    offline = prepare_args(tiny_llama_dir, chat_file, cache, "data.hidden_states=offline")
+    code, out, err = run_cli("data_prep.prepare", offline, tmp_path)
+    assert code == 2, err[-3000:]
+    [line] = error_lines(err)
+    assert line.startswith("error: data.hidden_states=offline: capturing ")
+    assert " tokens x 517 bytes needs " in line
+    assert f"MB more under {cache}, which has " in line and "use data.hidden_states=online" in line
+    assert not list(cache.glob("*.partial/*/shard-*"))  # refused before the first shard
+
+    code, out, err = run_cli("data_prep.prepare", prepare_args(tiny_llama_dir, chat_file, cache), tmp_path)
+    assert code == 0, err[-3000:]
+    assert "data.hidden_states=auto: online (captured hidden states would take 2.1 MB = " in out
+    assert load_manifest(summary_folder(out))["hidden_states"] == "online"
+
+
+def test_refusal_comes_before_the_target_loads(tiny_llama_dir, chat_file, tmp_path, monkeypatch):
+    """The free-space probe says 1 MB: nothing is captured, the target is never loaded."""
+    monkeypatch.setattr(P.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 10**6}))
+    monkeypatch.setattr(Target, "load_model", lambda self, settings: pytest.fail("the target was loaded"))
+    with pytest.raises(UserError) as err:
+        P.prepare(cfg_for(tiny_llama_dir, chat_file, tmp_path, hidden_states="offline"))
+    assert " tokens x 517 bytes needs " in str(err.value) and "which has 1.0 MB free" in str(err.value)
+
+
+def fail_writes_after(monkeypatch, shards: int) -> None:
+    """Shard writes fail as on a full disk once `shards` have been written."""
+    real, written = store.save_file, []
+
+    def save_file(tensors, path, metadata=None):
+        if len(written) >= shards:
+            raise SafetensorError(SAFETENSORS_ENOSPC)
+        written.append(path)
+        real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(store, "save_file", save_file)
+
+
+@pytest.mark.parametrize("disk", ["tmpfs", "raised"])
+def test_a_disk_that_fills_mid_capture_is_one_line_and_resumes(
+    tiny_llama_dir, chat_file, tmp_path, monkeypatch, request, disk
+):
+    """The estimate passes (the probe is patched to say 1 TB, as when another process fills the
+    disk after the check), then a shard write finds the disk full: one line naming the cache;
+    the shards written stay, and once there is room the same call resumes after them, to the
+    bytes of an uninterrupted build."""
+    if disk == "tmpfs":
+        small = request.getfixturevalue("small_disk")
+        cache = small.path / "data"
+        monkeypatch.setattr(P, "free_bytes", lambda path: 10**12)
+    else:
+        cache = tmp_path / "data"
+        fail_writes_after(monkeypatch, shards=2)
+    settings = dict(hidden_states="offline", shard_samples=8)
+    cfg = cfg_for(tiny_llama_dir, chat_file, cache, **settings)
+    with pytest.raises(UserError) as err:
+        P.prepare(cfg)
+    message = str(err.value)
+    assert message.startswith(f"{cache}: the disk is full (No space left on device, ") and "\n" not in message
+    assert message.endswith(f"; {P.DISK_FULL_THEN}")
+    [partial] = cache.glob("*.partial")
+    kept = {p.name: p.stat().st_ino for p in (partial / "train").iterdir()}
+    assert kept and all(name.startswith("shard-") for name in kept)  # no half-written file
+
+    monkeypatch.undo()
+    if disk == "tmpfs":
+        small.resize("16m")
+    resumed = P.prepare(cfg)
+    clean = P.prepare(cfg_for(tiny_llama_dir, chat_file, tmp_path / "clean", **settings))
+    assert {name: (resumed / "train" / name).stat().st_ino for name in kept} == kept
+    assert shard_bytes(resumed) == shard_bytes(clean)
+    assert load_manifest(resumed)["splits"] == load_manifest(clean)["splits"]
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_converting_the_target_is_one_line_and_leaves_nothing(small_disk, monkeypatch):
+    """The embedded GGUF's float32 copy (0.5 GB) into a cache on a 1 MB disk."""
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(small_disk.path))
+    targets = small_disk.path / "targets"
+    with pytest.raises(UserError) as err:
+        resolve_target_path("smollm2-135m-instruct")
+    assert str(err.value).startswith(f"{targets}: the disk is full (No space left on device, ")
+    assert list(targets.iterdir()) == []  # no half-written copy, no lock
+
+
+def test_a_full_disk_while_saving_is_one_line_and_leaves_only_whole_folders(small_disk, tiny_llama_dir):
+    """A checkpoint (accelerate's state: weights and AdamW moments, 3 MB) and the best head (a
+    12 MB lm_head), saved on a 1 MB disk: one line naming the folder and how to go on, and
+    nothing half-written beside the whole folders."""
+    from accelerate import Accelerator
+
+    from heads.eagle3 import Eagle3Config, Eagle3Head
+    from trainer.checkpoint import RESUME_THEN, TrainState, checkpoint_root, save_checkpoint
+    from trainer.loop import save_best
+
+    acc = Accelerator(cpu=True)
+    layer = torch.nn.Linear(512, 512)
+    layer, _ = acc.prepare(layer, torch.optim.AdamW(layer.parameters()))
+    run = small_disk.path / "run"
+    with pytest.raises(UserError) as err:
+        save_checkpoint(acc, run, TrainState(step=50))
+    line = str(err.value)
+    assert line.startswith(f"{checkpoint_root(run)}: the disk is full (No space left on device, ")
+    assert line.endswith(RESUME_THEN) and "\n" not in line
+    assert list(checkpoint_root(run).iterdir()) == []
+
+    model, _ = load_target(str(tiny_llama_dir))
+    v = model.config.vocab_size
+    head = Eagle3Head.from_target(model, "tiny", Eagle3Config(), torch.zeros(v, dtype=torch.long),
+                                  torch.ones(v, dtype=torch.bool))
+    with pytest.raises(UserError) as err:
+        save_best(acc, head, run / "head")
+    assert str(err.value).startswith(f"{run}: the disk is full") and str(err.value).endswith(RESUME_THEN)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints"]

@@ -1,0 +1,577 @@
+"""EAGLE-3 export: engine key sets, config keys, aux-layer numbering, round trips, self-check, card.
+
+Heads are real `Eagle3Head`s built on the tiny random targets of conftest.py and saved in the
+project's folder format; exports are real safetensors folders read back by our strict readers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+
+from conf.errors import UserError
+from conf.schema import EXPORT_DTYPES, EXPORT_FORMATS, Eagle3Config
+from data_prep.target import load_target
+from heads.eagle3 import Eagle3Head
+from heads.export import DTYPES, LAYOUTS, detect_format, export_head, load_export
+from heads.export.card import CardFacts, render
+from heads.export.check import KINDS, verify_export
+from heads.export.core import cast_weights
+from heads.export.eagle3 import engine_layer_ids, read_native, read_speculators, serving_notes
+from heads.folder import load_head
+from tests.support.cli import cli_env
+
+# Checkpoint names the engines load for a one-layer EAGLE-3 head, written down from their source:
+# vLLM 0.32 `llama_eagle3.py` (Eagle3LlamaForCausalLM.load_weights + WeightsMapper "midlayer." ->
+# "layers.0.", q/k/v and gate/up stacked; `t2d` skipped, `d2t` -> draft_id_to_target_id),
+# SGLang `llama_eagle3.py` (LlamaForCausalLMEagle3.load_weights: `midlayer.*`, d2t -> hot_token_id),
+# TensorRT-LLM `modeling_speculative.py` (Eagle3DraftModel.midlayer, fc, norm, d2t; lm_head).
+LAYER = [
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "hidden_norm.weight",
+    "post_attention_layernorm.weight",
+]
+TOP = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+NATIVE_KEYS = TOP | {f"midlayer.{k}" for k in LAYER}
+# vllm-project/speculators Eagle3DraftModel keeps the decoder layers in `layers` (a ModuleList).
+SPECULATORS_KEYS = TOP | {f"layers.0.{k}" for k in LAYER}
+
+DRAFT_VOCAB = 512
+# The original EAGLE-3 layout (no extra norms), which the exact key sets above describe; the norm
+# variants (on by default) have their own tests below.
+ORIGINAL_LAYOUT = Eagle3Config(norm_before_fc=False, norm_before_residual=False, norm_output=False)
+
+
+def make_head(target_dir: Path, out: Path, seed: int = 0, cfg: Eagle3Config | None = None) -> Path:
+    """A fresh EAGLE-3 head with a reduced, non-contiguous draft vocabulary (so d2t matters)."""
+    model, _ = load_target(str(target_dir))
+    v = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.sort(torch.randperm(v, generator=g)[:DRAFT_VOCAB]).values
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[keep] = True
+    torch.manual_seed(seed)
+    d2t = keep - torch.arange(DRAFT_VOCAB)
+    head = Eagle3Head.from_target(model, str(target_dir), cfg or ORIGINAL_LAYOUT, d2t, t2d)
+    with torch.no_grad():  # move the norms off 1.0 so a dropped norm weight would show
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return head.save_pretrained(out)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_llama_dir):
+    model, _ = load_target(str(tiny_llama_dir))
+    return model
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    return make_head(tiny_llama_dir, tmp_path_factory.mktemp("heads") / "head")
+
+
+def trained_outputs(head_dir: Path, target_model) -> dict:
+    head = Eagle3Head.from_pretrained(head_dir, target_model, "tiny")
+    return KINDS["eagle3"].outputs(head.eval())
+
+
+def test_engine_layer_ids_follow_each_engines_capture_rule():
+    ids = engine_layer_ids([27, 2, 15])
+    assert ids == {"vllm": [2, 15, 27], "sglang": [1, 14, 26], "trtllm": [1, 14, 26]}
+    # SGLang: set_eagle3_layers_to_capture stores id+1 and captures hidden+residual *entering*
+    # that layer, i.e. HF hidden_states[id+1]. TRT-LLM captures the output of layer id, the same.
+    assert [i + 1 for i in ids["sglang"]] == ids["vllm"]
+    # Their defaults agree: vLLM/SGLang (2, N//2, N-3) == TRT-LLM (1, N//2-1, N-4) shifted.
+    n = 30
+    assert engine_layer_ids([2, n // 2, n - 3])["trtllm"] == [1, n // 2 - 1, n - 4]
+    with pytest.raises(UserError, match="id 0"):
+        engine_layer_ids([0, 4, 5])
+
+
+@pytest.mark.parametrize("fmt,keys", [("eagle3", NATIVE_KEYS), ("speculators", SPECULATORS_KEYS)])
+def test_export_holds_exactly_the_engine_names(head_dir, tmp_path, fmt, keys):
+    out, _ = export_head(head_dir, fmt, tmp_path / fmt)
+    tensors = load_file(out / "model.safetensors")
+    assert set(tensors) == keys
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert tensors["fc.weight"].dtype == torch.bfloat16
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "config.json",
+        "model.safetensors",
+    ]
+    # Readable by an engine running as another user (mkdtemp/safetensors default to 0700/0600).
+    assert oct(out.stat().st_mode & 0o777) == "0o755"
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
+
+
+def test_native_config_keys(head_dir, tmp_path, tiny_target):
+    cfg = json.loads((export_head(head_dir, "eagle3", tmp_path / "e")[0] / "config.json").read_text())
+    src_cfg, _, _ = load_head(head_dir, "eagle3")
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert cfg["draft_vocab_size"] == DRAFT_VOCAB and cfg["vocab_size"] == 49152
+    assert cfg["target_hidden_size"] == 64 and cfg["num_hidden_layers"] == 1
+    assert cfg["tie_word_embeddings"] is False  # SGLang would tie lm_head to the embeddings
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == src_cfg["aux_layer_ids"] == [2, 4, 5]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    # What vLLM does first: AutoConfig -> LlamaConfig, extra keys kept as attributes.
+    auto = AutoConfig.from_pretrained(tmp_path / "e")
+    assert auto.rope_parameters["rope_theta"] == tiny_target.config.rope_parameters["rope_theta"]
+    assert auto.draft_vocab_size == DRAFT_VOCAB and auto.eagle_config["use_aux_hidden_state"]
+
+
+def test_speculators_config_keys(head_dir, tmp_path):
+    out, _ = export_head(head_dir, "speculators", tmp_path / "s", num_speculative_tokens=4)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and "model_type" not in cfg
+    assert cfg["transformer_layer_config"]["model_type"] == "llama"
+    # vLLM defaults norm_before_residual to True when it is missing: it must be written.
+    assert cfg["norm_before_residual"] is False
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    proposal = cfg["speculators_config"]["proposal_methods"][0]
+    assert proposal["speculative_tokens"] == 4
+    assert cfg["speculators_config"]["verifier"]["name_or_path"]
+
+
+@pytest.mark.parametrize("fmt,reader", [("eagle3", read_native), ("speculators", read_speculators)])
+def test_float32_round_trip_gives_identical_logits(head_dir, tmp_path, tiny_target, fmt, reader):
+    out, report = export_head(
+        head_dir, fmt, tmp_path / fmt, target_model=tiny_target, dtype="float32"
+    )
+    assert report["max_abs_diff_vs_trained_float32"] == 0.0
+    cfg, tensors = reader(out)
+    _, spec, _ = load_head(head_dir, "eagle3")
+    reloaded = KINDS["eagle3"].build(cfg, spec, tensors, tiny_target)
+    expected = trained_outputs(head_dir, tiny_target)
+    got = KINDS["eagle3"].outputs(reloaded)
+    for k in expected:
+        assert torch.equal(expected[k], got[k]), k
+
+
+def test_bfloat16_export_equals_the_rounded_head(head_dir, tmp_path, tiny_target):
+    out, report = export_head(
+        head_dir, "eagle3", tmp_path / "bf16", target_model=tiny_target
+    )
+    assert report["outputs_identical"]
+    assert 0 < report["max_abs_diff_vs_trained_float32"] < 0.05
+
+
+def test_qwen2_target_exports(tiny_qwen2_dir, tmp_path):
+    head = make_head(tiny_qwen2_dir, tmp_path / "head")
+    cfg = json.loads((export_head(head, "eagle3", tmp_path / "e")[0] / "config.json").read_text())
+    qwen_theta = AutoConfig.from_pretrained(tiny_qwen2_dir).rope_parameters["rope_theta"]
+    assert cfg["model_type"] == "llama" and cfg["rope_theta"] == qwen_theta
+
+
+def test_reader_refuses_a_renamed_tensor(head_dir, tmp_path):
+    out, _ = export_head(head_dir, "eagle3", tmp_path / "e")
+    tensors = load_file(out / "model.safetensors")
+    tensors["midlayer.hidden_norms.weight"] = tensors.pop("midlayer.hidden_norm.weight")
+    save_file(tensors, out / "model.safetensors")
+    with pytest.raises(UserError, match="unknown tensors.*hidden_norms.*missing.*hidden_norm"):
+        read_native(out)
+
+
+def test_reader_refuses_wrong_sglang_ids(head_dir, tmp_path):
+    out, _ = export_head(head_dir, "eagle3", tmp_path / "e")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="minus one"):
+        read_native(out)
+
+
+def test_self_check_catches_a_changed_weight(head_dir, tmp_path, monkeypatch):
+    import heads.export.eagle3 as e3
+
+    def corrupt(tensors, cfg, dtype):
+        out = e3.rename_layer(cast_weights(tensors, dtype), "midlayer.", "layers.0.")
+        out["norm.weight"] = out["norm.weight"] + 1
+        return out
+
+    import heads.export as export
+
+    layout = export.LAYOUTS["speculators"]
+    monkeypatch.setitem(
+        export.LAYOUTS, "speculators", export.Layout(**{**layout.__dict__, "tensors": corrupt})
+    )
+    with pytest.raises(UserError, match="self-check failed: norm.weight: values differ"):
+        export_head(head_dir, "speculators", tmp_path / "bad")
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.tmp-*"))
+
+
+def test_not_a_head_folder_is_a_user_error(head_dir, tmp_path):
+    with pytest.raises(UserError, match="no draftsmith_head.json"):
+        export_head(tmp_path, "eagle3", tmp_path / "x")
+    assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x.tmp-*"))
+
+
+def test_layouts_are_the_schemas_formats():
+    """conf.schema.EXPORT_FORMATS names the formats (config checks, defaults); every one has a
+    layout here, and no layout exists that the config could not ask for."""
+    assert list(LAYOUTS) == [fmt for fmts in EXPORT_FORMATS.values() for fmt in fmts]
+    assert set(DTYPES) == set(EXPORT_DTYPES)
+
+
+EVAL = {
+    "settings": {"mode": "chain", "num_speculative_tokens": 3, "temperature": 0.0},
+    "overall": {"mean_acceptance_length": 2.5, "acceptance_per_position": [0.7, 0.5, 0.3]},
+    "tasks": {
+        "mtbench": {"mean_acceptance_length": 2.25},
+        "gsm8k": {"mean_acceptance_length": 2.75},
+    },
+    "lossless": True,
+}
+
+
+def test_model_card_states_metadata_acceptance_serving_and_data():
+    facts = CardFacts(
+        fmt="eagle3",
+        kind="eagle3",
+        target_name="smollm2-135m-instruct",
+        location="me/smol-eagle3",
+        num_speculative_tokens=3,
+        license="apache-2.0",
+        layer_ids=engine_layer_ids([2, 15, 27]),
+        eval_report=EVAL,
+        data={
+            "source": "sharegpt",
+            "max_samples": 240,
+            "max_length": 512,
+            "regenerate": {"enabled": True},
+            "chat_template": "/templates/qwen3.jinja",
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+    )
+    card = render(facts)
+    head, _, body = card.partition("\n---\n")
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in head
+    assert "library_name: vllm" in head and "license: apache-2.0" in head and "- eagle3" in head
+    assert "| mtbench | - | 2.250 |" in body and "| gsm8k | - | 2.750 |" in body
+    assert "| overall | - | 2.500 | 0.700, 0.500, 0.300 | - |" in body
+    assert "chain drafting with 3 speculative tokens, temperature 0.0" in body
+    assert '"method": "eagle3", "model": "me/smol-eagle3"' in body
+    assert "--speculative-draft-model-path me/smol-eagle3" in body
+    assert "eagle3_layers_to_capture: [1, 14, 26]" in body and "| [2, 15, 27] |" in body
+    assert "sharegpt" in body and "regenerated by the target" in body
+    assert 'template `qwen3.jinja` and `chat_template_kwargs` {"enable_thinking": false}' in body
+
+
+def test_export_card_reads_eval_json_and_run_config(head_dir, tmp_path):
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "eval.json").write_text(json.dumps(EVAL))
+    config = {
+        "data": {"source": "sharegpt", "max_samples": 8},
+        "head": {"loss": "ce+tv", "tv_weight": 0.5, "prompt_loss_weight": 0.25, "norm_output": True},
+        "optim": {"epochs": 3, "lr": 0.001, "batch_tokens": 1024, "select_by": "decoded"},
+    }
+    (run / "config.json").write_text(json.dumps(config))
+    head = run / "head"
+    head.mkdir()
+    for f in head_dir.iterdir():
+        (head / f.name).write_bytes(f.read_bytes())
+    out, _ = export_head(head, "speculators", run / "export", eval_json=run / "eval" / "eval.json")
+    card = (out / "README.md").read_text()
+    assert "| mtbench | - | 2.250 |" in card and "at most 8 conversations" in card
+    assert "- loss `ce+tv`, tv weight 0.5, prompt rows weighted 0.25" in card
+    assert "- EAGLE-3 norms on: `norm_output`" in card
+    assert "3 epochs, lr 0.001, 1024 tokens per batch; the kept checkpoint is the best by decoded" in card
+    assert f"vllm serve {out.resolve()}" in card
+
+
+def test_cli_exports_and_reports_one_json_line(head_dir, tmp_path):
+    cmd = [sys.executable, "-m", "heads.export", f"head={head_dir}", "format=speculators"]
+    cmd.append(f"out={tmp_path / 'o'}")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["format"] == "speculators" and report["outputs_identical"]
+    assert (tmp_path / "o" / "config.json").exists()
+
+
+def test_cli_bad_format_exits_2_with_one_line(head_dir, capsys):
+    from heads.export.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main([f"head={head_dir}", "format=onnx"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: format=onnx: expected one of eagle3, speculators (the formats of eagle3 heads)\n"
+    )
+
+
+def test_cli_format_of_the_other_kind_exits_2_before_writing(head_dir, tmp_path, capsys):
+    from heads.export.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main([f"head={head_dir}", "format=speculators,medusa-tgi", f"out={tmp_path / 'o'}"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err.startswith("error: format=speculators,medusa-tgi: expected one of")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_out_an_existing_file_is_refused_before_writing(head_dir, tmp_path, capsys):
+    from heads.export.__main__ import main
+
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    for fmt in ("format=eagle3", "format=eagle3,speculators"):  # out=taken, out=taken/<fmt>
+        with pytest.raises(SystemExit) as done:
+            main([f"head={head_dir}", fmt, f"out={taken}"])
+        assert done.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: out='{taken}") and err.count("\n") == 1, err
+        assert f"{taken} is a file" in err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+        assert taken.read_text() == "not a folder"
+
+
+def copy_head(head_dir: Path, to: Path) -> Path:
+    to.mkdir(parents=True)
+    for f in head_dir.iterdir():
+        (to / f.name).write_bytes(f.read_bytes())
+    return to
+
+
+def cut_in_half(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def not_utf8(path: Path) -> None:
+    path.write_bytes(path.read_bytes().replace(b'"kind"', b'"k\xe9ind"'))
+
+
+def without_target(path: Path) -> None:
+    meta = json.loads(path.read_text())
+    del meta["target"]
+    path.write_text(json.dumps(meta))
+
+
+CORRUPTIONS = {
+    "cut-off-json": ("draftsmith_head.json", cut_in_half, "is not valid JSON"),
+    "cut-off-weights": ("model.safetensors", cut_in_half, "is not a readable safetensors file"),
+    "not-utf8-json": ("draftsmith_head.json", not_utf8, "is not UTF-8 text"),
+    "json-lacks-target": ("draftsmith_head.json", without_target, "lacks target"),
+}
+
+
+@pytest.mark.parametrize("cli", ["heads.export", "trainer.evaluate"])
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_cli_names_the_broken_file_of_a_head(head_dir, tmp_path, cli, case):
+    """What a user sees for a head folder cut off by a full disk or a killed copy: one line naming
+    the file, exit 2, and (export) nothing written; both commands read the head before a target."""
+    name, corrupt, what = CORRUPTIONS[case]
+    head = copy_head(head_dir, tmp_path / "run" / "head")
+    corrupt(head / name)
+    out = tmp_path / "exported"
+    # A target that does not exist: the head must be refused before any target is looked at.
+    cmd = [sys.executable, "-m", cli, f"head={head}", f"target.name_or_path={tmp_path / 'none'}"]
+    if cli == "heads.export":
+        cmd.append(f"out={out}")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert f"{head / name} {what}" in lines[0], lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no out/, no .exported.tmp-*
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["head"]
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_broken_export_folder_names_the_file(head_dir, tiny_target, tmp_path, name):
+    """check_vllm and load_export read folders that were copied around: a cut-off file is one
+    line naming it, from the format's reader, detect_format and load_export alike."""
+    out, _ = export_head(head_dir, "eagle3", tmp_path / "e")
+    cut_in_half(out / name)
+    what = "is not valid JSON" if name == "config.json" else "is not a readable safetensors file"
+    readers = [read_native, lambda f: load_export(f, tiny_target, "tiny")]
+    if name == "config.json":
+        readers.append(detect_format)
+    for read in readers:
+        with pytest.raises(UserError, match=f"{re.escape(str(out / name))} {what}"):
+            read(out)
+
+
+# ---- layer variants: every flag written where the engines read it, read back strictly ------------
+
+NORM_FLAGS_ON = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
+
+
+@pytest.fixture(scope="module")
+def variant_head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("heads") / "variant"
+    return make_head(tiny_llama_dir, out, cfg=Eagle3Config(**NORM_FLAGS_ON))
+
+
+@pytest.mark.parametrize("fmt,reader", [("eagle3", read_native), ("speculators", read_speculators)])
+def test_norm_variants_round_trip(variant_head_dir, tmp_path, tiny_target, fmt, reader):
+    """vLLM 0.32 reads the flags at the top level of both formats (the speculators path copies
+    them, defaulting a missing norm_before_residual to true) and `norm_before_fc` from
+    eagle_config first (llama_eagle3.LlamaModel); the fc-input norm is `input_norm.weight`."""
+    out, report = export_head(
+        variant_head_dir, fmt, tmp_path / fmt, target_model=tiny_target, dtype="float32"
+    )
+    assert report["max_abs_diff_vs_trained_float32"] == 0.0
+    cfg = json.loads((out / "config.json").read_text())
+    assert {k: cfg[k] for k in NORM_FLAGS_ON} == NORM_FLAGS_ON and cfg["fc_norm"] is False
+    if fmt == "eagle3":
+        assert cfg["eagle_config"]["norm_before_fc"] is True
+    keys = (NATIVE_KEYS if fmt == "eagle3" else SPECULATORS_KEYS) | {"input_norm.weight"}
+    tensors = load_file(out / "model.safetensors")
+    assert set(tensors) == keys and tensors["input_norm.weight"].shape == (3 * 64,)
+    read_cfg, read_tensors = reader(out)
+    assert {k: read_cfg[k] for k in NORM_FLAGS_ON} == NORM_FLAGS_ON
+    _, spec, _ = load_head(variant_head_dir, "eagle3")
+    got = KINDS["eagle3"].outputs(KINDS["eagle3"].build(read_cfg, spec, read_tensors, tiny_target))
+    expected = trained_outputs(variant_head_dir, tiny_target)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_flags_off_are_written_false_everywhere(head_dir, tmp_path):
+    for fmt in ("eagle3", "speculators"):
+        cfg = json.loads((export_head(head_dir, fmt, tmp_path / fmt)[0] / "config.json").read_text())
+        assert all(cfg[k] is False for k in (*NORM_FLAGS_ON, "fc_norm"))
+        assert fmt == "speculators" or cfg["eagle_config"]["norm_before_fc"] is False
+
+
+def edit_config(folder: Path, edit) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    edit(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def fc_flag_off(cfg: dict) -> None:
+    """norm_before_fc off wherever the format writes it (eagle_config too in the native one)."""
+    for where in (cfg, cfg.get("eagle_config", {})):
+        where["norm_before_fc"] = False
+
+
+TAMPERED = {
+    # An engine would use its own default for a missing flag (vLLM: norm_before_residual=true).
+    "missing": (lambda c: c.pop("norm_before_residual"), "norm_before_residual.*true or false"),
+    "not-bool": (lambda c: c.update(norm_output="yes"), "norm_output.*true or false"),
+    "fc_norm": (lambda c: c.update(fc_norm=True), r"\['fc_norm'\] are not what"),
+    # vLLM drops `input_norm.weight` without a word when the flag is off.
+    "fc-flag-off": (fc_flag_off, r"unknown tensors \['input_norm.weight'\]"),
+}
+
+
+@pytest.mark.parametrize("fmt,reader", [("eagle3", read_native), ("speculators", read_speculators)])
+@pytest.mark.parametrize("case", list(TAMPERED))
+def test_reader_refuses_tampered_flags(variant_head_dir, tmp_path, fmt, reader, case):
+    out, _ = export_head(variant_head_dir, fmt, tmp_path / fmt)
+    edit, message = TAMPERED[case]
+    edit_config(out, edit)
+    with pytest.raises(UserError, match=message):
+        reader(out)
+
+
+def test_reader_refuses_nested_fc_flag_disagreeing(variant_head_dir, tmp_path):
+    out, _ = export_head(variant_head_dir, "eagle3", tmp_path / "e")
+    edit_config(out, lambda c: c["eagle_config"].update(norm_before_fc=False))
+    with pytest.raises(UserError, match="eagle_config.norm_before_fc=False but norm_before_fc=True"):
+        read_native(out)
+
+
+@pytest.mark.parametrize("fmt,reader", [("eagle3", read_native), ("speculators", read_speculators)])
+def test_reader_refuses_a_dropped_input_norm(variant_head_dir, tmp_path, fmt, reader):
+    out, _ = export_head(variant_head_dir, fmt, tmp_path / fmt)
+    tensors = load_file(out / "model.safetensors")
+    del tensors["input_norm.weight"]
+    save_file(tensors, out / "model.safetensors")
+    with pytest.raises(UserError, match=r"missing \['input_norm.weight'\]"):
+        reader(out)
+
+
+def test_self_check_refuses_a_flipped_flag(variant_head_dir, tmp_path):
+    """A flag the reader accepts but the trained head does not have: the self-check's config
+    comparison names it (norm_output adds no tensor, so only the config tells)."""
+    out, _ = export_head(variant_head_dir, "speculators", tmp_path / "s")
+    edit_config(out, lambda c: c.update(norm_output=False))
+    src_cfg, spec, src_tensors = load_head(variant_head_dir, "eagle3")
+    with pytest.raises(UserError, match="config norm_output: True != False"):
+        verify_export("eagle3", src_cfg, spec, src_tensors, read_speculators(out), torch.bfloat16)
+
+
+def test_serving_notes_name_the_engines_that_ignore_flags(variant_head_dir, head_dir):
+    variant, _, _ = load_head(variant_head_dir, "eagle3")
+    (note,) = serving_notes(variant, "eagle3")
+    assert "serve it with vLLM" in note and "SGLang" in note and "TensorRT-LLM" in note
+    assert serving_notes(variant, "speculators") == []  # vLLM only
+    assert serving_notes(load_head(head_dir, "eagle3")[0], "eagle3") == []
+
+
+# `python -m heads.export` that SIGKILLs itself at `argv[1]`: "writing" (the new folder written
+# under its temporary name, not yet checked), "swapping" (the old export renamed aside, the new
+# one not yet in place), "cleaning" (the new one in place, the old one half deleted).
+KILLED_EXPORT = r"""
+import os, shutil, signal, sys
+from pathlib import Path
+import heads.export as E
+point = sys.argv[1]
+die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+real_write, real_replace, real_rmtree = E._write, os.replace, shutil.rmtree
+def write(folder, *args):
+    real_write(folder, *args)
+    if point == "writing":
+        die()
+def replace(src, dst):
+    real_replace(src, dst)
+    if point == "swapping" and ".old-" in str(dst):
+        die()
+def rmtree(path, *args, **kwargs):
+    if point == "cleaning" and ".old-" in str(path):
+        next(p for p in Path(path).iterdir() if p.is_file()).unlink()
+        die()
+    real_rmtree(path, *args, **kwargs)
+E._write, os.replace, shutil.rmtree = write, replace, rmtree
+from heads.export.__main__ import main
+main(sys.argv[2:])
+"""
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["writing", "swapping", "cleaning"])
+def test_export_killed_leaves_no_half_folder_under_its_name(head_dir, tiny_llama_dir, tmp_path, point):
+    """A second head exported over a first one's export, killed at each step: under the export's
+    name lies the old export whole, nothing, or the new one whole; the same command then
+    exports, and nothing of the killed run is left beside it but its temporary folder (hidden:
+    `.export.tmp-*`) when it was killed before that folder was moved into place."""
+    out = tmp_path / "export"
+    export_head(head_dir, "eagle3", out)
+    old = folder_bytes(out)
+    new_head = make_head(tiny_llama_dir, tmp_path / "head-2", seed=1)
+    cmd = [sys.executable, "-c", KILLED_EXPORT, point, f"head={new_head}", "format=eagle3", f"out={out}"]
+    killed = subprocess.run(cmd, env=cli_env(), capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    after_kill = folder_bytes(out) if out.exists() else None
+
+    export_head(new_head, "eagle3", out)
+    new = folder_bytes(out)
+    assert new != old
+    assert after_kill == {"writing": old, "swapping": None, "cleaning": new}[point]
+    left = {p.name.split("-")[0] for p in tmp_path.iterdir() if p.name.startswith(".export.")}
+    assert left == (set() if point == "cleaning" else {".export.tmp"})
