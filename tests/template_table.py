@@ -17,7 +17,7 @@ from conf.errors import UserError
 from conf.schema import DataConfig
 from data_prep.prepare import iter_rows
 from data_prep.sources import iter_jsonl, iter_samples, sharegpt_jsonl
-from tests.unit.data_prep.test_chat_templates import FAMILIES, family
+from tests.support.templates import FAMILIES, family
 
 
 def with_reasoning(row: dict, system: bool) -> dict:

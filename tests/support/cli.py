@@ -60,3 +60,19 @@ def kill_when(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float 
 def summary_folder(stdout: str) -> Path:
     """The data folder a `data_prep.prepare` run's summary line (its last) names."""
     return Path(stdout.strip().splitlines()[-1].rsplit(" -> ", 1)[1])
+
+
+def run_train_cli(args: list[str], launcher: list[str] | None = None, timeout: int = 600):
+    """`python -m trainer.train` (or under `launcher`) as users run it, one thread per process."""
+    cmd = (launcher or [sys.executable]) + ["-m", "trainer.train", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    """The one `error:` line of a command that exited 2, with no traceback (the target loading's
+    progress bar may precede it on stderr)."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return errors[0]

@@ -1,4 +1,5 @@
-"""Shared pieces of the decoder tests: tiny "chaotic" targets and a partly right drafter.
+"""Shared pieces of the decoder tests: tiny "chaotic" targets, random and partly right drafters,
+an EAGLE-3 head stepped by hand, and a chi-square test for sampled tokens.
 
 A tiny target with the default init repeats one token forever, which would let a broken decoder
 pass a token-for-token comparison; a larger init gives varied, context-dependent greedy text.
@@ -8,13 +9,19 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from conf.schema import Eagle3Config
+from conf.schema import Eagle3Config, MedusaConfig
 from heads.eagle3 import Eagle3Head
-from trainer.decoding import Chain, Draft, OracleDrafter, Tree
+from heads.medusa import MedusaHead
+from trainer.decoding import (
+    Chain,
+    Draft,
+    MedusaDrafter,
+    OracleDrafter,
+    Tree,
+)
 
 
 def path_to(parents: list[int], node: int) -> list[int]:
@@ -98,10 +105,55 @@ class NoisyOracle:
 SHAPES = [Chain(3), Tree(total_tokens=10, depth=4, topk=3, choices=((0,), (1,), (0, 0), (0, 1)))]
 
 
-@pytest.fixture(scope="module")
-def single_thread():
-    """2 shared cores: one torch thread is several times faster than two fighting for them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; cells expecting < 5 draws are pooled into one."""
+    n = counts.sum()
+    expected = probs * n
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]]).double()
+    exp = torch.cat([expected[~small], expected[small].sum()[None]]).double()
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))
+
+
+def position_sensitive_head(target, **kw):
+    """A random head whose output leans on attention (large q/k/o), so that a wrong mask or
+    position changes its top-k instead of hiding behind the residual stream."""
+    head = random_eagle3_head(target, **kw)
+    attn = head.midlayer.self_attn
+    for proj, scale in ((attn.q_proj, 4.0), (attn.k_proj, 4.0), (attn.o_proj, 20.0)):
+        proj.weight.data.mul_(scale)
+    return head
+
+
+def features(target, head, seq: torch.Tensor) -> list[torch.Tensor]:
+    hs = target(seq[None], output_hidden_states=True).hidden_states
+    return [hs[i][0] for i in head.aux_layer_ids]
+
+
+def from_scratch(target, head, seq: torch.Tensor, nxt: int):
+    """Step 0 over the whole verified sequence at once, no cache: (hidden, logits, K/V)."""
+    following = torch.cat([seq[1:], torch.tensor([nxt])])
+    fused = head.fuse(torch.cat(features(target, head, seq), -1))[None]
+    return head.step(fused, following[None], torch.arange(seq.numel())[None])
+
+
+def chain_logits(head, hidden, kv, start: int, tokens: list[int]) -> torch.Tensor:
+    """Draft logits after feeding `tokens` one by one from the pre-norm `hidden`, no tree."""
+    past, logits = kv, None
+    for j, tok in enumerate(tokens):
+        hidden, logits, new = head.step(hidden, torch.tensor([[tok]]), torch.tensor([[start + j]]),
+                                        None, past)
+        past = (torch.cat([past[0], new[0]], 2), torch.cat([past[1], new[1]], 2))
+    return logits[0, -1]
+
+
+def medusa_drafter(model):
+    head = MedusaHead.from_target(model, "tiny", MedusaConfig(num_heads=4))
+    torch.manual_seed(0)
+    for p in head.parameters():
+        p.data.add_(0.05 * torch.randn_like(p))
+    return MedusaDrafter(head.eval(), model.config.num_hidden_layers)

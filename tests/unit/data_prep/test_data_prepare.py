@@ -26,7 +26,7 @@ from data_prep.store import CapturedDataset, load_manifest, sha256_file
 from data_prep.target import load_target, resolve_target
 from data_prep.vocab import load_draft_vocab
 from heads.eagle3 import Eagle3Head
-from tests.conftest import build_tiny_target
+from tests.support.targets import build_tiny_target
 
 WORDS = "apple river stone cloud garden rocket violin tiger paper summer".split()
 

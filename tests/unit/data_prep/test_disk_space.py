@@ -19,9 +19,8 @@ import data_prep.store as store
 from conf.errors import UserError
 from data_prep.store import load_manifest
 from data_prep.target import Target, load_target, resolve_target_path
-from tests.e2e.test_data_resume import shard_bytes
 from tests.support.cli import error_lines, run_cli, summary_folder
-from tests.unit.trainer.test_online import cfg_for
+from tests.support.runs import cfg_for, shard_bytes
 
 # What safetensors raises on a full disk (captured on a 1 MB tmpfs): its own error type, the
 # errno in the text only.

@@ -38,18 +38,16 @@ from heads.eagle3 import Eagle3Head
 from heads.export import load_export
 from heads.export.check import KINDS
 from heads.medusa import MedusaHead
-from tests.conftest import (
+from tests.support.decode import SHAPES
+from tests.support.runs import assert_online_batch_is_the_offline_batch, tiny_run_args, train_losses
+from tests.support.targets import (
     TINY_FAMILIES,
     byte_tokenizer,
     hf_greedy,
     save_target,
     special_token_ids,
     tiny_family_target,
-    tiny_run_args,
 )
-from tests.e2e.test_train import train_losses
-from tests.support.decode import SHAPES, single_thread  # noqa: F401 (fixture)
-from tests.unit.trainer.test_online import assert_online_batch_is_the_offline_batch
 from trainer.decoding import greedy_generate, speculative_generate
 from trainer.evaluate.run import load_drafter
 from trainer.train import run
@@ -102,7 +100,7 @@ def build_target(family: str, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module", params=list(TINY_FAMILIES))
-def family(request, tmp_path_factory, chat_file, single_thread) -> Family:  # noqa: F811
+def family(request, tmp_path_factory, chat_file, single_thread) -> Family:
     """The family's target folder and both heads' main jobs (prepare, train, export)."""
     root = tmp_path_factory.mktemp(request.param)
     target_dir = build_target(request.param, root / "target")

@@ -18,7 +18,8 @@ from conf.errors import UserError
 from conf.files import check_sha256, sha256_file
 from heads.export import export_head
 from heads.folder import CHECKSUM, CONFIG_NAME, WEIGHTS_NAME, load_head, save_head
-from tests.conftest import run_train_cli, tiny_run_args
+from tests.support.cli import one_error_line, run_train_cli
+from tests.support.runs import data_folder, tiny_run_args
 
 
 def train_args(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -39,20 +40,6 @@ def flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-
-
-def one_error_line(proc: subprocess.CompletedProcess) -> str:
-    """The one `error:` line of a command that exited 2, with no traceback (the target loading's
-    progress bar may precede it on stderr)."""
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    return errors[0]
-
-
-def data_folder(cache: Path) -> Path:
-    (folder,) = [p for p in cache.iterdir() if (p / "manifest.json").exists()]
-    return folder
 
 
 def test_prepare_records_every_file_it_writes(trained):

@@ -10,7 +10,7 @@ from conf.errors import UserError
 from conf.schema import Eagle3Config
 from data_prep.target import load_target
 from heads.eagle3 import Eagle3Head, default_aux_layer_ids, norm_flags, resolve_aux_layer_ids
-from tests.conftest import build_tiny_target
+from tests.support.targets import build_tiny_target
 from trainer.eagle3_trainee import Eagle3Trainee, ttt_attention_mask
 from trainer.trainee import simulated_acceptance_length
 

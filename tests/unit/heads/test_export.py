@@ -29,6 +29,7 @@ from heads.export.core import cast_weights
 from heads.export.eagle3 import engine_layer_ids, read_native, read_speculators, serving_notes
 from heads.folder import load_head
 from tests.support.cli import cli_env
+from tests.support.heads import DRAFT_VOCAB, make_eagle3_head
 
 # Checkpoint names the engines load for a one-layer EAGLE-3 head, written down from their source:
 # vLLM 0.32 `llama_eagle3.py` (Eagle3LlamaForCausalLM.load_weights + WeightsMapper "midlayer." ->
@@ -52,29 +53,6 @@ NATIVE_KEYS = TOP | {f"midlayer.{k}" for k in LAYER}
 # vllm-project/speculators Eagle3DraftModel keeps the decoder layers in `layers` (a ModuleList).
 SPECULATORS_KEYS = TOP | {f"layers.0.{k}" for k in LAYER}
 
-DRAFT_VOCAB = 512
-# The original EAGLE-3 layout (no extra norms), which the exact key sets above describe; the norm
-# variants (on by default) have their own tests below.
-ORIGINAL_LAYOUT = Eagle3Config(norm_before_fc=False, norm_before_residual=False, norm_output=False)
-
-
-def make_head(target_dir: Path, out: Path, seed: int = 0, cfg: Eagle3Config | None = None) -> Path:
-    """A fresh EAGLE-3 head with a reduced, non-contiguous draft vocabulary (so d2t matters)."""
-    model, _ = load_target(str(target_dir))
-    v = model.config.vocab_size
-    g = torch.Generator().manual_seed(seed)
-    keep = torch.sort(torch.randperm(v, generator=g)[:DRAFT_VOCAB]).values
-    t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[keep] = True
-    torch.manual_seed(seed)
-    d2t = keep - torch.arange(DRAFT_VOCAB)
-    head = Eagle3Head.from_target(model, str(target_dir), cfg or ORIGINAL_LAYOUT, d2t, t2d)
-    with torch.no_grad():  # move the norms off 1.0 so a dropped norm weight would show
-        for name, p in head.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return head.save_pretrained(out)
-
 
 @pytest.fixture(scope="module")
 def tiny_target(tiny_llama_dir):
@@ -84,7 +62,7 @@ def tiny_target(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
-    return make_head(tiny_llama_dir, tmp_path_factory.mktemp("heads") / "head")
+    return make_eagle3_head(tiny_llama_dir, tmp_path_factory.mktemp("heads") / "head")
 
 
 def trained_outputs(head_dir: Path, target_model) -> dict:
@@ -174,7 +152,7 @@ def test_bfloat16_export_equals_the_rounded_head(head_dir, tmp_path, tiny_target
 
 
 def test_qwen2_target_exports(tiny_qwen2_dir, tmp_path):
-    head = make_head(tiny_qwen2_dir, tmp_path / "head")
+    head = make_eagle3_head(tiny_qwen2_dir, tmp_path / "head")
     cfg = json.loads((export_head(head, "eagle3", tmp_path / "e")[0] / "config.json").read_text())
     qwen_theta = AutoConfig.from_pretrained(tiny_qwen2_dir).rope_parameters["rope_theta"]
     assert cfg["model_type"] == "llama" and cfg["rope_theta"] == qwen_theta
@@ -419,7 +397,7 @@ NORM_FLAGS_ON = {"norm_before_fc": True, "norm_before_residual": True, "norm_out
 @pytest.fixture(scope="module")
 def variant_head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("heads") / "variant"
-    return make_head(tiny_llama_dir, out, cfg=Eagle3Config(**NORM_FLAGS_ON))
+    return make_eagle3_head(tiny_llama_dir, out, cfg=Eagle3Config(**NORM_FLAGS_ON))
 
 
 @pytest.mark.parametrize("fmt,reader", [("eagle3", read_native), ("speculators", read_speculators)])
@@ -563,7 +541,7 @@ def test_export_killed_leaves_no_half_folder_under_its_name(head_dir, tiny_llama
     out = tmp_path / "export"
     export_head(head_dir, "eagle3", out)
     old = folder_bytes(out)
-    new_head = make_head(tiny_llama_dir, tmp_path / "head-2", seed=1)
+    new_head = make_eagle3_head(tiny_llama_dir, tmp_path / "head-2", seed=1)
     cmd = [sys.executable, "-c", KILLED_EXPORT, point, f"head={new_head}", "format=eagle3", f"out={out}"]
     killed = subprocess.run(cmd, env=cli_env(), capture_output=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]

@@ -14,15 +14,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conf.errors import UserError
-from conf.schema import MedusaConfig
 from data_prep.target import load_target
 from heads.export import detect_format, export_head, formats_for, load_export
 from heads.export.check import KINDS
 from heads.export.medusa import read_tgi, read_vllm
 from heads.folder import load_head, save_head
 from heads.medusa import MedusaHead
-
-HEADS, LAYERS = 3, 2
+from tests.support.heads import MEDUSA_HEADS as HEADS
+from tests.support.heads import MEDUSA_LAYERS as LAYERS
+from tests.support.heads import make_medusa_head
 
 
 def vllm_names(bias: bool) -> set[str]:
@@ -47,21 +47,10 @@ def tiny_target(tiny_llama_dir):
     return load_target(str(tiny_llama_dir))[0]
 
 
-def make_head(target, name: str, out: Path, fc_bias: bool, seed: int = 0) -> Path:
-    head = MedusaHead.from_target(
-        target, name, MedusaConfig(num_heads=HEADS, num_layers=LAYERS, fc_bias=fc_bias)
-    )
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # leave the identity start so every tensor matters
-        for p in head.blocks.parameters():
-            p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    return head.save_pretrained(out)
-
-
 @pytest.fixture(scope="module", params=[True, False], ids=["bias", "no-bias"])
 def head_dir(request, tiny_target, tiny_llama_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("medusa") / "head"
-    return make_head(tiny_target, str(tiny_llama_dir), out, fc_bias=request.param)
+    return make_medusa_head(tiny_target, str(tiny_llama_dir), out, fc_bias=request.param)
 
 
 def test_vllm_layout_names_and_config(head_dir, tmp_path):
@@ -116,7 +105,7 @@ def test_card_serves_with_num_heads_tokens(head_dir, tmp_path):
 
 
 def test_tgi_reader_refuses_nonzero_padding_bias(tiny_target, tiny_llama_dir, tmp_path):
-    head = make_head(tiny_target, str(tiny_llama_dir), tmp_path / "h", fc_bias=False)
+    head = make_medusa_head(tiny_target, str(tiny_llama_dir), tmp_path / "h", fc_bias=False)
     out, _ = export_head(head, "medusa-tgi", tmp_path / "t")
     tensors = load_file(out / "medusa_lm_head.safetensors")
     tensors["0.0.linear.bias"] = tensors["0.0.linear.bias"] + 1
@@ -127,7 +116,7 @@ def test_tgi_reader_refuses_nonzero_padding_bias(tiny_target, tiny_llama_dir, tm
 
 def test_vllm_reader_refuses_a_misnamed_tensor(tiny_target, tiny_llama_dir, tmp_path):
     """vLLM itself would drop `medusa_head.0...` silently and serve an untrained block."""
-    head = make_head(tiny_target, str(tiny_llama_dir), tmp_path / "h", fc_bias=True)
+    head = make_medusa_head(tiny_target, str(tiny_llama_dir), tmp_path / "h", fc_bias=True)
     out, _ = export_head(head, "medusa-vllm", tmp_path / "v")
     tensors = load_file(out / "model.safetensors")
     tensors["medusa_head.0.layers.0.weight"] = tensors.pop("blocks.0.layers.0.weight")
@@ -139,7 +128,7 @@ def test_vllm_reader_refuses_a_misnamed_tensor(tiny_target, tiny_llama_dir, tmp_
 
 
 def test_medusa2_head_is_refused(tiny_target, tiny_llama_dir, tmp_path):
-    head = make_head(tiny_target, str(tiny_llama_dir), tmp_path / "h", fc_bias=True)
+    head = make_medusa_head(tiny_target, str(tiny_llama_dir), tmp_path / "h", fc_bias=True)
     cfg, spec, tensors = load_head(head, "medusa")
     save_head(tmp_path / "joint", "medusa", {**cfg, "target_update": "lora"}, spec, tensors)
     with pytest.raises(UserError, match="Medusa-2 head"):

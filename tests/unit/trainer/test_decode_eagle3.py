@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from tests.support.decode import (
+    chain_logits,
     chaotic_target,
+    features,
+    from_scratch,
     path_to,
-    random_eagle3_head,
-    single_thread,  # noqa: F401 (fixture)
+    position_sensitive_head,
 )
 from trainer.decoding import Chain, Eagle3Drafter, Tree
 from trainer.decoding.tree import tree_depths
@@ -23,38 +25,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 @pytest.fixture(scope="module")
 def target():
     return chaotic_target("llama")
-
-
-def position_sensitive_head(target, **kw):
-    """A random head whose output leans on attention (large q/k/o), so that a wrong mask or
-    position changes its top-k instead of hiding behind the residual stream."""
-    head = random_eagle3_head(target, **kw)
-    attn = head.midlayer.self_attn
-    for proj, scale in ((attn.q_proj, 4.0), (attn.k_proj, 4.0), (attn.o_proj, 20.0)):
-        proj.weight.data.mul_(scale)
-    return head
-
-
-def features(target, head, seq: torch.Tensor) -> list[torch.Tensor]:
-    hs = target(seq[None], output_hidden_states=True).hidden_states
-    return [hs[i][0] for i in head.aux_layer_ids]
-
-
-def from_scratch(target, head, seq: torch.Tensor, nxt: int):
-    """Step 0 over the whole verified sequence at once, no cache: (hidden, logits, K/V)."""
-    following = torch.cat([seq[1:], torch.tensor([nxt])])
-    fused = head.fuse(torch.cat(features(target, head, seq), -1))[None]
-    return head.step(fused, following[None], torch.arange(seq.numel())[None])
-
-
-def chain_logits(head, hidden, kv, start: int, tokens: list[int]) -> torch.Tensor:
-    """Draft logits after feeding `tokens` one by one from the pre-norm `hidden`, no tree."""
-    past, logits = kv, None
-    for j, tok in enumerate(tokens):
-        hidden, logits, new = head.step(hidden, torch.tensor([[tok]]), torch.tensor([[start + j]]),
-                                        None, past)
-        past = (torch.cat([past[0], new[0]], 2), torch.cat([past[1], new[1]], 2))
-    return logits[0, -1]
 
 
 @torch.no_grad()

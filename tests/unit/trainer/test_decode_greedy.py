@@ -7,20 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conf.schema import MedusaConfig
-from heads.medusa import MedusaHead
 from tests.support.decode import (
     SHAPES,
     NoisyOracle,
     chaotic_target,
+    medusa_drafter,
     path_to,
     random_eagle3_head,
-    single_thread,  # noqa: F401 (fixture)
 )
 from trainer.decoding import (
     Chain,
     Eagle3Drafter,
-    MedusaDrafter,
     OracleDrafter,
     Tree,
     greedy_generate,
@@ -41,14 +38,6 @@ def target(request):
 def prompts():
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, 256, (n,), generator=g) for n in (5, 17)]
-
-
-def medusa_drafter(model):
-    head = MedusaHead.from_target(model, "tiny", MedusaConfig(num_heads=4))
-    torch.manual_seed(0)
-    for p in head.parameters():
-        p.data.add_(0.05 * torch.randn_like(p))
-    return MedusaDrafter(head.eval(), model.config.num_hidden_layers)
 
 
 DRAFTERS = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.decode import chi_square_pvalue
 from trainer.decoding.tree import (
     chain_parents,
     expand_frontier,
@@ -25,20 +26,6 @@ from trainer.decoding.verify import (
 
 # root 0 -> {1, 2}; 1 -> {3, 4}; 2 -> {5}
 TWO_LEVEL = [-1, 0, 0, 1, 1, 2]
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; cells expecting < 5 draws are pooled into one."""
-    n = counts.sum()
-    expected = probs * n
-    small = expected < 5
-    obs = torch.cat([counts[~small], counts[small].sum()[None]]).double()
-    exp = torch.cat([expected[~small], expected[small].sum()[None]]).double()
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    dof = obs.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))
 
 
 def test_two_level_tree_mask_and_positions_by_hand():

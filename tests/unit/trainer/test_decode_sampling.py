@@ -10,10 +10,9 @@ import torch
 
 from tests.support.decode import (
     chaotic_target,
+    chi_square_pvalue,
     random_eagle3_head,
-    single_thread,  # noqa: F401 (fixture)
 )
-from tests.unit.trainer.test_decode_rules import chi_square_pvalue
 from trainer.decoding import Chain, Eagle3Drafter, Sampling, Tree, speculative_generate
 from trainer.decoding.verify import warp
 

@@ -14,18 +14,15 @@ import torch
 
 from tests.support.decode import (
     SHAPES,
-    chaotic_target,
-    path_to,
-    random_eagle3_head,
-    single_thread,  # noqa: F401 (fixture)
-)
-from tests.unit.trainer.test_decode_eagle3 import (
     chain_logits,
+    chaotic_target,
     features,
     from_scratch,
+    medusa_drafter,
+    path_to,
     position_sensitive_head,
+    random_eagle3_head,
 )
-from tests.unit.trainer.test_decode_greedy import medusa_drafter
 from trainer.decoding import (
     Chain,
     Eagle3Drafter,

@@ -16,9 +16,8 @@ from conf.compose import compose_root
 from conf.errors import UserError
 from data_prep.masks import AttentionLayout
 from data_prep.target import eos_token_ids
-from tests.conftest import TINY
-from tests.support.decode import single_thread  # noqa: F401 (fixture)
-from tests.unit.trainer.test_evaluate import eagle_head
+from tests.support.heads import eagle_head
+from tests.support.targets import TINY
 from trainer.decoding import kv_cache
 from trainer.evaluate.run import evaluate
 

@@ -16,16 +16,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conf.compose import compose_root
 from conf.errors import UserError
-from conf.schema import Eagle3Config, MedusaConfig
+from conf.schema import MedusaConfig
 from data_prep.target import load_target
-from heads.eagle3 import Eagle3Head
 from heads.folder import CONFIG_NAME
 from heads.medusa import MedusaHead
-from tests.conftest import TINY
 from tests.support.decode import (
     chaotic_target,
-    single_thread,  # noqa: F401 (fixture)
 )
+from tests.support.heads import eagle_head
+from tests.support.targets import TINY
 from trainer.decoding import DecodeStats, greedy_generate
 from trainer.evaluate.progress import EvalProgress
 from trainer.evaluate.report import Record, fmt
@@ -39,14 +38,6 @@ QUICK = ["eval.max_prompts_per_task=1", "eval.max_new_tokens=10", "eval.tasks=[m
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir):
     return load_target(str(tiny_llama_dir))
-
-
-def eagle_head(model, name: str, out: Path, aux: list[int] | None = None) -> Path:
-    v = model.config.vocab_size
-    d2t, t2d = torch.zeros(v, dtype=torch.long), torch.ones(v, dtype=torch.bool)
-    cfg = Eagle3Config(aux_layer_ids=aux)
-    head = Eagle3Head.from_target(model, name, cfg, d2t, t2d)
-    return head.save_pretrained(out)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from conf.errors import UserError
 from conf.schema import DistConfig, LoggingConfig, MedusaConfig, OptimConfig, RootConfig, TargetConfig
 from heads.medusa import TARGET_DIR, MedusaHead, load_joint_target
-from tests.conftest import TINY, run_train_cli, tiny_run_args
+from tests.support.cli import run_train_cli
+from tests.support.runs import tiny_run_args
+from tests.support.targets import TINY
 from trainer.distributed import build_accelerator
 from trainer.loop import fit, validation_metrics
 from trainer.medusa_trainee import build_medusa_trainee, greedy_token_drift

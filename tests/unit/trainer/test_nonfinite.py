@@ -26,10 +26,10 @@ from data_prep.capture import CaptureSpec, checked_capture, first_nonfinite
 from data_prep.store import CapturedDataset
 from data_prep.target import load_target
 from heads.folder import load_head
-from tests.conftest import build_tiny_target, run_train_cli, tiny_run_args
-from tests.support.decode import single_thread  # noqa: F401 (fixture)
-from tests.unit.heads.test_checksums import data_folder, one_error_line
-from tests.unit.trainer.test_sync_free import assert_steps_never_sync, eagle3, samples
+from tests.support.cli import one_error_line, run_train_cli
+from tests.support.runs import data_folder, tiny_run_args
+from tests.support.syncs import assert_steps_never_sync, eagle3, samples
+from tests.support.targets import build_tiny_target
 from trainer.batching import length_grouped_batches
 from trainer.health import (
     LOSS,

@@ -22,42 +22,27 @@ from conf.errors import UserError
 from conf.schema import (
     DataConfig,
     Eagle3Config,
-    LoggingConfig,
     MedusaConfig,
-    RegenerateConfig,
-    RootConfig,
-    TargetConfig,
 )
 from data_prep.capture import CaptureSpec, capture_batch
 from data_prep.sources import iter_dataset
-from data_prep.store import CapturedDataset, load_manifest, online_capture
+from data_prep.store import load_manifest
 from data_prep.target import load_target
-from tests.conftest import run_train_cli, tiny_run_args
-from tests.e2e.test_train import summary, train_losses
-from tests.support.decode import single_thread  # noqa: F401 (fixture)
-from tests.unit.trainer.test_sync_free import assert_steps_never_sync, eagle3, medusa1, samples
-from trainer.batching import batch_loader
-from trainer.loop import device_batch
+from tests.support.cli import run_train_cli
+from tests.support.runs import (
+    assert_online_batch_is_the_offline_batch,
+    cfg_for,
+    summary,
+    tiny_run_args,
+    train_losses,
+)
+from tests.support.syncs import assert_steps_never_sync, eagle3, medusa1, samples
 
 
 def test_schema_refuses_an_unknown_mode():
     expected = r"^data.hidden_states='onlin': expected one of offline, online, auto$"
     with pytest.raises(UserError, match=expected):
         DataConfig(hidden_states="onlin")
-
-
-def cfg_for(target: Path, source: Path, cache: Path, head=None, **data) -> RootConfig:
-    return RootConfig(
-        target=TargetConfig(name_or_path=str(target), num_threads=1),
-        data=DataConfig(
-            source=str(source),
-            cache_dir=str(cache),
-            regenerate=RegenerateConfig(enabled=False),
-            **({"shard_samples": 5, "val_fraction": 0.2, "draft_vocab_size": 300} | data),
-        ),
-        logging=LoggingConfig(progress=False),
-        head=head or Eagle3Config(),
-    )
 
 
 def shard_tensors(folder: Path, split: str) -> list[dict[str, torch.Tensor]]:
@@ -84,29 +69,6 @@ def test_online_folder_keeps_tokens_only(tiny_llama_dir, chat_file, tmp_path):
     assert nbytes / tokens <= 16
     vocab = "draft_vocab.safetensors"
     assert all(torch.equal(v, load_file(offline / vocab)[k]) for k, v in load_file(online / vocab).items())
-
-
-def assert_online_batch_is_the_offline_batch(
-    offline: Path, online: Path, model, batches: list[list[int]] | None = None
-) -> None:
-    """The same loader batches (of training sample indices), offline as read from `offline`,
-    online through `model`'s forward over `online`'s ids: equal fields, bit for bit (float32 on
-    the CPU), rounded through the storage dtype alike. By default other groupings and paddings
-    than the capture's batches."""
-    capture = online_capture(load_manifest(online), model)
-    assert online_capture(load_manifest(offline), model) is None
-    batches = batches or [[3, 0, 7, 11], [5, 2]]
-    loaded = {
-        mode: list(batch_loader(CapturedDataset(folder, "train"), batches, 0, False))
-        for mode, folder in (("offline", offline), ("online", online))
-    }
-    for off, on in zip(loaded["offline"], loaded["online"], strict=True):
-        want = device_batch(off, "cpu")
-        got = device_batch(on, "cpu", capture)
-        assert got.keys() == want.keys() and {"final_hidden"} <= got.keys()
-        for k in want:
-            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
-            assert not got[k].is_inference()  # autograd may save it
 
 
 @pytest.mark.parametrize("storage", ["bfloat16", "fp8"])

@@ -17,10 +17,10 @@ from conf.schema import Eagle3Config, MedusaConfig
 from data_prep.capture import CaptureSpec, capture_batch, causal_mask, document_mask, hidden_states
 from heads.eagle3 import Eagle3Head
 from heads.medusa import MedusaHead
-from tests.conftest import run_train_cli, tiny_run_args
-from tests.e2e.test_train import summary, train_losses
-from tests.support.decode import chaotic_target, single_thread  # noqa: F401 (fixture)
-from tests.unit.trainer.test_sync_free import assert_steps_never_sync
+from tests.support.cli import run_train_cli
+from tests.support.decode import chaotic_target
+from tests.support.runs import summary, tiny_run_args, train_losses
+from tests.support.syncs import assert_steps_never_sync
 from trainer.batching import (
     collate,
     collate_packed,

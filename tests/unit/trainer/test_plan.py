@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from tests.conftest import run_train_cli, tiny_run_args
+from tests.support.cli import run_train_cli
+from tests.support.runs import tiny_run_args
 from trainer.plan import (
     MARGIN,
     MAX_EPOCHS,

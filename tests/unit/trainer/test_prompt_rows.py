@@ -11,7 +11,7 @@ from conf.schema import Eagle3Config, MedusaConfig
 from data_prep.target import load_target
 from heads.eagle3 import Eagle3Head
 from heads.medusa import MedusaHead
-from tests.unit.trainer.test_sync_free import assert_steps_never_sync
+from tests.support.syncs import assert_steps_never_sync
 from trainer.batching import collate, collate_packed
 from trainer.eagle3_trainee import Eagle3Trainee
 from trainer.medusa_trainee import MedusaTrainee

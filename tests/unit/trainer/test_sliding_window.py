@@ -23,14 +23,14 @@ from data_prep import decode_attention
 from data_prep.masks import AttentionLayout, attention_layout
 from data_prep.regen_engine import generate
 from data_prep.target import resolve_target
-from tests.conftest import TINY, WINDOW, F, S, hf_greedy, tiny_family_target, tiny_run_args
 from tests.support.decode import (
     SHAPES,
     NoisyOracle,
+    medusa_drafter,
     random_eagle3_head,
-    single_thread,  # noqa: F401 (fixture)
 )
-from tests.unit.trainer.test_decode_greedy import medusa_drafter
+from tests.support.runs import tiny_run_args
+from tests.support.targets import TINY, WINDOW, F, S, hf_greedy, tiny_family_target
 from trainer.decoding import Eagle3Drafter, greedy_generate, kv_cache, speculative_generate
 from trainer.decoding.kv_cache import TargetKV, causal, slot_positions
 from trainer.decoding.tree import tree_attention_mask, tree_position_ids

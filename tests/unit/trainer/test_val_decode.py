@@ -19,7 +19,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from conf.errors import UserError
 from conf.schema import LoggingConfig, MedusaConfig, OptimConfig, RootConfig, TargetConfig
 from heads.medusa import MedusaHead
-from tests.conftest import TINY, run_train_cli, tiny_run_args
+from tests.support.cli import run_train_cli
+from tests.support.runs import tiny_run_args
+from tests.support.targets import TINY
 from trainer.checkpoint import STATE_FILE
 from trainer.decoding import Chain, OracleDrafter
 from trainer.distributed import build_accelerator
