@@ -9,7 +9,9 @@ seeded so every test sees the same model.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 
 from conf.schema import RootConfig, TargetConfig
 from data_prep.target import resolve_target
+from tests.support.disk import SmallDisk
 from tests.support.targets import build_tiny_target
 
 TESTS = Path(__file__).resolve().parent
@@ -48,6 +51,22 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MB tmpfs, mounted for the test; skips where it cannot be mounted (not root)."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)]
+    mounted = subprocess.run(mount, capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    yield SmallDisk(path)
+    subprocess.run(["umount", "-l", str(path)], check=True)
+
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ export or serve a head without training one."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -61,3 +62,18 @@ def make_medusa_head(target, name: str, out: Path, fc_bias: bool, seed: int = 0)
         for p in head.blocks.parameters():
             p.copy_(0.05 * torch.randn(p.shape, generator=g))
     return head.save_pretrained(out)
+
+
+def cut_in_half(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def not_utf8(path: Path) -> None:
+    path.write_bytes(path.read_bytes().replace(b'"kind"', b'"k\xe9ind"'))
+
+
+def without_target(path: Path) -> None:
+    meta = json.loads(path.read_text())
+    del meta["target"]
+    path.write_text(json.dumps(meta))

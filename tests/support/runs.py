@@ -97,3 +97,24 @@ def assert_online_batch_is_the_offline_batch(
         for k in want:
             assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
             assert not got[k].is_inference()  # autograd may save it
+
+
+WORDS = "apple river stone cloud garden rocket violin tiger paper summer".split()
+
+
+def conversations(n: int) -> list[dict]:
+    rows = []
+    for i in range(n):
+        w = WORDS[i % len(WORDS)]
+        rows.append(
+            {
+                "conversations": [
+                    {"from": "human", "value": f"Tell me about the {w} number {i}."},
+                    {"from": "gpt", "value": f"The {w} {i} is " + "very " * (i % 7) + "nice."},
+                ]
+            }
+        )
+    return rows
+
+
+QUICK = ["eval.max_prompts_per_task=1", "eval.max_new_tokens=10", "eval.tasks=[mtbench,gsm8k]"]

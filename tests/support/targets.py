@@ -130,3 +130,12 @@ def byte_tokenizer():
     )
     tok.chat_template = CHATML
     return tok
+
+
+def until(ids: list[int], eos: set[int]) -> list[int]:
+    """`generate`'s new ids through the first stop token, as the engine returns them."""
+    return ids[: next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))]
+
+
+# The second embedded target (six PyPI parts, joined and hash-checked).
+QWEN_CODER = "qwen2.5-coder-0.5b-instruct"

@@ -5,8 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -26,24 +24,9 @@ from data_prep.store import CapturedDataset, load_manifest, sha256_file
 from data_prep.target import load_target, resolve_target
 from data_prep.vocab import load_draft_vocab
 from heads.eagle3 import Eagle3Head
+from tests.support.runs import WORDS, conversations
 from tests.support.targets import build_tiny_target
-
-WORDS = "apple river stone cloud garden rocket violin tiger paper summer".split()
-
-
-def conversations(n: int) -> list[dict]:
-    rows = []
-    for i in range(n):
-        w = WORDS[i % len(WORDS)]
-        rows.append(
-            {
-                "conversations": [
-                    {"from": "human", "value": f"Tell me about the {w} number {i}."},
-                    {"from": "gpt", "value": f"The {w} {i} is " + "very " * (i % 7) + "nice."},
-                ]
-            }
-        )
-    return rows
+from tests.support.templates import TEMPLATES
 
 
 @pytest.fixture(scope="module")
@@ -179,39 +162,7 @@ def test_data_from_another_target_is_refused(smol_tokenizer, source, tmp_path):
     assert "weights" in msg
 
 
-def run_cli(*overrides, cwd):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run(
-        [sys.executable, "-m", "data_prep.prepare", *overrides],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=300,
-    )
-
-
-@pytest.mark.slow
-def test_cli_bad_input_is_one_line_and_exit_2(tiny_llama_dir, tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps(conversations(1)[0]) + "\n" + '{"conversations": [\n')
-    proc = run_cli(
-        "+head=medusa",
-        f"target.name_or_path={tiny_llama_dir}",
-        "target.num_threads=1",
-        f"data.source={bad}",
-        "data.regenerate.enabled=false",
-        f"data.cache_dir={tmp_path}",
-        f"run_dir={tmp_path / 'run'}",
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 2, proc.stderr
-    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
-    assert lines == [f"error: {bad}:2: malformed JSON (Expecting value at column 20)"]
-
-
-MIXTRAL = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "chat-templates",
-                       "mixtral-8x7b-instruct-v0.1.jinja")
+MIXTRAL = str(TEMPLATES / "mixtral-8x7b-instruct-v0.1.jinja")
 
 
 @pytest.mark.skipif(not os.path.exists(MIXTRAL), reason="the shared chat templates are absent")

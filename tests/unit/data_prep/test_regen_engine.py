@@ -13,8 +13,9 @@ import torch
 from data_prep import decode_attention
 from data_prep.linears import DataLinears, can_pack, native_bf16, resolve_matmul_dtype
 from data_prep.regen_engine import generate, noise_size, shared_prefix, top_p_filter, two_level_race
-from data_prep.target import eos_token_ids, load_target
+from data_prep.target import load_target
 from data_prep.template import load_chat_template
+from tests.support.targets import hf_greedy, until
 
 WORDS = "the cat sat on a mat and then it ran to the red house where a dog slept all day".split()
 
@@ -40,28 +41,12 @@ def chaotic(request):
     return model, tok
 
 
-def reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """`model.generate` greedy, one prompt at a time (no padding): the ground truth."""
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=[],
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-def until(ids: list[int], eos: set[int]) -> list[int]:
-    """`generate`'s new ids through the first stop token, as the engine returns them."""
-    return ids[: next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))]
-
 
 def test_greedy_matches_generate_with_refills_and_early_eos(chaotic):
     model, tok = chaotic
     prompts, new = chat(tok, 32), 24
     assert shared_prefix(prompts) > 10  # the chat header: prefilled once and copied into each slot
-    full = [reference(model, p, new) for p in prompts]
+    full = [hf_greedy(model, p, new) for p in prompts]
     # EOS ids taken from the references at varied steps, so answers end anywhere from the first
     # token (decided at prefill) to max_new_tokens, and slots free up at different steps.
     eos = {full[i][(7 * i) % new] for i in range(0, 32, 3)}
@@ -89,7 +74,7 @@ def test_greedy_matches_generate_with_refills_and_early_eos(chaotic):
     # same linear layers, but for near ties: a linear's input rounded to bf16 turns float32 noise
     # (attention over another width, GEMMs of another row count) into a bf16 step now and then.
     with DataLinears(model, torch.bfloat16):
-        want = [until(reference(model, p, new), eos) for p in prompts]
+        want = [until(hf_greedy(model, p, new), eos) for p in prompts]
     assert sum(w != until(f, eos) for w, f in zip(want, full)) >= 16  # not float32's precision
     for workers, batch_size in ((1, 5), (2, 10)):
         got = generate(
@@ -104,7 +89,7 @@ def test_greedy_matches_generate_with_refills_and_early_eos(chaotic):
 def test_engine_without_a_compiler_writes_the_same_on_pytorch_attention(chaotic, monkeypatch):
     model, tok = chaotic
     prompts, new = chat(tok, 8, seed=3), 12
-    want = [reference(model, p, new) for p in prompts]
+    want = [hf_greedy(model, p, new) for p in prompts]
     # Where a compiler is (CI), every engine test above ran its decode steps on the kernel.
     assert decode_attention.applies(model) == (shutil.which("cc") is not None)
     monkeypatch.setenv("CC", "no-such-compiler")
@@ -115,29 +100,6 @@ def test_engine_without_a_compiler_writes_the_same_on_pytorch_attention(chaotic,
     finally:
         monkeypatch.undo()
         decode_attention.kernel.cache_clear()
-
-
-@pytest.mark.slow
-def test_greedy_matches_generate_on_smollm2():
-    model, tok = load_target("smollm2-135m-instruct", dtype="float32", device="cpu", num_threads=2)
-    questions = [
-        "What is the capital of France?",
-        "Write a haiku about the sea.",
-        "Explain recursion to a child.",
-        "Hi!",
-        "How do I boil an egg?",
-        "Translate 'good morning' into Spanish.",
-        "What is 12 times 7?",
-        "Why is the sky blue? Answer in one long paragraph, please.",
-    ]
-    tpl = load_chat_template(tok, None, {}, "2026-01-01")
-    prompts = [tpl.prompt_ids([{"role": "user", "content": q}]) for q in questions]
-    eos = eos_token_ids(model, tok)
-    want = [until(reference(model, p, 32), eos) for p in prompts]
-    assert len(set(map(len, want))) > 1  # some answers end early: their slots are refilled
-    assert shared_prefix(prompts) > 10
-    assert generate(model, prompts, max_new_tokens=32, batch_size=3, eos_token_ids=eos) == want
-    assert generate(model, prompts, max_new_tokens=32, batch_size=4, eos_token_ids=eos, workers=2) == want
 
 
 @pytest.fixture(scope="module")

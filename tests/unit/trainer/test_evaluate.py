@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +21,7 @@ from tests.support.decode import (
     chaotic_target,
 )
 from tests.support.heads import eagle_head
+from tests.support.runs import QUICK
 from tests.support.targets import TINY
 from trainer.decoding import DecodeStats, greedy_generate
 from trainer.evaluate.progress import EvalProgress
@@ -32,7 +30,6 @@ from trainer.evaluate.run import evaluate, greedy_verdict, resolve_mode
 from trainer.evaluate.tasks import load_prompts, user_prompts
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-QUICK = ["eval.max_prompts_per_task=1", "eval.max_new_tokens=10", "eval.tasks=[mtbench,gsm8k]"]
 
 
 @pytest.fixture(scope="module")
@@ -212,21 +209,6 @@ def test_bad_user_prompts_name_the_line(tmp_path, line, message):
     f.write_text(line + "\n")
     with pytest.raises(UserError, match=message):
         user_prompts(str(f))
-
-
-@pytest.mark.slow  # a fresh process loads torch, transformers and the target
-def test_command_line(tiny_llama_dir, eagle_dir, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "trainer.evaluate", f"head={eagle_dir}", *QUICK,
-           "eval.tasks=[gsm8k]", f"eval.out_dir={tmp_path / 'out'}", "target.num_threads=1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "lossless True" in proc.stdout
-    assert "eval: 1/1 prompts, " in proc.stderr  # a log file shows progress too
-    assert json.loads((tmp_path / "out" / "eval.json").read_text())["tasks"].keys() == {"gsm8k"}
-    proc = subprocess.run([*cmd[:3], f"head={tmp_path}"], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=600)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: head=")
 
 
 def test_auto_mode_drafts_each_head_as_it_is_served():
