@@ -12,9 +12,8 @@ import sys
 import time
 
 import pytest
-from hydra import compose, initialize_config_module
 
-from conf.schema import to_root_config
+from conf.compose import compose_root
 from data_prep.prepare import prepare
 from data_prep.store import load_manifest
 from tests.support.cli import kill_when, run_cli, start_cli, summary_folder
@@ -37,11 +36,6 @@ with initialize_config_module(config_module="conf", version_base="1.3"):
     cfg = to_root_config(compose(config_name="config", overrides=sys.argv[1:]))
 P.prepare(cfg)
 """
-
-
-def compose_cfg(overrides):
-    with initialize_config_module(config_module="conf", version_base="1.3"):
-        return to_root_config(compose(config_name="config", overrides=overrides))
 
 
 @pytest.mark.slow
@@ -96,8 +90,8 @@ def test_sigkill_mid_capture_then_resume_gives_identical_shards(tiny_llama_dir, 
     kept = {p.name: os.stat(p).st_ino for p in done}
     assert not list(killed_cache.glob("*/manifest.json"))
 
-    resumed = prepare(compose_cfg(common + [f"data.cache_dir={killed_cache}"]))
-    clean = prepare(compose_cfg(common + [f"data.cache_dir={clean_cache}"]))
+    resumed = prepare(compose_root(common + [f"data.cache_dir={killed_cache}"]))
+    clean = prepare(compose_root(common + [f"data.cache_dir={clean_cache}"]))
     assert resumed.name == clean.name and not list(killed_cache.glob("*.partial"))
     # The shards finished before the kill were kept, not rewritten.
     for name, inode in kept.items():

@@ -86,52 +86,17 @@ def test_resume_after_sigkill_matches_uninterrupted(sharp_target, chat_file, tmp
     assert train_losses(killed) == train_losses(straight)
 
 
-# Each bad value of the new-user list, and the rule behind it: one line naming the override,
-# exit 2, before the target is converted or loaded and before any data stage (the cache and the
-# run folder stay untouched), and no Hydra hint after it.
-BAD_OVERRIDES = [
-    ("eval.mode=tre", "eval.mode='tre'"),
-    ("eval.baselines=[x]", "eval.baselines=['x']"),
-    ("logging.wandb=onlin", "logging.wandb='onlin'"),
-    ("export.dtype=bf16", "export.dtype='bf16'"),
-    ("export.formats=[nope]", "export.formats=['nope']"),
-    ("export.formats=[medusa-tgi]", "export.formats=['medusa-tgi']"),
-    ("+head=medusa head.num_heads=0", "head.num_heads=0"),
-    ("optim.lr=-1", "optim.lr=-1"),
-    ("optim.lr=abc", "optim.lr"),
-    ("optim.grad_accum=0", "optim.grad_accum=0"),
-    ("optim.batch_tokens=0", "optim.batch_tokens=0"),
-    ("optim.packing=maybe", "optim.packing"),
-    ("optim.no_such_key=1", "optim.no_such_key"),
-    ("data.max_samples=-1", "data.max_samples=-1"),
-    ("data.storage_dtype=int4", "data.storage_dtype='int4'"),
-    ("data.hidden_states=onlin", "data.hidden_states='onlin'"),
-    ("data.regenerate.max_new_tokens=600", "data.regenerate.max_new_tokens=600"),
-    ("dist=zero9", "dist=zero9"),
-    ("+head=eagel3", "head=eagel3"),
-    ("target.dtype=fp32", "target.dtype='fp32'"),
-    ("data.source=/nonexistent/chats.jsonl", "/nonexistent/chats.jsonl"),
-    ("data.chat_template=/nonexistent/t.jinja", "data.chat_template='/nonexistent/t.jinja'"),
-    ("data.template_date=2026-13-01", "data.template_date='2026-13-01'"),
-    ("data.chat_template_kwargs=3", "data.chat_template_kwargs"),
-    ("resume=true", "resume=true"),
-    ("head.prompt_loss_weight=2", "head.prompt_loss_weight=2"),
-    ("head.loss=kl", "head.loss='kl'"),
-    ("+head=medusa head.tv_weight=0", "head.tv_weight=0"),
-    ("head.lk_eta=-1", "head.lk_eta=-1"),
-    ("optim.select_by=best", "optim.select_by='best'"),
-    ("optim.select_by=decoded", "optim.select_by='decoded'"),
-    ("optim.val_decode_prompts=-1", "optim.val_decode_prompts=-1"),
-    ("optim.val_decode_prompts=4 data.val_fraction=0", "optim.val_decode_prompts=4"),
-    ("optim.val_decode_prompts=4 dist=zero3", "optim.val_decode_prompts=4"),
-]
-
-
-@pytest.mark.parametrize("overrides, expected", BAD_OVERRIDES, ids=[o for o, _ in BAD_OVERRIDES])
-def test_bad_overrides_fail_before_loading(overrides, expected, tmp_path):
-    head = [] if "+head=" in overrides else ["+head=eagle3"]
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [("optim.no_such_key=1", "optim.no_such_key"), ("resume=true", "resume=true")],
+    ids=["composing", "starting"],
+)
+def test_bad_overrides_are_one_line_before_loading(overrides, expected, tmp_path):
+    """A mistake found composing the command line and one found as the run starts, as users see
+    them (tests/unit/trainer/test_train.py holds the whole list, in process): one line, exit 2,
+    nothing after it (no Hydra hint), nothing touched."""
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
-    args = [*head, *overrides.split(), f"run_dir={run_dir}", "logging.progress=false"]
+    args = ["+head=eagle3", overrides, f"run_dir={run_dir}", "logging.progress=false"]
     env = {**os.environ, "DRAFTSMITH_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "trainer.train", *args], capture_output=True, text=True, env=env, timeout=120
@@ -140,5 +105,4 @@ def test_bad_overrides_fail_before_loading(overrides, expected, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
     assert proc.stdout == ""
-    assert not cache.exists(), "the target or the data was touched before the error"
-    assert not (run_dir / "checkpoints").exists() and not (run_dir / "summary.json").exists()
+    assert not cache.exists() and not (run_dir / "summary.json").exists()

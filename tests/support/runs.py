@@ -4,17 +4,16 @@ its summary, losses and data folders, shared by the in-process and the command-l
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
+from conf.compose import compose_root
+from conf.errors import UserError
 from conf.schema import (
-    DataConfig,
-    Eagle3Config,
-    LoggingConfig,
-    RegenerateConfig,
     RootConfig,
-    TargetConfig,
 )
 from data_prep.store import CapturedDataset, load_manifest, online_capture
 from trainer.batching import batch_loader
@@ -45,6 +44,23 @@ def tiny_run_args(head: str, target: Path, data: Path, run_dir: Path, *extra: st
     ]
 
 
+def tiny_run_config(head: str, target: Path, data: Path, run_dir: Path, *extra: str) -> RootConfig:
+    """The config `python -m trainer.train <tiny_run_args>` runs with, composed through the same
+    Hydra path (`compose_root`), so an in-process test and a command-line test share settings.
+    Derive a variant by passing more overrides, never by assigning to the config."""
+    return compose_root(tiny_run_args(head, target, data, run_dir, *extra))
+
+
+def user_error_line(call: Callable[[], object]) -> str:
+    """The one line a command prints for the `UserError` that `call` raises (`error: ...`), as
+    `conf.errors.exit_on_user_error` prints it."""
+    with pytest.raises(UserError) as err:
+        call()
+    line = f"error: {err.value}"
+    assert "\n" not in line, line
+    return line
+
+
 def train_losses(run_dir: Path) -> list[float]:
     return [h["loss"] for h in json.loads((run_dir / "history.json").read_text()) if "loss" in h]
 
@@ -62,17 +78,14 @@ def shard_bytes(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.safetensors"))}
 
 
-def cfg_for(target: Path, source: Path, cache: Path, head=None, **data) -> RootConfig:
-    return RootConfig(
-        target=TargetConfig(name_or_path=str(target), num_threads=1),
-        data=DataConfig(
-            source=str(source),
-            cache_dir=str(cache),
-            regenerate=RegenerateConfig(enabled=False),
-            **({"shard_samples": 5, "val_fraction": 0.2, "draft_vocab_size": 300} | data),
-        ),
-        logging=LoggingConfig(progress=False),
-        head=head or Eagle3Config(),
+def tiny_prep_config(
+    target: Path, source: Path, cache: Path, *extra: str, head: str = "eagle3"
+) -> RootConfig:
+    """`tiny_run_config` for data prep on its own: shards of 5 samples, a fifth held out, 300
+    draft ids, `cache` as the data cache."""
+    return tiny_run_config(
+        head, target, source, cache / "run", "data.shard_samples=5", "data.val_fraction=0.2",
+        "data.draft_vocab_size=300", f"data.cache_dir={cache}", *extra,
     )
 
 

@@ -10,21 +10,12 @@ import pytest
 
 import data_prep.prepare as P
 from conf.errors import UserError
-from conf.schema import (
-    DataConfig,
-    Eagle3Config,
-    LoggingConfig,
-    MedusaConfig,
-    RegenerateConfig,
-    RootConfig,
-    TargetConfig,
-)
 from data_prep.prepare import prepare
 from data_prep.store import CapturedDataset, load_manifest, sha256_file
 from data_prep.target import load_target, resolve_target
 from data_prep.vocab import load_draft_vocab
 from heads.eagle3 import Eagle3Head
-from tests.support.runs import WORDS, conversations
+from tests.support.runs import WORDS, conversations, tiny_prep_config
 from tests.support.targets import build_tiny_target
 from tests.support.templates import TEMPLATES
 
@@ -36,22 +27,14 @@ def source(tmp_path_factory):
     return path
 
 
-def root(target_dir, source, cache_dir, head=None, regenerate=False, **data) -> RootConfig:
-    return RootConfig(
-        target=TargetConfig(name_or_path=str(target_dir), num_threads=1),
-        data=DataConfig(
-            source=str(source),
-            cache_dir=str(cache_dir),
-            regenerate=RegenerateConfig(enabled=regenerate, max_new_tokens=6, batch_size=4),
-            **({"shard_samples": 5, "val_fraction": 0.2, "draft_vocab_size": 300} | data),
-        ),
-        logging=LoggingConfig(progress=False),
-        head=head or Eagle3Config(),
-    )
+# Regeneration, where a test turns it on, answers in 6 tokens, 4 prompts at a time.
+REGENERATE = (
+    "data.regenerate.enabled=true", "data.regenerate.max_new_tokens=6", "data.regenerate.batch_size=4"
+)
 
 
 def test_eagle3_folder_manifest_dataset_and_vocab(tiny_llama_dir, source, tmp_path, capsys):
-    cfg = root(tiny_llama_dir, source, tmp_path)
+    cfg = tiny_prep_config(tiny_llama_dir, source, tmp_path)
     folder = prepare(cfg)
     m = load_manifest(folder)
     assert m["layer_convention"] == "hf_hidden_states"
@@ -91,16 +74,16 @@ def test_eagle3_folder_manifest_dataset_and_vocab(tiny_llama_dir, source, tmp_pa
 
 
 def test_medusa_final_only_joint_tokens_only_and_fp8(tiny_llama_dir, source, tmp_path):
-    final = prepare(root(tiny_llama_dir, source, tmp_path, MedusaConfig()))
+    final = prepare(tiny_prep_config(tiny_llama_dir, source, tmp_path, head="medusa"))
     item = CapturedDataset(final, "train")[0]
     assert set(item) == {"input_ids", "loss_mask", "final_hidden"}
     assert not (final / "draft_vocab.safetensors").exists()
-    joint = prepare(root(tiny_llama_dir, source, tmp_path, MedusaConfig(joint=True)))
+    joint = prepare(tiny_prep_config(tiny_llama_dir, source, tmp_path, "head.joint=true", head="medusa"))
     assert set(CapturedDataset(joint, "train")[0]) == {"input_ids", "loss_mask"}
     assert load_manifest(joint)["final_layer_id"] is None
 
-    bf16 = prepare(root(tiny_llama_dir, source, tmp_path))
-    fp8 = prepare(root(tiny_llama_dir, source, tmp_path, storage_dtype="fp8"))
+    bf16 = prepare(tiny_prep_config(tiny_llama_dir, source, tmp_path))
+    fp8 = prepare(tiny_prep_config(tiny_llama_dir, source, tmp_path, "data.storage_dtype=fp8"))
     assert len({final, joint, bf16, fp8}) == 4
     a, b = CapturedDataset(bf16, "train")[3], CapturedDataset(fp8, "train")[3]
     scale = a["aux_hidden"].abs().max()
@@ -113,7 +96,7 @@ def test_medusa_final_only_joint_tokens_only_and_fp8(tiny_llama_dir, source, tmp
 
 
 def test_long_samples_truncated_and_counted(tiny_llama_dir, source, tmp_path):
-    folder = prepare(root(tiny_llama_dir, source, tmp_path, max_length=46))
+    folder = prepare(tiny_prep_config(tiny_llama_dir, source, tmp_path, "data.max_length=46"))
     m = load_manifest(folder)
     assert m["stats"]["truncated"] == 24  # every sample is 48..56 tokens long
     assert max(CapturedDataset(folder, "train").lengths) == 46
@@ -122,9 +105,9 @@ def test_long_samples_truncated_and_counted(tiny_llama_dir, source, tmp_path):
 def test_regenerated_answers_are_cached_across_sizes(tiny_llama_dir, tmp_path):
     src = tmp_path / "prompts.jsonl"
     src.write_text("".join(json.dumps({"prompt": f"Say {w}."}) + "\n" for w in WORDS))
-    folder = prepare(root(tiny_llama_dir, src, tmp_path / "c", regenerate=True, max_samples=6))
+    folder = prepare(tiny_prep_config(tiny_llama_dir, src, tmp_path / "c", *REGENERATE, "data.max_samples=6"))
     assert load_manifest(folder)["stats"]["regenerated_tokens"] > 0
-    bigger = prepare(root(tiny_llama_dir, src, tmp_path / "c", regenerate=True, max_samples=8))
+    bigger = prepare(tiny_prep_config(tiny_llama_dir, src, tmp_path / "c", *REGENERATE, "data.max_samples=8"))
     stats = load_manifest(bigger)["stats"]
     assert bigger != folder and stats["regenerated_from_cache"] == 6
     assert load_manifest(bigger)["splits"]["train"]["samples"] > 0
@@ -133,7 +116,10 @@ def test_regenerated_answers_are_cached_across_sizes(tiny_llama_dir, tmp_path):
 def test_bf16_gemms_key_their_own_answers_and_folders(tiny_llama_dir, source, tmp_path):
     """data.matmul_dtype=bfloat16 writes other answers and hidden states: other cache file and
     folder; `target` keeps the keys of folders built before the setting existed (none in them)."""
-    own, bf16 = (root(tiny_llama_dir, source, tmp_path, matmul_dtype=m) for m in ("target", "bfloat16"))
+    own, bf16 = (
+        tiny_prep_config(tiny_llama_dir, source, tmp_path, f"data.matmul_dtype={m}")
+        for m in ("target", "bfloat16")
+    )
     target = resolve_target(own)
     identity, tpl = target.identity, target.chat_template
     assert "matmul_dtype" not in P.samples_key(own, identity, tpl)
@@ -152,7 +138,7 @@ def test_bf16_gemms_key_their_own_answers_and_folders(tiny_llama_dir, source, tm
 
 def test_data_from_another_target_is_refused(smol_tokenizer, source, tmp_path):
     target = build_tiny_target(tmp_path / "target", "llama", smol_tokenizer, seed=0)
-    cfg = root(target, source, tmp_path / "cache", MedusaConfig())
+    cfg = tiny_prep_config(target, source, tmp_path / "cache", head="medusa")
     folder = prepare(cfg)
     build_tiny_target(target, "llama", smol_tokenizer, seed=1)  # new weights, same path
     with pytest.raises(UserError) as err:
@@ -177,7 +163,7 @@ def test_conversations_the_template_refuses_are_counted_and_most_refused_is_one_
         r["conversations"].insert(0, {"from": "system", "value": "Be brief."})
     src = tmp_path / "some.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    folder = prepare(root(tiny_llama_dir, src, tmp_path / "c", chat_template=MIXTRAL))
+    folder = prepare(tiny_prep_config(tiny_llama_dir, src, tmp_path / "c", f"data.chat_template={MIXTRAL}"))
     stats = load_manifest(folder)["stats"]
     assert stats["conversations_refused_by_template"] == 2 and stats["turns_dropped_refused"] == 2
     out = capsys.readouterr().out
@@ -188,4 +174,4 @@ def test_conversations_the_template_refuses_are_counted_and_most_refused_is_one_
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     most = r"mixtral.*5 of 6 assistant turns could not be trained \(first at .*some.jsonl:1"
     with pytest.raises(UserError, match=most):
-        prepare(root(tiny_llama_dir, src, tmp_path / "c", chat_template=MIXTRAL))
+        prepare(tiny_prep_config(tiny_llama_dir, src, tmp_path / "c", f"data.chat_template={MIXTRAL}"))

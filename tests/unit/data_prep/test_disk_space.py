@@ -14,7 +14,7 @@ import data_prep.store as store
 from conf.errors import UserError
 from data_prep.store import load_manifest
 from data_prep.target import Target, load_target
-from tests.support.runs import cfg_for, shard_bytes
+from tests.support.runs import shard_bytes, tiny_prep_config
 
 # What safetensors raises on a full disk (captured on a 1 MB tmpfs): its own error type, the
 # errno in the text only.
@@ -26,7 +26,7 @@ def test_refusal_comes_before_the_target_loads(tiny_llama_dir, chat_file, tmp_pa
     monkeypatch.setattr(P.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 10**6}))
     monkeypatch.setattr(Target, "load_model", lambda self, settings: pytest.fail("the target was loaded"))
     with pytest.raises(UserError) as err:
-        P.prepare(cfg_for(tiny_llama_dir, chat_file, tmp_path, hidden_states="offline"))
+        P.prepare(tiny_prep_config(tiny_llama_dir, chat_file, tmp_path, "data.hidden_states=offline"))
     assert " tokens x 517 bytes needs " in str(err.value) and "which has 1.0 MB free" in str(err.value)
 
 
@@ -58,8 +58,8 @@ def test_a_disk_that_fills_mid_capture_is_one_line_and_resumes(
     else:
         cache = tmp_path / "data"
         fail_writes_after(monkeypatch, shards=2)
-    settings = dict(hidden_states="offline", shard_samples=8)
-    cfg = cfg_for(tiny_llama_dir, chat_file, cache, **settings)
+    settings = ("data.hidden_states=offline", "data.shard_samples=8")
+    cfg = tiny_prep_config(tiny_llama_dir, chat_file, cache, *settings)
     with pytest.raises(UserError) as err:
         P.prepare(cfg)
     message = str(err.value)
@@ -73,7 +73,7 @@ def test_a_disk_that_fills_mid_capture_is_one_line_and_resumes(
     if disk == "tmpfs":
         small.resize("16m")
     resumed = P.prepare(cfg)
-    clean = P.prepare(cfg_for(tiny_llama_dir, chat_file, tmp_path / "clean", **settings))
+    clean = P.prepare(tiny_prep_config(tiny_llama_dir, chat_file, tmp_path / "clean", *settings))
     assert {name: (resumed / "train" / name).stat().st_ino for name in kept} == kept
     assert shard_bytes(resumed) == shard_bytes(clean)
     assert load_manifest(resumed)["splits"] == load_manifest(clean)["splits"]

@@ -1,14 +1,13 @@
 """Content checks: a data folder's shards and draft vocabulary, and a head's weights, carry a
 sha256 that is checked where they are opened; a flipped byte is one line naming the file and the
-command that rebuilds it, through the commands a user runs."""
+command that rebuilds it, through the commands a user runs (in process)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,22 +15,24 @@ import torch
 
 from conf.errors import UserError
 from conf.files import check_sha256, sha256_file
+from conf.schema import RootConfig
 from heads.export import export_head
+from heads.export.__main__ import main as export_main
 from heads.folder import CHECKSUM, CONFIG_NAME, WEIGHTS_NAME, load_head, save_head
-from tests.support.cli import one_error_line, run_train_cli
-from tests.support.runs import data_folder, tiny_run_args
+from tests.support.runs import data_folder, tiny_run_config, user_error_line
+from trainer.evaluate.__main__ import main as evaluate_main
+from trainer.train import run
 
 
-def train_args(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
-    return tiny_run_args("eagle3", target, data, run_dir, "data.draft_vocab_size=400", *extra)
+def eagle3_run(target: Path, data: Path, run_dir: Path, *extra: str) -> RootConfig:
+    return tiny_run_config("eagle3", target, data, run_dir, "data.draft_vocab_size=400", *extra)
 
 
 @pytest.fixture(scope="module")
 def trained(sharp_target, chat_file, tmp_path_factory) -> Path:
     """A finished tiny run: its data cache (`data-cache/<key>`) and its head (`run/head`)."""
     base = tmp_path_factory.mktemp("trained")
-    proc = run_train_cli(train_args(sharp_target, chat_file, base / "run", "optim.max_steps=2"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run(eagle3_run(sharp_target, chat_file, base / "run", "optim.max_steps=2"))
     return base
 
 
@@ -61,7 +62,7 @@ def test_training_refuses_a_flipped_byte_in_the_data(trained, sharp_target, chat
     folder = data_folder(tmp_path / "data-cache")
     flip_byte(folder / name)
     run_dir = tmp_path / "run"
-    line = one_error_line(run_train_cli(train_args(sharp_target, chat_file, run_dir, "optim.max_steps=2")))
+    line = user_error_line(lambda: run(eagle3_run(sharp_target, chat_file, run_dir, "optim.max_steps=2")))
     assert f"{folder / name} does not match its checksum in {folder / 'manifest.json'}" in line
     assert f"rm -r {folder} && python -m data_prep.prepare" in line
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "head").exists()
@@ -72,15 +73,23 @@ def copy_head(trained: Path, to: Path) -> Path:
     return to
 
 
-@pytest.mark.parametrize("cli", ["heads.export", "trainer.evaluate"])
-def test_commands_refuse_a_flipped_byte_in_a_head(trained, tmp_path, cli):
+def exit_line(main: Callable[[list[str]], None], argv: list[str], capsys) -> str:
+    """The one line a command's `main` prints as it exits 2, in process."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and len(err.splitlines()) == 1, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("command", [export_main, evaluate_main], ids=["heads.export", "trainer.evaluate"])
+def test_commands_refuse_a_flipped_byte_in_a_head(trained, tmp_path, capsys, command):
     """Refused before any target is looked at (the one given does not exist), nothing written."""
     head = copy_head(trained, tmp_path / "run" / "head")
     flip_byte(head / WEIGHTS_NAME)
-    cmd = [sys.executable, "-m", cli, f"head={head}", f"target.name_or_path={tmp_path / 'none'}"]
-    cmd += [f"out={tmp_path / 'exported'}"] if cli == "heads.export" else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    line = one_error_line(subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env))
+    argv = [f"head={head}", f"target.name_or_path={tmp_path / 'none'}"]
+    argv += [f"out={tmp_path / 'exported'}"] if command is export_main else []
+    line = exit_line(command, argv, capsys)
     assert f"{head / WEIGHTS_NAME} does not match its checksum in {head / CONFIG_NAME}" in line
     assert "python -m trainer.train" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
@@ -95,12 +104,12 @@ def nan_head(trained: Path, to: Path) -> Path:
     return save_head(head, "eagle3", meta["config"], spec, tensors)
 
 
-def test_export_and_push_refuse_a_head_with_non_finite_weights(trained, tmp_path):
+def test_export_and_push_refuse_a_head_with_non_finite_weights(trained, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     head = nan_head(trained, tmp_path / "run" / "head")
-    cmd = [sys.executable, "-m", "heads.export", f"head={head}", "format=eagle3"]
-    cmd += [f"out={tmp_path / 'exported'}", "push_to_hub=nobody/never-pushed"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    line = one_error_line(subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env))
+    argv = [f"head={head}", "format=eagle3", f"out={tmp_path / 'exported'}"]
+    argv.append("push_to_hub=nobody/never-pushed")
+    line = exit_line(export_main, argv, capsys)
     assert f"{head / WEIGHTS_NAME} holds non-finite weights (1 tensor(s), first fc.weight)" in line
     assert "not evaluated, exported or pushed" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -1,4 +1,4 @@
-"""Non-finite values stop the run in one line, through the commands a user runs: a target with
+"""Non-finite values stop the run in one line, through the runs a user starts (in process): a target with
 an overflowing layer (offline capture, online training), a NaN planted in a batch (the exact step,
 the kept head, the last good checkpoint), `optim.skip_nonfinite`, and a run whose simulated
 acceptance falls to 1.0 (optim.lr=1e6) says so. The step still reads nothing back."""
@@ -6,10 +6,7 @@ acceptance falls to 1.0 (optim.lr=1e6) says so. The step still reads nothing bac
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,12 +19,13 @@ from safetensors.torch import load_file, save_file
 from conf.compose import compose_root
 from conf.errors import UserError
 from conf.files import sha256_file
+from conf.schema import RootConfig
 from data_prep.capture import CaptureSpec, checked_capture, first_nonfinite
+from data_prep.prepare import prepare
 from data_prep.store import CapturedDataset
 from data_prep.target import load_target
 from heads.folder import load_head
-from tests.support.cli import one_error_line, run_train_cli
-from tests.support.runs import data_folder, tiny_run_args
+from tests.support.runs import data_folder, tiny_run_config, user_error_line
 from tests.support.syncs import assert_steps_never_sync, eagle3, samples
 from tests.support.targets import build_tiny_target
 from trainer.batching import length_grouped_batches
@@ -40,6 +38,7 @@ from trainer.health import (
     sample_at,
 )
 from trainer.loop import check_validation_capture
+from trainer.train import run
 
 OVERFLOW_LAYER = 3  # decoder layer 3 overflows: hidden_states[4] is the first infinite one
 
@@ -61,17 +60,14 @@ def overflowing_target(tmp_path_factory, smol_tokenizer) -> Path:
     return out
 
 
-def eagle3_args(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
-    return tiny_run_args("eagle3", target, data, run_dir, "data.draft_vocab_size=400", *extra)
+def eagle3_run(target: Path, data: Path, run_dir: Path, *extra: str) -> RootConfig:
+    return tiny_run_config("eagle3", target, data, run_dir, "data.draft_vocab_size=400", *extra)
 
 
 def test_offline_capture_refuses_an_overflowing_layer(overflowing_target, chat_file, tmp_path):
     cache = tmp_path / "cache"
-    args = eagle3_args(overflowing_target, chat_file, tmp_path / "run")
-    args = [a for a in args if not a.startswith(("data.cache_dir=", "run_dir=", "optim.", "pipeline."))]
-    cmd = [sys.executable, "-m", "data_prep.prepare", *args, f"data.cache_dir={cache}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    line = one_error_line(subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env))
+    cfg = eagle3_run(overflowing_target, chat_file, tmp_path / "run", f"data.cache_dir={cache}")
+    line = user_error_line(lambda: prepare(cfg))
     want = f"the target's hidden states overflow: layer {OVERFLOW_LAYER + 1} (HF hidden_states index"
     assert want in line and "is non-finite at token 0 of sample " in line, line
     assert "set target.dtype=bfloat16" in line
@@ -81,7 +77,7 @@ def test_offline_capture_refuses_an_overflowing_layer(overflowing_target, chat_f
 def test_online_training_stops_at_an_overflowing_layer(overflowing_target, chat_file, tmp_path):
     run_dir = tmp_path / "run"
     online = ("data.hidden_states=online", "optim.max_steps=4")
-    line = one_error_line(run_train_cli(eagle3_args(overflowing_target, chat_file, run_dir, *online)))
+    line = user_error_line(lambda: run(eagle3_run(overflowing_target, chat_file, run_dir, *online)))
     assert line.startswith("error: step 1: non-finite target hidden states (online capture): ")
     assert f"layer {OVERFLOW_LAYER + 1} (HF hidden_states index" in line
     assert "of the train split (" in line and "shard-00000.safetensors row " in line
@@ -92,8 +88,7 @@ def test_online_training_stops_at_an_overflowing_layer(overflowing_target, chat_
 @pytest.fixture(scope="module")
 def data_cache(sharp_target, chat_file, tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("nan")
-    proc = run_train_cli(eagle3_args(sharp_target, chat_file, base / "run", "optim.max_steps=1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run(eagle3_run(sharp_target, chat_file, base / "run", "optim.max_steps=1"))
     return base / "data-cache"
 
 
@@ -135,7 +130,7 @@ STEPS = ("optim.max_steps=8", "optim.val_every=2", "optim.save_every=2")
 def test_a_nan_in_a_batch_stops_at_its_step_keeping_the_best(data_cache, sharp_target, chat_file, tmp_path):
     first, _ = nan_in_steps(data_cache, tmp_path, [3, 5])
     run_dir = tmp_path / "run"
-    line = one_error_line(run_train_cli(eagle3_args(sharp_target, chat_file, run_dir, *STEPS)))
+    line = user_error_line(lambda: run(eagle3_run(sharp_target, chat_file, run_dir, *STEPS)))
     # Read at step 4 (a logging step), named at the step it happened.
     assert line.startswith(f"error: step 3: non-finite training loss: {first} holds non-finite aux_hidden; ")
     assert f"the best head so far (step 2) stays in {run_dir / 'head'}" in line
@@ -146,15 +141,15 @@ def test_a_nan_in_a_batch_stops_at_its_step_keeping_the_best(data_cache, sharp_t
     assert not (run_dir / "summary.json").exists()
 
 
-def test_skip_nonfinite_skips_up_to_n_steps(data_cache, sharp_target, chat_file, tmp_path):
+def test_skip_nonfinite_skips_up_to_n_steps(data_cache, sharp_target, chat_file, tmp_path, capsys):
     first, second = nan_in_steps(data_cache, tmp_path, [3, 5])
     run_dir = tmp_path / "run"
-    proc = run_train_cli(eagle3_args(sharp_target, chat_file, run_dir, *STEPS, "optim.skip_nonfinite=1"))
-    line = one_error_line(proc)
+    cfg = eagle3_run(sharp_target, chat_file, run_dir, *STEPS, "optim.skip_nonfinite=1")
+    line = user_error_line(lambda: run(cfg))
     assert (
         f"step 3: non-finite training loss: {first} holds non-finite aux_hidden: optimizer step "
         "skipped (1 of optim.skip_nonfinite=1)"
-    ) in proc.stdout
+    ) in capsys.readouterr().out
     assert line.startswith(f"error: step 5: non-finite training loss: {second} holds non-finite")
     assert ", after 1 skipped step(s); the run stopped: the best head so far (step " in line
     assert f"the last good checkpoint is {run_dir / 'checkpoints' / 'step-0000004'}" in line
@@ -164,9 +159,7 @@ def test_skip_nonfinite_skips_up_to_n_steps(data_cache, sharp_target, chat_file,
     assert state["skipped"] == 1  # resume keeps the count
 
     two = (*STEPS, "optim.skip_nonfinite=2")
-    proc = run_train_cli(eagle3_args(sharp_target, chat_file, tmp_path / "run2", *two))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "run2" / "summary.json").read_text())
+    summary = run(eagle3_run(sharp_target, chat_file, tmp_path / "run2", *two))
     assert summary["skipped_steps"] == 2 and summary["steps"] == 8
 
 
@@ -174,39 +167,38 @@ def test_a_nan_in_the_validation_data_stops_at_the_validation(data_cache, sharp_
     shutil.copytree(data_cache, tmp_path / "data-cache")
     (sample,) = plant_nan(tmp_path / "data-cache", "validation", [0])
     run_dir = tmp_path / "run"
-    line = one_error_line(run_train_cli(eagle3_args(sharp_target, chat_file, run_dir, *STEPS)))
+    line = user_error_line(lambda: run(eagle3_run(sharp_target, chat_file, run_dir, *STEPS)))
     want = f"error: step 2: non-finite validation loss: {sample} holds non-finite aux_hidden; "
     assert line.startswith(want), line
     assert "no head kept yet, no checkpoint was written yet; to fix: delete the folder" in line
     assert not (run_dir / "head").exists() and not (run_dir / "checkpoints").exists()
 
 
-def test_acceptance_falling_to_one_is_said_in_log_and_summary(data_cache, sharp_target, chat_file, tmp_path):
+def test_acceptance_falling_to_one_is_said_in_log_and_summary(
+    data_cache, sharp_target, chat_file, tmp_path, capsys
+):
     shutil.copytree(data_cache, tmp_path / "data-cache")
 
-    def train(run_dir: Path, max_steps: int, *extra: str) -> subprocess.CompletedProcess:
+    def train(run_dir: Path, max_steps: int, *extra: str) -> tuple[dict, str]:
+        """The run's summary and what it printed."""
         steps = ("optim.val_every=2", "optim.save_every=4", f"optim.max_steps={max_steps}")
-        return run_train_cli(eagle3_args(sharp_target, chat_file, run_dir, *steps, *extra))
+        summary = run(eagle3_run(sharp_target, chat_file, run_dir, *steps, *extra))
+        return summary, capsys.readouterr().out
 
     diverged = tmp_path / "diverged"  # optim.lr=1e6 from the first step: never above 1.0
-    proc = train(diverged, 4, "optim.lr=1e6")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((diverged / "summary.json").read_text())
+    summary, out = train(diverged, 4, "optim.lr=1e6")
     assert summary["acceptance_collapse"]["peak"] == 1.0
-    assert "step 4: no validation's simulated acceptance length rose above 1.000" in proc.stdout
+    assert "step 4: no validation's simulated acceptance length rose above 1.000" in out
 
     run_dir = tmp_path / "run"  # trains, then goes on at optim.lr=1e6
-    proc = train(run_dir, 4)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["acceptance_collapse"] is None
-    proc = train(run_dir, 8, "optim.lr=1e6", "resume=true")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary, _ = train(run_dir, 4)
+    assert summary["acceptance_collapse"] is None
+    summary, out = train(run_dir, 8, "optim.lr=1e6", "resume=true")
     fell = summary["acceptance_collapse"]
     assert fell["step"] == 6 and fell["sim_acceptance_length"] < 1.0005 < fell["peak"]
     assert summary["best_step"] <= 4 and summary["best_score"] == fell["peak"]
-    assert f"step 6: simulated acceptance length fell to 1.000 (it was {fell['peak']:.3f}" in proc.stdout
-    assert fell["message"] in proc.stdout
+    assert f"step 6: simulated acceptance length fell to 1.000 (it was {fell['peak']:.3f}" in out
+    assert fell["message"] in out
 
 
 # ---- the pieces ------------------------------------------------------------------------------

@@ -17,8 +17,6 @@ import data_prep.prepare as P
 from conf.errors import UserError
 from conf.schema import (
     DataConfig,
-    Eagle3Config,
-    MedusaConfig,
 )
 from data_prep.capture import CaptureSpec, capture_batch
 from data_prep.sources import iter_dataset
@@ -26,7 +24,7 @@ from data_prep.store import load_manifest
 from data_prep.target import load_target
 from tests.support.runs import (
     assert_online_batch_is_the_offline_batch,
-    cfg_for,
+    tiny_prep_config,
 )
 from tests.support.syncs import assert_steps_never_sync, eagle3, medusa1, samples
 
@@ -42,8 +40,8 @@ def shard_tensors(folder: Path, split: str) -> list[dict[str, torch.Tensor]]:
 
 
 def test_online_folder_keeps_tokens_only(tiny_llama_dir, chat_file, tmp_path):
-    offline = P.prepare(cfg_for(tiny_llama_dir, chat_file, tmp_path))
-    online = P.prepare(cfg_for(tiny_llama_dir, chat_file, tmp_path, hidden_states="online"))
+    offline = P.prepare(tiny_prep_config(tiny_llama_dir, chat_file, tmp_path))
+    online = P.prepare(tiny_prep_config(tiny_llama_dir, chat_file, tmp_path, "data.hidden_states=online"))
     assert online != offline and online.parent == offline.parent
     m_off, m_on = load_manifest(offline), load_manifest(online)
     assert (m_off["hidden_states"], m_on["hidden_states"]) == ("offline", "online")
@@ -64,12 +62,15 @@ def test_online_folder_keeps_tokens_only(tiny_llama_dir, chat_file, tmp_path):
 
 
 @pytest.mark.parametrize("storage", ["bfloat16", "fp8"])
-@pytest.mark.parametrize("head", [Eagle3Config(), MedusaConfig()], ids=["eagle3", "medusa"])
+@pytest.mark.parametrize("head", ["eagle3", "medusa"])
 def test_online_batch_is_the_offline_batch(tiny_llama_dir, chat_file, tmp_path, storage, head):
     model, _ = load_target(str(tiny_llama_dir), device="cpu", num_threads=1)
     folders = {
         mode: P.prepare(
-            cfg_for(tiny_llama_dir, chat_file, tmp_path, head, storage_dtype=storage, hidden_states=mode)
+            tiny_prep_config(
+                tiny_llama_dir, chat_file, tmp_path, f"data.storage_dtype={storage}",
+                f"data.hidden_states={mode}", head=head,
+            )
         )
         for mode in ("offline", "online")
     }
@@ -94,7 +95,7 @@ def test_auto_chooses_by_free_disk(
 ):
     usage = type("Usage", (), {"free": int(free_gib * 2**30)})
     monkeypatch.setattr(P.shutil, "disk_usage", lambda path: usage)
-    cfg = cfg_for(tiny_llama_dir, chat_file, tmp_path, MedusaConfig(), hidden_states="auto")
+    cfg = tiny_prep_config(tiny_llama_dir, chat_file, tmp_path, "data.hidden_states=auto", head="medusa")
     folder = P.prepare(cfg)
     assert load_manifest(folder)["hidden_states"] == chosen
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("data.hidden_states=auto")]
@@ -119,7 +120,9 @@ def test_prepare_streams_and_tokenises_once(tiny_llama_dir, chat_file, tmp_path,
     monkeypatch.setattr(P, "conversation_turns", counted)
     source = tmp_path / "chats.jsonl"
     source.write_text(chat_file.read_text() + "{not json\n")
-    cfg = cfg_for(tiny_llama_dir, source, tmp_path / "cache", max_samples=40, hidden_states="online")
+    cfg = tiny_prep_config(
+        tiny_llama_dir, source, tmp_path / "cache", "data.max_samples=40", "data.hidden_states=online"
+    )
     folder = P.prepare(cfg)
     assert calls["n"] == 40
     assert sum(s["samples"] for s in load_manifest(folder)["splits"].values()) == 40

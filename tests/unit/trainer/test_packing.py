@@ -17,9 +17,8 @@ from conf.schema import Eagle3Config, MedusaConfig
 from data_prep.capture import CaptureSpec, capture_batch, causal_mask, document_mask, hidden_states
 from heads.eagle3 import Eagle3Head
 from heads.medusa import MedusaHead
-from tests.support.cli import run_train_cli
 from tests.support.decode import chaotic_target
-from tests.support.runs import summary, tiny_run_args, train_losses
+from tests.support.runs import tiny_run_config, train_losses
 from tests.support.syncs import assert_steps_never_sync
 from trainer.batching import (
     collate,
@@ -32,6 +31,7 @@ from trainer.batching import (
 )
 from trainer.eagle3_trainee import Eagle3Trainee
 from trainer.medusa_trainee import JointMedusaTrainee, MedusaTrainee
+from trainer.train import run
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -206,7 +206,7 @@ def test_a_sample_longer_than_a_batch_stays_whole():
 def test_online_training_runs_packed(sharp_target, chat_file, tmp_path):
     """The loop end to end: packed batches, the target's capture inside, validation."""
     run_dir = tmp_path / "run"
-    args = tiny_run_args(
+    cfg = tiny_run_config(
         "eagle3",
         sharp_target,
         chat_file,
@@ -218,7 +218,5 @@ def test_online_training_runs_packed(sharp_target, chat_file, tmp_path):
         "optim.val_every=3",
         "data.hidden_states=online",
     )
-    proc = run_train_cli(args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert summary(run_dir)["steps"] == 6 and (run_dir / "head" / "model.safetensors").exists()
+    assert run(cfg)["steps"] == 6 and (run_dir / "head" / "model.safetensors").exists()
     assert all(torch.isfinite(torch.tensor(train_losses(run_dir))))
