@@ -1,6 +1,6 @@
 """Engine round trips per family: every head kind of every tiny family, exported and served by vLLM.
 
-For each family of conftest's `TINY_FAMILIES`, a tiny random-weight target (byte tokenizer, 4
+For each family of support/targets.py's `TINY_FAMILIES`, a tiny random-weight target (byte tokenizer, 4
 layers) gets an EAGLE-3 head (a reduced, non-contiguous draft vocabulary, the default layer
 variants) and a Medusa head (3 heads, biases), built as tests/support/heads.py builds them, and
 the three vLLM exports (`eagle3`, `speculators`, `medusa-vllm`), plus the `eagle3` export of a

@@ -121,12 +121,14 @@ def samples(model, fields: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def eagle3(model):
+def eagle3(model, draft: int = 3000, aux: tuple[int, ...] = (2, 4, 5), ttt_length: int = 3):
+    """An EAGLE-3 trainee drafting over the first `draft` ids, and the captured fields it reads."""
     vocab = model.config.vocab_size
-    d2t, t2d = torch.zeros(3000, dtype=torch.long), torch.zeros(vocab, dtype=torch.bool)
-    t2d[:3000] = True
-    head = Eagle3Head.from_target(model, "tiny", Eagle3Config(aux_layer_ids=[2, 4, 5]), d2t, t2d)
-    trainee = Eagle3Trainee(head, model.get_output_embeddings().weight, ttt_length=3, step_weight=0.8)
+    d2t, t2d = torch.zeros(draft, dtype=torch.long), torch.zeros(vocab, dtype=torch.bool)
+    t2d[:draft] = True
+    head = Eagle3Head.from_target(model, "tiny", Eagle3Config(aux_layer_ids=list(aux)), d2t, t2d)
+    lm_head = model.get_output_embeddings().weight
+    trainee = Eagle3Trainee(head, lm_head, ttt_length=ttt_length, step_weight=0.8)
     return trainee, ("aux_hidden", "final_hidden")
 
 

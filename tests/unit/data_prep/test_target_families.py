@@ -1,5 +1,5 @@
 """The user's own target, whatever its family: one tiny random-weight target per architecture of
-conftest's `TINY_FAMILIES` (built from its config, no download: Llama with llama3 rope scaling,
+support/targets.py's `TINY_FAMILIES` (built from its config, no download: Llama with llama3 rope scaling,
 Qwen2, Qwen3, Qwen3-MoE, Mistral sliding every layer, Gemma 3 with sliding and global layers,
 gpt-oss where transformers builds it on this CPU, Phi-3), taken through the main job as a user's
 own target is. 4 layers, so the default aux-layer ids are a shallow target's; a byte-level

@@ -1,6 +1,6 @@
 """EAGLE-3 export: engine key sets, config keys, aux-layer numbering, round trips, self-check, card.
 
-Heads are real `Eagle3Head`s built on the tiny random targets of conftest.py and saved in the
+Heads are real `Eagle3Head`s built on the tiny random targets of support/targets.py and saved in the
 project's folder format; exports are real safetensors folders read back by our strict readers.
 """
 

@@ -13,13 +13,13 @@ from functools import partial
 import pytest
 import torch
 
-from conf.schema import Eagle3Config, MedusaConfig
+from conf.schema import MedusaConfig
 from data_prep.capture import CaptureSpec, capture_batch, causal_mask, document_mask, hidden_states
-from heads.eagle3 import Eagle3Head
 from heads.medusa import MedusaHead
 from tests.support.decode import chaotic_target
 from tests.support.runs import tiny_run_config, train_losses
 from tests.support.syncs import assert_steps_never_sync
+from tests.support.syncs import eagle3 as eagle3_trainee
 from trainer.batching import (
     collate,
     collate_packed,
@@ -29,7 +29,6 @@ from trainer.batching import (
     padding_share,
     shard_batches,
 )
-from trainer.eagle3_trainee import Eagle3Trainee
 from trainer.medusa_trainee import JointMedusaTrainee, MedusaTrainee
 from trainer.train import run
 
@@ -61,13 +60,8 @@ def items(model, fields: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
 
 
 def eagle3(model):
-    vocab = model.config.vocab_size
-    d2t, t2d = torch.zeros(200, dtype=torch.long), torch.zeros(vocab, dtype=torch.bool)
-    t2d[:200] = True
     torch.manual_seed(0)
-    head = Eagle3Head.from_target(model, "tiny", Eagle3Config(aux_layer_ids=list(AUX)), d2t, t2d)
-    trainee = Eagle3Trainee(head, model.get_output_embeddings().weight, ttt_length=4, step_weight=0.8)
-    return trainee, ("aux_hidden", "final_hidden")
+    return eagle3_trainee(model, draft=200, aux=AUX, ttt_length=4)
 
 
 def medusa1(model):

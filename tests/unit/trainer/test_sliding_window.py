@@ -38,7 +38,7 @@ from trainer.train import run
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 NEW, VOCAB = 72, 256
-# The tiny targets of conftest's `TINY_FAMILIES` (8 layers, hidden 64, 16-token windows).
+# The tiny targets of support/targets.py's `TINY_FAMILIES` (8 layers, hidden 64, 16-token windows).
 FAMILIES = ["mistral", "gemma3_text", "gpt_oss", "llama"]  # llama: full attention, nothing changes
 SLIDING = ["mistral", "gemma3_text", "gpt_oss"]
 
