@@ -1,5 +1,5 @@
-"""Running draftsmith's command lines as users do, for the fault tests: several at once, killed
-with SIGKILL mid-run, on a small file system."""
+"""Running draftsmith's command lines as users do, for the e2e tests: one at a time, several at
+once, killed with SIGKILL mid-run, on a small file system."""
 
 from __future__ import annotations
 
@@ -67,12 +67,3 @@ def run_train_cli(args: list[str], launcher: list[str] | None = None, timeout: i
     cmd = (launcher or [sys.executable]) + ["-m", "trainer.train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def one_error_line(proc: subprocess.CompletedProcess) -> str:
-    """The one `error:` line of a command that exited 2, with no traceback (the target loading's
-    progress bar may precede it on stderr)."""
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    return errors[0]
