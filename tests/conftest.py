@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny random-weight targets with SmolLM2's real tokenizer (Llama and Qwen2) or a
-byte-level one (every family of `TINY_FAMILIES`), and transformers' own greedy `generate`.
+"""Fixtures of both tiers: tiny random-weight target folders with SmolLM2's real tokenizer, a
+sharp target, a chat file, one torch thread, a fresh accelerator state per test (the builders
+behind them live in tests/support/), and each test's tier marker, taken from its folder.
 
 Real transformers models and real tokenizers, built from a config in seconds; the weights are
 seeded so every test sees the same model.
@@ -11,7 +12,6 @@ import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,15 +19,18 @@ import torch
 
 from conf.schema import RootConfig, TargetConfig
 from data_prep.target import resolve_target
+from tests.support.disk import SmallDisk
+from tests.support.targets import build_tiny_target
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=8,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-)
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its tier, the folder it sits in (`-m unit`, `-m e2e`)."""
+    for item in items:
+        tier = item.path.relative_to(TESTS).parts[0]
+        if tier in ("unit", "e2e"):
+            item.add_marker(tier)
 
 
 @pytest.fixture(autouse=True)
@@ -41,126 +44,35 @@ def fresh_accelerator_state():
     AcceleratorState._reset_state()
 
 
+@pytest.fixture(scope="module")
+def single_thread():
+    """2 shared cores: one torch thread is several times faster than two fighting for them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MB tmpfs, mounted for the test; skips where it cannot be mounted (not root)."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)]
+    mounted = subprocess.run(mount, capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    yield SmallDisk(path)
+    subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     """SmolLM2's real tokenizer and chat template (the GGUF is converted once and cached)."""
     return resolve_target(RootConfig(target=TargetConfig(name_or_path="smollm2-135m-instruct"))).tokenizer
-
-
-WINDOW = 16  # the sliding window of the tiny sliding-window targets; their texts run far past it
-S, F = "sliding_attention", "full_attention"
-LLAMA3_ROPE = dict(
-    rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-    original_max_position_embeddings=256,
-)
-# gpt-oss's YaRN, stretched over TINY's 2048 positions from 64 (its own: 32 x 4096), so that the
-# scaling acts within a test's few hundred.
-GPT_OSS_ROPE = dict(
-    rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-    original_max_position_embeddings=64,
-)
-# transformers model_type -> (settings past TINY, seed). A larger init than the default, so greedy
-# text varies with the context (at the default a tiny target repeats one token forever, which a
-# decoder blind to the window would reproduce); Gemma 3 untied for the same reason. Gemma 3 has
-# three sliding layers to one global (a rope of each kind), gpt-oss alternates them (attention
-# sinks, experts), Mistral slides every layer.
-TINY_FAMILIES: dict[str, tuple[dict, int]] = {
-    "llama": (dict(rope_parameters=LLAMA3_ROPE), 0),
-    "qwen2": ({}, 0),
-    "qwen3": (dict(head_dim=16), 0),
-    "qwen3_moe": (dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64), 0),
-    "mistral": (dict(sliding_window=WINDOW), 0),
-    "gemma3_text": (
-        dict(sliding_window=WINDOW, sliding_window_pattern=4, head_dim=16, tie_word_embeddings=False,
-             initializer_range=0.5),
-        1,
-    ),
-    "gpt_oss": (
-        dict(sliding_window=WINDOW, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-             rope_parameters=GPT_OSS_ROPE),
-        0,
-    ),
-    # Phi-3's default EOS and pad id (32000) lie outside a tiny vocabulary.
-    "phi3": (dict(bos_token_id=1, eos_token_id=2, pad_token_id=0), 0),
-}
-
-
-def tiny_family_target(family: str, vocab: int = 256, **overrides):
-    """A tiny random-weight target of `family` (a `TINY_FAMILIES` model_type) built from its
-    config: TINY's sizes, float32, in eval mode without gradients, seeded."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    settings, seed = TINY_FAMILIES[family]
-    config = AutoConfig.for_model(
-        family, vocab_size=vocab, **{**TINY, "initializer_range": 0.2, **settings, **overrides}
-    )
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
-
-
-def special_token_ids(tokenizer) -> dict[str, int | None]:
-    """The config fields a target shares with its tokenizer."""
-    names = ("bos_token_id", "eos_token_id", "pad_token_id")
-    return {name: getattr(tokenizer, name) for name in names}
-
-
-def save_target(model, tokenizer, out: Path) -> Path:
-    """A target folder as `target.name_or_path` reads it: the model and its tokenizer."""
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def build_tiny_target(out: Path, family: str, tokenizer, seed: int = 0, **overrides) -> Path:
-    """A tiny Llama or Qwen2 at transformers' default init, tied, sized to `tokenizer`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        family,
-        vocab_size=len(tokenizer),
-        **special_token_ids(tokenizer),
-        tie_word_embeddings=True,
-        **{**TINY, **overrides},
-    )
-    torch.manual_seed(seed)
-    return save_target(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tokenizer, out)
-
-
-def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
-    """transformers' `generate`, greedy, one prompt, no EOS: the ground truth. (The attention
-    mask is explicit: without it `generate` hides every prompt token equal to the pad id.)"""
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-        eos_token_id=[], pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def byte_tokenizer():
-    """A lossless byte-level tokenizer of 259 ids (256 bytes, no merges, and ChatML's three
-    markers) with a ChatML template: any family's tiny target can have a vocabulary this small,
-    so its embeddings and lm_head cost next to nothing, while data prep, training and decoding
-    run through a real tokenizer and chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    core.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-        pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
-    )
-    tok.chat_template = CHATML
-    return tok
 
 
 @pytest.fixture(scope="session")
@@ -203,32 +115,3 @@ def chat_file(tmp_path_factory) -> Path:
     return path
 
 
-def run_train_cli(args: list[str], launcher: list[str] | None = None, timeout: int = 600):
-    """`python -m trainer.train` (or under `launcher`) as users run it, one thread per process."""
-    cmd = (launcher or [sys.executable]) + ["-m", "trainer.train", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def tiny_run_args(head: str, target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
-    """`trainer.train` overrides for a seconds-long run of `head` on a tiny target: no
-    regeneration, no evaluation or export, small batches."""
-    return [
-        f"+head={head}",
-        f"target.name_or_path={target}",
-        "target.num_threads=1",
-        f"data.source={data}",
-        "data.regenerate.enabled=false",
-        "data.max_samples=0",
-        "data.val_fraction=0.1",
-        f"data.cache_dir={run_dir.parent / 'data-cache'}",
-        f"run_dir={run_dir}",
-        "pipeline.evaluate=false",
-        "pipeline.export=false",
-        "optim.batch_tokens=512",
-        "optim.max_batch_size=4",
-        "optim.lr=1e-3",
-        "logging.log_every=2",
-        "logging.progress=false",
-        *extra,
-    ]

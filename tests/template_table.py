@@ -17,7 +17,7 @@ from conf.schema import DataConfig, RegenerateConfig
 from data_prep.rows import iter_rows
 from data_prep.sources import iter_jsonl, iter_samples, sharegpt_jsonl
 from data_prep.stats import PrepStats
-from tests.test_chat_templates import FAMILIES, family
+from tests.support.templates import FAMILIES, family
 
 
 def with_reasoning(row: dict, system: bool) -> dict:

@@ -1,0 +1,69 @@
+"""Choosing the head by decoded validation from the command line, in one process and on two DDP
+ranks that agree."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli import run_train_cli
+from tests.support.runs import tiny_run_args
+from trainer.loop import DECODED
+
+
+def decoded_run_args(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
+    return tiny_run_args(
+        "eagle3",
+        target,
+        data,
+        run_dir,
+        "data.draft_vocab_size=400",
+        "head.ttt_length=3",
+        "optim.max_steps=8",
+        "optim.val_every=4",
+        "optim.val_decode_prompts=2",
+        "optim.select_by=decoded",
+        "eval.max_new_tokens=8",
+        *extra,
+    )
+
+
+def decoded_history(run_dir: Path) -> list[float]:
+    history = json.loads((run_dir / "history.json").read_text())
+    return [h["val"][DECODED] for h in history if "val" in h]
+
+
+def test_the_main_job_selects_by_decoding(sharp_target, chat_file, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train_cli(decoded_run_args(sharp_target, chat_file, run_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    decoded = decoded_history(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert len(decoded) == 2 and all(v >= 1.0 for v in decoded)
+    assert summary["select_by"] == "decoded" and summary["best_score"] == max(decoded)
+    assert DECODED in proc.stdout  # each validation line shows it
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_agree_on_the_decoded_choice(sharp_target, chat_file, tmp_path):
+    """Rank 0 decodes, rank 1 waits for its value: no deadlock, one choice, equal replicas."""
+    run_dir = tmp_path / "run"
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(29500 + random.randint(0, 400)),
+    ]
+    proc = run_train_cli(decoded_run_args(sharp_target, chat_file, run_dir, "dist=ddp"), launcher=launcher)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    a, b = summary["replica_checksums"]
+    assert summary["world_size"] == 2 and a == b
+    assert summary["best_score"] == max(decoded_history(run_dir))

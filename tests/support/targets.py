@@ -1,0 +1,141 @@
+"""Tiny random-weight targets built from a config in seconds (every family of `TINY_FAMILIES`),
+their folders, a byte-level ChatML tokenizer, and transformers' own greedy `generate` as the
+ground truth."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)
+WINDOW = 16  # the sliding window of the tiny sliding-window targets; their texts run far past it
+S, F = "sliding_attention", "full_attention"
+LLAMA3_ROPE = dict(
+    rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=256,
+)
+# gpt-oss's YaRN, stretched over TINY's 2048 positions from 64 (its own: 32 x 4096), so that the
+# scaling acts within a test's few hundred.
+GPT_OSS_ROPE = dict(
+    rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+    original_max_position_embeddings=64,
+)
+# transformers model_type -> (settings past TINY, seed). A larger init than the default, so greedy
+# text varies with the context (at the default a tiny target repeats one token forever, which a
+# decoder blind to the window would reproduce); Gemma 3 untied for the same reason. Gemma 3 has
+# three sliding layers to one global (a rope of each kind), gpt-oss alternates them (attention
+# sinks, experts), Mistral slides every layer.
+TINY_FAMILIES: dict[str, tuple[dict, int]] = {
+    "llama": (dict(rope_parameters=LLAMA3_ROPE), 0),
+    "qwen2": ({}, 0),
+    "qwen3": (dict(head_dim=16), 0),
+    "qwen3_moe": (dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64), 0),
+    "mistral": (dict(sliding_window=WINDOW), 0),
+    "gemma3_text": (
+        dict(sliding_window=WINDOW, sliding_window_pattern=4, head_dim=16, tie_word_embeddings=False,
+             initializer_range=0.5),
+        1,
+    ),
+    "gpt_oss": (
+        dict(sliding_window=WINDOW, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+             rope_parameters=GPT_OSS_ROPE),
+        0,
+    ),
+    # Phi-3's default EOS and pad id (32000) lie outside a tiny vocabulary.
+    "phi3": (dict(bos_token_id=1, eos_token_id=2, pad_token_id=0), 0),
+}
+
+
+def tiny_family_target(family: str, vocab: int = 256, **overrides):
+    """A tiny random-weight target of `family` (a `TINY_FAMILIES` model_type) built from its
+    config: TINY's sizes, float32, in eval mode without gradients, seeded."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings, seed = TINY_FAMILIES[family]
+    config = AutoConfig.for_model(
+        family, vocab_size=vocab, **{**TINY, "initializer_range": 0.2, **settings, **overrides}
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+
+
+def special_token_ids(tokenizer) -> dict[str, int | None]:
+    """The config fields a target shares with its tokenizer."""
+    names = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {name: getattr(tokenizer, name) for name in names}
+
+
+def save_target(model, tokenizer, out: Path) -> Path:
+    """A target folder as `target.name_or_path` reads it: the model and its tokenizer."""
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build_tiny_target(out: Path, family: str, tokenizer, seed: int = 0, **overrides) -> Path:
+    """A tiny Llama or Qwen2 at transformers' default init, tied, sized to `tokenizer`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=len(tokenizer),
+        **special_token_ids(tokenizer),
+        tie_word_embeddings=True,
+        **{**TINY, **overrides},
+    )
+    torch.manual_seed(seed)
+    return save_target(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tokenizer, out)
+
+
+def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
+    """transformers' `generate`, greedy, one prompt, no EOS: the ground truth. (The attention
+    mask is explicit: without it `generate` hides every prompt token equal to the pad id.)"""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+        eos_token_id=[], pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer():
+    """A lossless byte-level tokenizer of 259 ids (256 bytes, no merges, and ChatML's three
+    markers) with a ChatML template: any family's tiny target can have a vocabulary this small,
+    so its embeddings and lm_head cost next to nothing, while data prep, training and decoding
+    run through a real tokenizer and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
+    )
+    tok.chat_template = CHATML
+    return tok
+
+
+def until(ids: list[int], eos: set[int]) -> list[int]:
+    """`generate`'s new ids through the first stop token, as the engine returns them."""
+    return ids[: next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))]
+
+
+# The second embedded target (six PyPI parts, joined and hash-checked).
+QWEN_CODER = "qwen2.5-coder-0.5b-instruct"

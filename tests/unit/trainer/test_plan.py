@@ -1,0 +1,94 @@
+"""The time budget (`trainer/plan.py`): the plan's arithmetic, and the main job on a tiny target
+finishing within a 2-minute budget with the plan it printed, while explicit sizes win."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.plan import (
+    MARGIN,
+    MAX_EPOCHS,
+    MIN_CONVERSATIONS,
+    Rates,
+    Schedule,
+    fit_steps,
+    make_plan,
+    train_cost,
+)
+
+
+def rates(**kw) -> Rates:
+    """Rates with nothing between the steps (no validation or saving cost) unless given."""
+    base = dict(regenerate_tokens_per_s=100.0, capture_tokens_per_s=1000.0, train_tokens_per_s=500.0,
+                tokens_per_step=1000.0, validate_s_per_token=0.0, save_best_s=0.0, checkpoint_s=0.0,
+                answer_tokens=200.0, row_tokens=300.0, evaluate_s=60.0, export_s=10.0,
+                cached_conversations=0, probe_s=30.0)
+    return Rates(**{**base, **kw})
+
+
+def plan(budget_s=1200, spent_s=60, epochs=2, train_share=1.0, **kw):
+    return make_plan(budget_s, spent_s, rates(**kw), Schedule(epochs, 1, train_share, 50, 50))
+
+
+def test_the_plan_fills_the_budget_less_the_margin():
+    plan = make_plan(1200, 60, rates(), Schedule(epochs=2, answers=1, train_share=1.0, val_every=50,
+                                                 save_every=50))
+    # per conversation: 2 s regenerate + 0.3 s capture + 2 x 0.6 s training = 3.5 s
+    assert plan.conversations == int((1200 * (1 - MARGIN) - 60 - 60 - 10) / 3.5)
+    assert plan.total_s == pytest.approx(1200 * (1 - MARGIN), abs=3.5)
+    assert plan.regenerate_s == pytest.approx(2 * plan.conversations)
+    assert "conversations x 1 answer, 2 epochs" in plan.line() and plan.line().endswith("of 20 min")
+
+
+def test_cached_answers_are_free():
+    cold = plan()
+    warm = plan(cached_conversations=200)
+    # the 200 cached conversations save 2 s each, spent on more conversations at 3.5 s
+    assert warm.conversations == pytest.approx(cold.conversations + 200 * 2 / 3.5, abs=1)
+    assert warm.regenerate_s == pytest.approx(2 * (warm.conversations - 200))
+    everything = plan(cached_conversations=10**6)
+    assert everything.regenerate_s == 0 and everything.conversations == int((1200 * (1 - MARGIN) - 130) / 1.5)
+
+
+def test_slower_rates_buy_fewer_conversations_and_a_tiny_budget_keeps_a_minimum():
+    fast = plan()
+    slow = plan(regenerate_tokens_per_s=50.0, train_tokens_per_s=250.0)
+    assert slow.conversations < fast.conversations * 0.6
+    assert plan(60, 50).conversations == MIN_CONVERSATIONS
+
+
+def test_validation_and_saves_are_paid_at_their_cadence():
+    """A slow validation (it grows with the data) and heavy saves buy fewer conversations, and
+    the plan still fits: its training share counts them."""
+    costs = dict(validate_s_per_token=1e-3, save_best_s=5.0, checkpoint_s=10.0)
+    bare, costly = plan(train_share=0.9), plan(train_share=0.9, **costs)
+    assert costly.conversations < bare.conversations
+    assert 1200 * (1 - MARGIN) - 10 < costly.total_s <= 1200 * (1 - MARGIN)
+    r, sched = rates(**costs), Schedule(2, 1, 0.9, 50, 50)
+    # 1,000 rows: 540,000 trained tokens = 540 steps at 1,080 s; ~10.8 validations of 30,000
+    # tokens (30 s + 5 s) and ~10.8 checkpoints (10 s), plus the last step's
+    assert train_cost(r, 1000, sched) == (pytest.approx(1080 + 540 / 50 * 45 + 45), 50)
+
+
+def test_a_long_planned_run_validates_about_ten_times_and_an_explicit_cadence_wins():
+    costs = dict(validate_s_per_token=1e-3, save_best_s=5.0, checkpoint_s=10.0)
+    r = rates(**costs)
+    # 10,000 rows: 5,400 steps; planned, every 540 steps (10 validations) instead of every 50
+    seconds, every = train_cost(r, 10_000, Schedule(2, 1, 0.9, None, 50))
+    assert every == 540 and seconds == pytest.approx(10_800 + 5400 / 540 * 305 + 5400 / 50 * 10 + 315)
+    assert train_cost(r, 100, Schedule(2, 1, 0.9, None, 50))[1] == 50  # short runs: every 50
+    assert train_cost(r, 10_000, Schedule(2, 1, 0.9, 50, 50))[1] == 50  # optim.val_every given
+    big = dict(budget_s=36_000, train_share=0.9, **costs)
+    planned = make_plan(36_000, 60, r, Schedule(2, 1, 0.9, None, 50))
+    assert planned.val_every > 50 and planned.conversations > plan(**big).conversations
+
+
+def test_the_recheck_trims_steps_and_grows_epochs_only_when_data_ran_short():
+    # an epoch of 10 steps at 2 s a step; the last step's validation and saves 10 s
+    assert fit_steps(50, 2.0, 10.0, 10, 2, short_of_data=False) == (2, 20)
+    assert fit_steps(40, 2.0, 10.0, 10, 2, short_of_data=False) == (2, 15)  # trimmed
+    assert fit_steps(0, 2.0, 10.0, 10, 2, short_of_data=False) == (2, 1)  # at least one step
+    assert fit_steps(100, 2.0, 10.0, 10, 2, short_of_data=True) == (MAX_EPOCHS, 10 * MAX_EPOCHS)
+    assert fit_steps(70, 2.0, 10.0, 10, 2, short_of_data=True) == (3, 30)
+
+
