@@ -16,14 +16,14 @@ or different ones over one `data.cache_dir`) build it once: the first holds `<ke
 with its pid and host, and the others print whom they wait for, then reuse what it built. A lock
 whose holder died on this host is taken over; one held from another host of a shared file system
 cannot be checked, so the waiting line names the file to delete if that run is gone
-(tests/test_shared_cache.py).
+(tests/{unit/data_prep,e2e}/test_shared_cache.py).
 
 A full disk: offline capture compares its size (tokens x bytes per token, plus the draft
 vocabulary) with the free space before it starts and refuses in one line; a write that still finds
 the disk full is one line naming the cache, and the same command then resumes after the last
 shard written. A checkpoint, the best head or an export that finds it full is one line too, and
 leaves only whole folders (`staged_dir`), so `resume=true` goes on from the last whole checkpoint
-(tests/test_disk_space.py).
+(tests/{unit/data_prep,e2e}/test_disk_space.py).
 """
 
 from __future__ import annotations

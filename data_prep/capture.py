@@ -17,7 +17,7 @@ replica of the target on every training and validation batch (no grad, the targe
 module's code and layer ids, rounded through `data.storage_dtype`). The head then gets its batch
 bit for bit where capture and training pad a batch alike, else up to the bf16 rounding of about
 one value in 10^5 (float32 attention reduces over differently blocked keys), so losses agree to
-~1e-4 of their value (tests/test_online.py). The replica lives outside the DDP/ZeRO wrap: not in
+~1e-4 of their value (tests/unit/trainer/test_online.py). The replica lives outside the DDP/ZeRO wrap: not in
 the optimizer, not sharded or all-reduced, not in checkpoints; resume is exact in both modes.
 At 8B (32 KiB per token offline), 50k regenerated conversations of ~1k tokens are 1.6 TB offline
 and 250 MB online, and the 300k-500k conversations that give acceptance lengths of 2.5-3 fit on

@@ -4,9 +4,9 @@ Each key lists every input its contents depend on, field by field, so that a new
 no key until it is named here. Settings absent from both keys, and why they may be:
 - `data.cache_dir`: where the folders are, not what they hold.
 - `data.regenerate.batch_size`, `data.regenerate.workers`: how many rows and engines decode at
-  once. Answers do not depend on them (tests/test_regen_engine.py), and a data folder's rows are
-  read from the answer cache, which one run at a time extends, so a folder holds the cached
-  answer whichever batch wrote it (tests/test_data_keys.py).
+  once. Answers do not depend on them (tests/unit/data_prep/test_regen_engine.py), and a data
+  folder's rows are read from the answer cache, which one run at a time extends, so a folder
+  holds the cached answer whichever batch wrote it (tests/unit/data_prep/test_data_keys.py).
 - `data.matmul_dtype`, `target.dtype`: keyed as the precision they resolve to (`precision`), so
   `auto` and the dtype it picks share a key.
 - `data.chat_template*`: keyed as the digest of the template as it renders (`ChatTemplate`).

@@ -4,7 +4,7 @@ Data prep asks which layers to capture and whether there is a draft vocabulary; 
 asks how the head is usually served and how to load it for decoding; export asks its formats,
 their layouts, the self-check and the model card's title and serve commands; the trainer asks for
 its trainee and drafter. Each answer is a field of `HeadKind`, so no module outside a kind's own
-branches on the kind's name (`tests/test_kind_branches.py` holds the line).
+branches on the kind's name (`tests/unit/test_kind_branches.py` holds the line).
 
 A new kind (EAGLE 3.1, P-EAGLE, DFlash, ...) supplies:
 - its config class in `conf/schema.py` (its `name` default is the kind's name) with the YAML

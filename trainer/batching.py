@@ -2,7 +2,7 @@
 (`optim.packing`); either way a deterministic order per (seed, epoch) for exact resume.
 
 A packed row keeps its samples apart with per-sample position ids and causal attention (offline,
-online and Medusa-2 alike), so each sample gets the loss it gets alone (tests/test_packing.py).
+online and Medusa-2 alike), so each sample gets the loss it gets alone (tests/unit/trainer/test_packing.py).
 Packing is off by default because a packed row spans the longest sample, and the attention that
 costs outweighs the padding saved on the default data (README, Measured:
 `scripts/bench_packing.py`, which prints both padding shares for any config).

@@ -2,7 +2,7 @@
 plus where the data order stood. A checkpoint appears under its final name only when complete;
 one that fails (a full disk: one line, `RESUME_THEN`) leaves nothing beside the whole ones.
 accelerate writes the optimizer and RNG states with torch.save but reads them back with
-weights_only=True, so resuming never unpickles arbitrary objects (tests/test_checkpoint.py)."""
+weights_only=True, so resuming never unpickles arbitrary objects (tests/unit/trainer/test_checkpoint.py)."""
 
 from __future__ import annotations
 

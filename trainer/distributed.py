@@ -10,7 +10,7 @@ builds the same bytes on its own disk (`trainer.train.prepare_data`). Put `run_d
 file system (checkpoints hold every rank's RNG state) and, to regenerate once, `data.cache_dir`
 too (or run `python -m data_prep.prepare` there first). With node-local caches each node decides
 `data.hidden_states=auto` by its own disk: name the mode where the nodes' disks differ.
-tests/test_online.py runs two "nodes" on one machine (two `torchrun --nnodes 2 --node_rank {0,1}`
+tests/e2e/test_online.py runs two "nodes" on one machine (two `torchrun --nnodes 2 --node_rank {0,1}`
 launchers, a c10d rendezvous on 127.0.0.1, gloo) online, and checks that their replicas agree and
 their losses equal those of a 2-process offline DDP run. The README has the torchrun line; with
 accelerate, the same job on 2 nodes of 8 GPUs (`machine_rank: 1` in the second node's copy):

@@ -186,7 +186,7 @@ def train_step(
     backward and, at the end of an accumulation, clip and step. `watch` records on the device
     whether the loss, the gradient norm and the captured hidden states were finite. Returns the
     loss as a device tensor, for logging steps to read: nothing here reads the device
-    (tests/test_sync_free.py and tests/test_online.py count), not even the gradient norm, unless
+    (tests/unit/trainer/test_sync_free.py and test_online.py count), not even the gradient norm, unless
     `optim.skip_nonfinite` asks for it (`NonFiniteWatch`)."""
     batch, hidden = checked_device_batch(batch, accelerator.device, capture)
     with accelerator.accumulate(trainee):

@@ -9,7 +9,7 @@ alike, over a shared file system or each with its own copy of the data (see `pre
 each answered conversation (a torn last line is cut) and answers the rest, capture resumes after
 the last shard written, training from the last checkpoint with the uninterrupted run's losses,
 the plan from plan.json, and an export or a data folder appears whole or not at all
-(tests/test_data_resume.py, test_train.py, test_export.py).
+(tests/e2e/test_data_resume.py, test_train.py, test_export.py).
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ def run(cfg: RootConfig) -> dict:
     """The main job on `cfg` (left as it is: the sizes decided here go on in a derived config,
     which config.json records)."""
     started = time.perf_counter()
+    check_export_formats(cfg)
     run_dir = Path(cfg.run_dir)
     if cfg.resume and latest_checkpoint(run_dir) is None:
         raise UserError(
@@ -181,9 +182,7 @@ def run(cfg: RootConfig) -> dict:
 @hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
 @exit_on_user_error
 def main(dict_cfg: DictConfig) -> None:
-    cfg = to_root_config(dict_cfg)
-    check_export_formats(cfg)
-    run(cfg)
+    run(to_root_config(dict_cfg))
 
 
 if __name__ == "__main__":

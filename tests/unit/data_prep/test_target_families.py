@@ -142,8 +142,7 @@ def test_capture_is_the_target_offline_and_online(family, head, chat_file):
     assert_capture_is_the_targets_forward(Path(summary["data_dir"]), family.model)
     run_dir = Path(summary["run_dir"])  # the same data cache: the online folder sits beside it
     online = prepare(
-        compose_root(main_job_args(head, family.target_dir, chat_file, run_dir, "data.hidden_states=online")),
-        model=family.model,
+        compose_root(main_job_args(head, family.target_dir, chat_file, run_dir, "data.hidden_states=online"))
     ).path
     offline = Path(summary["data_dir"])
     assert_online_batch_is_the_offline_batch(offline, online, family.model, capture_batches(offline))

@@ -59,7 +59,7 @@ def measured_headings(text: str) -> int:
 
 def missing_modules(text: str) -> list[str]:
     """`python -m X` (and `-m X` after a launcher) naming no module of this repository, and
-    `scripts/...` paths that are not there."""
+    `scripts/...` or `tests/...` paths that are not there."""
     missing = []
     for name in sorted(set(re.findall(r"(?:python|torchrun|launch)\b[^\n`|]*?\s-m\s+([\w.]+)", text))):
         if name in EXTERNAL:
@@ -69,7 +69,7 @@ def missing_modules(text: str) -> list[str]:
         package = spec is not None and spec.submodule_search_locations is not None
         if spec is None or (package and importlib.util.find_spec(f"{name}.__main__") is None):
             missing.append(name)
-    for path in sorted(set(re.findall(r"\bscripts/[\w./-]+\.(?:py|sh)\b", text))):
+    for path in sorted(set(re.findall(r"\b(?:scripts|tests)/[\w./-]+\.(?:py|sh)\b", text))):
         if not (ROOT / path).is_file():
             missing.append(path)
     return missing

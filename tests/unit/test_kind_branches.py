@@ -10,7 +10,7 @@ from pathlib import Path
 
 from heads.kinds import KINDS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["conf", "heads", "data_prep", "trainer", "scripts"]
 # A kind's own modules: they may name their kind (and formats that share its name).
 OWN = {
