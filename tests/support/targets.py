@@ -95,6 +95,22 @@ def build_tiny_target(out: Path, family: str, tokenizer, seed: int = 0, **overri
     return save_target(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tokenizer, out)
 
 
+def build_overflowing_target(out: Path, tokenizer, layer: int) -> Path:
+    """A tiny llama whose decoder layer `layer` has its MLP scaled by 1e30 (up and down
+    projections): the residual stream after it overflows in float32 and bfloat16 alike, as an
+    fp16 target's does at ordinary scales."""
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_target(out, "llama", tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    mlp = model.model.layers[layer].mlp
+    with torch.no_grad():
+        mlp.up_proj.weight.mul_(1e30)
+        mlp.down_proj.weight.mul_(1e30)
+    model.save_pretrained(out)
+    return out
+
+
 def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
     """transformers' `generate`, greedy, one prompt, no EOS: the ground truth. (The attention
     mask is explicit: without it `generate` hides every prompt token equal to the pad id.)"""

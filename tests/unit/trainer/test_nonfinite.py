@@ -27,7 +27,7 @@ from data_prep.target import load_target
 from heads.folder import load_head
 from tests.support.runs import data_folder, tiny_run_config, user_error_line
 from tests.support.syncs import assert_steps_never_sync, eagle3, samples
-from tests.support.targets import build_tiny_target
+from tests.support.targets import build_overflowing_target
 from trainer.batching import length_grouped_batches
 from trainer.collapse import collapse, never_rose
 from trainer.health import LOSS, Fault, NonFiniteWatch, sample_at
@@ -39,19 +39,7 @@ OVERFLOW_LAYER = 3  # decoder layer 3 overflows: hidden_states[4] is the first i
 
 @pytest.fixture(scope="module")
 def overflowing_target(tmp_path_factory, smol_tokenizer) -> Path:
-    """A tiny target whose decoder layer 3 has its MLP scaled by 1e30 (up and down projections):
-    the residual stream after it overflows in float32 and bfloat16 alike, as an fp16 target's
-    does at ordinary scales."""
-    from transformers import AutoModelForCausalLM
-
-    out = build_tiny_target(tmp_path_factory.mktemp("overflowing"), "llama", smol_tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(out)
-    mlp = model.model.layers[OVERFLOW_LAYER].mlp
-    with torch.no_grad():
-        mlp.up_proj.weight.mul_(1e30)
-        mlp.down_proj.weight.mul_(1e30)
-    model.save_pretrained(out)
-    return out
+    return build_overflowing_target(tmp_path_factory.mktemp("overflowing"), smol_tokenizer, OVERFLOW_LAYER)
 
 
 def eagle3_run(target: Path, data: Path, run_dir: Path, *extra: str) -> RootConfig:
