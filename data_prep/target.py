@@ -306,8 +306,8 @@ class Target:
     @cached_property
     def identity(self) -> dict:
         """What captured data depends on in the target; the last five fields are checked on reuse
-        (`store.TARGET_FIELDS`). Data folder and regeneration cache keys hash it: its fields and
-        their order are those of every folder built so far, so they are reused."""
+        (`store.TARGET_FIELDS`). The regeneration cache's key holds all of it, a data folder's
+        key its name and revision (`data_prep.keys`)."""
         t = self.config.get_text_config()
         return {
             "name_or_path": self.name,
