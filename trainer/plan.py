@@ -60,7 +60,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from conf.errors import UserError
@@ -520,4 +520,4 @@ def recheck(cfg: RootConfig, record: dict, started: float, train_ds, val_ds, sam
         if steps < epochs * per_epoch or short:
             print(f"plan: {steps} training steps ({epochs} epochs of {per_epoch}) fit the "
                   f"{left / 60:.1f} min left", flush=True)
-    return Sizes(**{**asdict(sizes_of(record, answers)), "deadline": deadline})
+    return replace(sizes_of(record, answers), deadline=deadline)
