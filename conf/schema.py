@@ -27,7 +27,8 @@ TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
 STORAGE_DTYPES = ("bfloat16", "fp8")
 MATMUL_DTYPES = ("auto", "target", "bfloat16")
 HIDDEN_STATES = ("offline", "online", "auto")
-REGEN_BACKENDS = ("hf", "vllm")
+REGEN_BACKENDS = ("hf", "vllm", "server")
+_ENDPOINT = re.compile(r"https?://[^\s/]+(/\S*)?")
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
 STRATEGIES = ("none", "ddp", "deepspeed")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
@@ -143,13 +144,31 @@ class RegenerateConfig(_Checked):
     # Answers per prompt, each its own training sample (sampled: needs temperature > 0). The
     # validation split holds out whole prompts, so no prompt is in both splits.
     num_samples: int = 1
-    backend: str = "hf"  # hf (draftsmith's engine on the transformers model) | vllm (offline LLM)
+    # hf (draftsmith's engine on the transformers model) | vllm (offline LLM in this process) |
+    # server (running OpenAI-compatible servers of the target: `endpoints`)
+    backend: str = "hf"
+    # backend=server: base URLs ending in /v1 (`vllm serve`, SGLang), the load spread over them.
+    endpoints: list[str] = field(default_factory=list)
+    in_flight: int = 32  # requests open per endpoint (the server batches them)
+    retries: int = 4  # failures in a row before an endpoint is dropped (backoff doubles each time)
+    timeout_s: float = 600.0  # one request
+    # The name of the environment variable holding the servers' API key (never the key itself:
+    # the config is written to config.json); null = no key.
+    api_key_env: str | None = None
 
     def check(self) -> None:
-        self._at_least(1, "max_new_tokens", "batch_size", "num_samples")
-        self._at_least(0, "temperature", "workers")
+        self._at_least(1, "max_new_tokens", "batch_size", "num_samples", "in_flight", "timeout_s")
+        self._at_least(0, "temperature", "workers", "retries")
         self._require("top_p", _probability, "a value in (0, 1]")
         self._one_of("backend", REGEN_BACKENDS)
+        server = self.backend == "server"
+        self._require(
+            "endpoints",
+            lambda v: bool(v) == server and all(_ENDPOINT.fullmatch(str(u)) for u in v),
+            "a list of http(s)://host:port/v1 URLs, given with data.regenerate.backend=server only",
+        )
+        self._require("api_key_env", lambda v: v is None or re.fullmatch(r"[A-Za-z_]\w*", v),
+                      "null or the name of an environment variable")
         if self.num_samples > 1 and self.temperature == 0:
             raise UserError(
                 f"data.regenerate.num_samples={self.num_samples}: greedy answers are all the same; "

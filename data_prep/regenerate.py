@@ -9,8 +9,10 @@ analysis channel); `template.build_rows` keeps one row per conversation where th
 appends, one per turn where it rewrites history.
 
 Generation was the slowest stage of data prep, so it runs on `regen_engine` (continuous batching
-over a static KV cache) or on vLLM, and it is resumable: every finished conversation is appended
-to a JSONL cache (ids, and the answers' text for reading), and a rerun skips the ids already there.
+over a static KV cache), on vLLM in this process, or on the user's running servers of the target
+(`regen_server`: many GPUs or nodes), one `Answerer` each, and it is resumable: every finished
+conversation is appended to a JSONL cache (ids, and the answers' text for reading), and a rerun
+skips the ids already there.
 Runs that share the cache (a sweep started together) take turns under a lock file beside it.
 """
 
@@ -23,14 +25,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from conf.files import build_lock, lock_path
 from conf.schema import RegenerateConfig
 from data_prep.regen_engine import generate
+from data_prep.regen_server import ServerAnswerer
 from data_prep.sources import Sample, answer_uid
 from data_prep.stats import PrepStats
+from data_prep.target import Target
 from data_prep.template import ChatTemplate, Message, TemplateError, Turn, note_refusal, parse_answer
 
 
@@ -85,49 +90,86 @@ def turn_seed(uid: str, turn: int) -> int:
     return int(hashlib.sha256(f"{uid}:{turn}".encode()).hexdigest()[:8], 16)
 
 
-def answer_all(model, prompts: list[list[int]], cfg: RegenerateConfig, eos: set[int], seeds: list[int],
-               on_finish: Callable[[int, list[int]], None], target_path: str | None = None,
-               matmul_dtype: torch.dtype | None = None) -> None:
-    """Generate every prompt's answer with the configured backend, calling `on_finish(i, ids)`.
-    `matmul_dtype` applies to the hf engine; vLLM runs the target's dtype."""
-    common = dict(
-        max_new_tokens=cfg.max_new_tokens,
-        eos_token_ids=eos,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        seeds=seeds,
-    )
-    if cfg.backend == "vllm":
+class Answerer(Protocol):
+    """A regeneration backend: answers one round of prompts, calling `on_finish(i, ids)` on the
+    caller's thread as each answer is done (ids through the stop token)."""
+
+    def __call__(self, prompts: list[list[int]], eos: set[int], seeds: list[int],
+                 on_finish: Callable[[int, list[int]], None]) -> None: ...
+
+    def postfix(self) -> dict[str, str]:
+        """What the progress bar shows besides the overall rate."""
+        ...
+
+
+@dataclass
+class EngineAnswerer:
+    """`backend=hf`: draftsmith's continuous-batching engine on the transformers model;
+    `matmul_dtype` is the precision of its linear layers (`data_prep.linears`)."""
+
+    model: Any
+    cfg: RegenerateConfig
+    matmul_dtype: torch.dtype | None = None
+
+    def __call__(self, prompts, eos, seeds, on_finish) -> None:
+        c = self.cfg
+        generate(self.model, prompts, batch_size=c.batch_size, workers=c.workers, on_finish=on_finish,
+                 matmul_dtype=self.matmul_dtype, max_new_tokens=c.max_new_tokens, eos_token_ids=eos,
+                 temperature=c.temperature, top_p=c.top_p, seeds=seeds)
+
+    def postfix(self) -> dict[str, str]:
+        return {}
+
+
+@dataclass
+class VllmAnswerer:
+    """`backend=vllm`: vLLM's offline engine in this process, on the target's folder and dtype."""
+
+    target_path: str
+    dtype: torch.dtype
+    cfg: RegenerateConfig
+
+    def __call__(self, prompts, eos, seeds, on_finish) -> None:
         from data_prep.regen_vllm import vllm_generate
 
-        for i, ids in enumerate(vllm_generate(target_path, prompts, dtype=model.dtype, **common)):
+        c = self.cfg
+        answers = vllm_generate(self.target_path, prompts, dtype=self.dtype, max_new_tokens=c.max_new_tokens,
+                                eos_token_ids=eos, temperature=c.temperature, top_p=c.top_p, seeds=seeds)
+        for i, ids in enumerate(answers):
             on_finish(i, ids)
-        return
-    generate(model, prompts, batch_size=cfg.batch_size, workers=cfg.workers, on_finish=on_finish,
-             matmul_dtype=matmul_dtype, **common)
+
+    def postfix(self) -> dict[str, str]:
+        return {}
+
+
+def backend_answerer(cfg: RegenerateConfig, target: Target, matmul_dtype: torch.dtype | None) -> Answerer:
+    """The configured backend for `target`; only `hf` loads the target's weights here."""
+    if cfg.backend == "server":
+        return ServerAnswerer(cfg, target.name, target.path, target.tokenizer)
+    if cfg.backend == "vllm":
+        return VllmAnswerer(target.path, target.dtype, cfg)
+    return EngineAnswerer(target.model, cfg, matmul_dtype)
 
 
 def regenerate(
     samples: list[Sample],
-    model,
+    answerer: Callable[[], Answerer],
     tpl: ChatTemplate,
     cfg: RegenerateConfig,
     max_length: int,
     cache_file: Path,
     stats: PrepStats,
     progress: Callable | None = None,
-    target_path: str | None = None,
-    matmul_dtype: torch.dtype | None = None,
 ) -> list[tuple[str, list[Turn]]]:
     """(uid, turns) of every sample answered by the target (`cfg.num_samples` per prompt, each
     its own sample with uid `answer_uid(uid, k)`), in input order; reuses and extends `cache_file`.
 
+    `answerer` makes the backend (`backend_answerer`), called only when some answer is missing
+    from the cache: a cached run neither loads the target nor reaches a server.
     A turn is answered only when its prompt leaves room for `max_new_tokens` within
     `max_length`; later turns of that conversation are dropped (they would be truncated away).
     Conversations are written to the cache as they finish, so a killed run loses only the ones
-    in flight. Runs sharing `cache_file` take turns under its lock. `target_path` is the target's
-    folder, for the vLLM backend; `matmul_dtype` the precision of the engine's linear layers
-    (`data_prep.linears`).
+    in flight. Runs sharing `cache_file` take turns under its lock.
     """
     # One run at a time per cache: a run that waited then finds the other's answers cached
     # instead of computing them again, every run trains on the same answer for a prompt (bf16
@@ -146,7 +188,9 @@ def regenerate(
                 todo.append(_Pending(s, system, [m for m in s.messages if m["role"] == "user"]))
         stats.regenerated_from_cache += len(wanted) - len(todo)
         budget = max_length - cfg.max_new_tokens
-        bar = progress(total=None, unit="tok", desc="regenerate") if progress and todo else None
+        answer = answerer() if todo else None
+        turns = sum(len(p.users) for p in todo)
+        bar = progress(total=turns, unit="answer", desc="regenerate") if progress and todo else None
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         started, new_tokens = time.perf_counter(), 0
         with open(cache_file, "a", encoding="utf-8") as out:
@@ -189,12 +233,12 @@ def regenerate(
                     else:
                         finish(p)
                     if bar is not None:
-                        bar.update(len(new))
-                        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - started):.1f}")
+                        bar.update(1)
+                        rate = f"{new_tokens / (time.perf_counter() - started):.1f}"
+                        bar.set_postfix(tok_s=rate, **answer.postfix())
 
                 seeds = [turn_seed(p.sample.uid, len(p.turns)) for _, p in pending]
-                answer_all(model, [r[2] for r in ready], cfg, set(tpl.stop_ids), seeds, answered, target_path,
-                           matmul_dtype)
+                answer([r[2] for r in ready], set(tpl.stop_ids), seeds, answered)
         if bar is not None:
             bar.close()
         stats.regenerated_tokens += new_tokens

@@ -13,7 +13,7 @@ from conf.errors import UserError
 from conf.schema import RootConfig
 from conf.sizes import Sizes
 from data_prep.keys import matmul_dtype, regen_cache_file
-from data_prep.regenerate import regenerate
+from data_prep.regenerate import backend_answerer, regenerate
 from data_prep.sources import Sample, iter_samples, prompt_uid, row_uid, split_hash
 from data_prep.stats import PrepStats
 from data_prep.store import TokenSpill
@@ -118,15 +118,13 @@ def sample_rows(
         return iter_rows(samples, tpl, d.max_length, stats)
     answered = regenerate(
         list(samples),
-        target.model,
+        lambda: backend_answerer(d.regenerate, target, matmul_dtype(cfg)),
         tpl,
         d.regenerate,
         d.max_length,
         answers or regen_cache_file(cfg, target.identity, tpl),
         stats,
         progress,
-        target_path=target.path,
-        matmul_dtype=matmul_dtype(cfg),
     )
     return regenerated_rows(answered, d.max_length, stats)
 

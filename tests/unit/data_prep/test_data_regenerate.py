@@ -7,7 +7,7 @@ import pytest
 
 from conf.errors import UserError
 from conf.schema import RegenerateConfig
-from data_prep.regenerate import read_cache, regenerate
+from data_prep.regenerate import EngineAnswerer, read_cache, regenerate
 from data_prep.sources import Sample, answer_uid, prompt_uid
 from data_prep.stats import PrepStats
 from data_prep.target import load_target
@@ -19,6 +19,10 @@ from tests.support.split import validation_uids
 def tiny(tiny_llama_dir):
     model, tok = load_target(str(tiny_llama_dir), num_threads=1)
     return model, load_chat_template(tok, None, {}, "2026-01-01")
+
+
+def engine(model, cfg: RegenerateConfig):
+    return lambda: EngineAnswerer(model, cfg)
 
 
 def supervised(row) -> list[int]:
@@ -42,7 +46,7 @@ def test_answers_every_user_turn_and_resumes_from_a_torn_cache(tiny, tmp_path):
     cfg = RegenerateConfig(max_new_tokens=6, batch_size=1)
     cache = tmp_path / "regen.jsonl"
     stats = PrepStats()
-    first = regenerate(SAMPLES, model, tpl, cfg, 512, cache, stats)
+    first = regenerate(SAMPLES, engine(model, cfg), tpl, cfg, 512, cache, stats)
     assert [uid for uid, _ in first] == ["0", "1", "2", "3"]
     turns = first[1][1]
     assert len(turns) == 2 and 0 < stats.regenerated_tokens <= 5 * 6
@@ -64,14 +68,14 @@ def test_answers_every_user_turn_and_resumes_from_a_torn_cache(tiny, tmp_path):
     assert len(read_cache(cache)) == 2 and cache.read_bytes() == b"".join(lines[:2])
     cache.write_bytes(b"".join(lines[:2]) + lines[2][:10])
     stats = PrepStats()
-    again = regenerate(SAMPLES, model, tpl, cfg, 512, cache, stats)
+    again = regenerate(SAMPLES, engine(model, cfg), tpl, cfg, 512, cache, stats)
     assert stats.regenerated_from_cache == 2
     assert again == first
     assert len(read_cache(cache)) == 4
 
     # A second run generates nothing.
     stats = PrepStats()
-    assert regenerate(SAMPLES, model, tpl, cfg, 512, cache, stats) == first
+    assert regenerate(SAMPLES, engine(model, cfg), tpl, cfg, 512, cache, stats) == first
     assert stats.regenerated_tokens == 0 and stats.regenerated_from_cache == 4
 
 
@@ -83,30 +87,29 @@ def test_batched_left_padded_generation_and_length_budget(tiny, tmp_path):
     # The budget admits the short first prompts only: b keeps one turn, c is skipped.
     max_length = len(tpl.prompt_ids([user("Hi")])) + 2 + cfg.max_new_tokens
     stats = PrepStats()
-    out = regenerate(samples, model, tpl, cfg, max_length, tmp_path / "r.jsonl", stats)
+    out = regenerate(samples, engine(model, cfg), tpl, cfg, max_length, tmp_path / "r.jsonl", stats)
     assert [uid for uid, _ in out] == ["a", "b"]
     assert len(out[1][1]) == 1
     assert stats.turns_dropped_too_long == 2 and stats.skipped_prompt_too_long == 1
     # Sampling with a temperature also runs through the same path.
     sampled = RegenerateConfig(max_new_tokens=3, batch_size=2, temperature=0.8, top_p=0.9)
-    out = regenerate(SAMPLES[:1], model, tpl, sampled, 512, tmp_path / "s.jsonl", PrepStats())
+    out = regenerate(SAMPLES[:1], engine(model, sampled), tpl, sampled, 512, tmp_path / "s.jsonl",
+                     PrepStats())
     assert len(out[0][1][0].ids) > 0
 
 
 def test_n_answers_per_prompt_are_samples_seeded_by_uid_and_split_by_prompt(tiny, tmp_path):
     model, tpl = tiny
     cfg = RegenerateConfig(max_new_tokens=8, batch_size=3, temperature=1.0, num_samples=3)
-    out = regenerate(SAMPLES, model, tpl, cfg, 512, tmp_path / "n.jsonl", PrepStats())
+    out = regenerate(SAMPLES, engine(model, cfg), tpl, cfg, 512, tmp_path / "n.jsonl", PrepStats())
     uids = [uid for uid, _ in out]
     assert uids[:3] == ["0", "0~1", "0~2"] and len(uids) == 12
     answers = {uid: turns[-1].ids for uid, turns in out}
     assert len({tuple(answers[u]) for u in ("3", "3~1", "3~2")}) > 1, "n answers should differ"
     # Each answer is a function of its uid alone: another batch size and another set of
     # prompts give the same text.
-    alone = regenerate(
-        SAMPLES[3:], model, tpl, RegenerateConfig(**{**vars(cfg), "batch_size": 1}), 512,
-        tmp_path / "alone.jsonl", PrepStats(),
-    )
+    one = RegenerateConfig(**{**vars(cfg), "batch_size": 1})
+    alone = regenerate(SAMPLES[3:], engine(model, one), tpl, one, 512, tmp_path / "alone.jsonl", PrepStats())
     assert [turns[-1].ids for _, turns in alone] == [answers["3"], answers["3~1"], answers["3~2"]]
     # Validation holds out whole prompts: no prompt has answers in both splits.
     many = [answer_uid(str(i), k) for i in range(200) for k in range(3)]

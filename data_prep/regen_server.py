@@ -1,0 +1,254 @@
+"""Regeneration through running OpenAI-compatible servers (`data.regenerate.backend=server`).
+
+Published heads train on hundreds of thousands of regenerated conversations, more than one
+process answers in a day; users already run the target behind `vllm serve` (or SGLang) on their
+GPUs and nodes. This backend sends them the prompts and collects the answers, so the rest of data
+prep is unchanged:
+- Prompts go as token ids rendered by our chat template (the one renderer of every backend) to
+  `/v1/completions`, answers come back as token ids (`return_token_ids`), so nothing is
+  re-tokenised; sampling settings, per-answer seeds and stop ids are the other backends'.
+- Before any request each endpoint must list the target in `/v1/models` (by its name, folder or
+  the folder's last component, as `vllm serve <path>` or `--served-model-name` list it) and, where
+  the server has `/tokenize`, encode a probe text as the target's tokenizer does: a server of
+  another model is refused in one line.
+- Each endpoint has `in_flight` requests open at once (threads; the server batches them); a
+  free thread takes the next prompt, so a faster server answers more. A failed request is retried
+  after a backoff that doubles; `retries` failures in a row drop the endpoint and its prompts go
+  to the others; with none left the run stops in one line. Answers reach the caller as they
+  arrive, on the caller's thread, and the caller appends each to the regeneration cache, so a
+  killed run or a dead server loses nothing that was answered and the next run asks only for
+  the rest.
+- The API key is read from the environment variable `api_key_env` names and goes only into the
+  Authorization header: never into a message, the config, the cache or the model card.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from conf.errors import UserError, first_line
+from conf.schema import RegenerateConfig
+
+PROBE_TEXT = "Speculative decoding drafts tokens; the target verifies them. 123 + 456 = 579."
+BACKOFF_S = 0.5  # the first retry's wait; each further failure in a row doubles it
+# HTTP statuses a retry can cure: the server is busy or restarting. Any other 4xx is the request's
+# fault (a prompt longer than the server's max_model_len, a refused key) and stops the run.
+TRANSIENT = {408, 429}
+
+
+class RequestFailed(Exception):
+    """A request that may succeed if sent again (connection, timeout, 5xx, 408/429)."""
+
+
+@dataclass
+class Endpoint:
+    """One server: its base URL (.../v1), the model id it serves the target as, and its tally."""
+
+    url: str
+    model: str = ""
+    answered: int = 0
+    tokens: int = 0
+    failures: int = 0  # in a row
+    last_error: str = ""
+    dead: bool = False
+
+    @property
+    def root(self) -> str:
+        """The server's own routes (`/tokenize`) sit beside /v1, not under it."""
+        return self.url.rstrip("/").removesuffix("/v1")
+
+
+def api_key(cfg: RegenerateConfig) -> str | None:
+    """The key from the environment, or one line naming the variable (never its value)."""
+    if cfg.api_key_env is None:
+        return None
+    key = os.environ.get(cfg.api_key_env)
+    if not key:
+        raise UserError(f"data.regenerate.api_key_env={cfg.api_key_env!r}: no such environment variable")
+    return key
+
+
+def call(url: str, body: dict | None, key: str | None, timeout: float) -> dict:
+    """One JSON request (GET without a body). Raises `RequestFailed` for what a retry may cure and
+    UserError for what it cannot; neither message carries the key or a prompt."""
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as err:
+        if err.code >= 500 or err.code in TRANSIENT:
+            raise RequestFailed(f"HTTP {err.code}") from None
+        detail = err.read(300).decode("utf-8", "replace").replace("\n", " ")
+        raise UserError(f"data.regenerate.endpoints: {url} answered HTTP {err.code}: {detail}") from None
+    except (urllib.error.URLError, OSError, ValueError) as err:  # refused, reset, timeout, bad JSON
+        reason = getattr(err, "reason", err)
+        raise RequestFailed(first_line(str(reason)) or type(err).__name__) from None
+
+
+def served_names(target_name: str, target_path: str) -> set[str]:
+    """The model ids a server of this target may list: the name the user gave, the folder it
+    resolved to, and each one's last path component."""
+    names = {target_name, target_path, str(Path(target_path).expanduser().resolve())}
+    return names | {Path(n).name for n in names if n}
+
+
+def connect(cfg: RegenerateConfig, target_name: str, target_path: str, tokenizer) -> list[Endpoint]:
+    """Every endpoint, each checked to serve the target, or one line naming the first that does
+    not; no prompt is sent before all are checked."""
+    key, names = api_key(cfg), served_names(target_name, target_path)
+    expected = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+    endpoints = []
+    for url in cfg.endpoints:
+        ep = Endpoint(url.rstrip("/"))
+        try:
+            models = call(f"{ep.url}/models", None, key, min(cfg.timeout_s, 30))["data"]
+        except (RequestFailed, KeyError, TypeError) as err:
+            raise UserError(f"data.regenerate.endpoints: {ep.url}/models did not answer ({err})") from None
+        listed = [m.get("id", "") for m in models]
+        ep.model = next((m["id"] for m in models if {m.get("id"), m.get("root")} & names), "")
+        if not ep.model:
+            raise UserError(
+                f"data.regenerate.endpoints: {ep.url} serves {listed}, not the target {target_name!r} "
+                f"(serve it as `vllm serve {target_path}` or with --served-model-name {target_name})"
+            )
+        try:
+            ask = {"model": ep.model, "prompt": PROBE_TEXT, "add_special_tokens": False}
+            probe = call(f"{ep.root}/tokenize", ask, key, min(cfg.timeout_s, 30))
+        except (RequestFailed, UserError):
+            probe = None  # a server without /tokenize (the OpenAI API has none): the name must do
+        if probe is not None and probe.get("tokens") != expected:
+            raise UserError(
+                f"data.regenerate.endpoints: {ep.url} ({ep.model}) tokenizes text otherwise than the target "
+                f"{target_name!r}: it serves another model"
+            )
+        endpoints.append(ep)
+    return endpoints
+
+
+class Dispatcher:
+    """Hands prompts to the endpoints' threads and their answers back to the caller's thread."""
+
+    def __init__(self, endpoints: list[Endpoint], prompts: list[list[int]], body: Callable[[int], dict],
+                 cfg: RegenerateConfig, stop_ids: set[int]):
+        self.endpoints, self.prompts, self.body, self.cfg = endpoints, prompts, body, cfg
+        self.stop_ids, self.key = stop_ids, api_key(cfg)
+        self.todo: deque[int] = deque(range(len(prompts)))
+        self.lock = threading.Condition()
+        self.finished = False
+        self.answers: queue.Queue[tuple[int, list[int] | UserError]] = queue.Queue()
+
+    def _take(self, ep: Endpoint) -> int | None:
+        """The next prompt; waits while others are in flight (a failed one comes back)."""
+        with self.lock:
+            while not (self.todo or self.finished or ep.dead):
+                self.lock.wait(0.2)
+            return None if ep.dead or self.finished else self.todo.popleft()
+
+    def _ask(self, ep: Endpoint, i: int) -> list[int]:
+        out = call(f"{ep.url}/completions", {"model": ep.model, **self.body(i)}, self.key, self.cfg.timeout_s)
+        try:
+            ids = [int(t) for t in out["choices"][0]["token_ids"]]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise UserError(
+                f"data.regenerate.endpoints: {ep.url} returned no token ids (a server without "
+                "`return_token_ids`: vLLM >= 0.10.2 has it)"
+            ) from None
+        end = next((k + 1 for k, t in enumerate(ids) if t in self.stop_ids), len(ids))
+        return ids[:end]  # through the stop token, as the other backends return it
+
+    def _serve(self, ep: Endpoint) -> None:
+        """One of an endpoint's `in_flight` threads: take a prompt, ask, hand the answer back."""
+        while (i := self._take(ep)) is not None:
+            try:
+                ids = self._ask(ep, i)
+            except RequestFailed as err:
+                with self.lock:
+                    self.todo.appendleft(i)
+                    self.lock.notify()
+                    ep.failures += 1
+                    ep.last_error = str(err)
+                    ep.dead = ep.failures > self.cfg.retries
+                    wait = BACKOFF_S * 2 ** (ep.failures - 1)
+                if not ep.dead:
+                    time.sleep(wait)
+                continue
+            except UserError as err:
+                self.answers.put((i, err))  # the caller raises it
+                return
+            with self.lock:
+                ep.failures, ep.answered, ep.tokens = 0, ep.answered + 1, ep.tokens + len(ids)
+            self.answers.put((i, ids))
+
+    def run(self, on_finish: Callable[[int, list[int]], None]) -> None:
+        for ep in self.endpoints:
+            for _ in range(self.cfg.in_flight):
+                threading.Thread(target=self._serve, args=(ep,), daemon=True).start()
+        try:
+            self._collect(on_finish)
+        finally:
+            with self.lock:
+                self.finished = True
+                self.lock.notify_all()
+
+    def _collect(self, on_finish: Callable[[int, list[int]], None]) -> None:
+        left = len(self.prompts)
+        while left:
+            try:
+                i, ids = self.answers.get(timeout=0.2)
+            except queue.Empty:
+                if all(ep.dead for ep in self.endpoints):
+                    self._stop(left)
+                continue
+            if isinstance(ids, UserError):
+                raise ids
+            on_finish(i, ids)
+            left -= 1
+
+    def _stop(self, left: int) -> None:
+        why = "; ".join(f"{ep.url}: {ep.last_error}" for ep in self.endpoints)
+        done = len(self.prompts) - left
+        raise UserError(
+            f"data.regenerate.endpoints: no server answers ({why}) after {self.cfg.retries} retries each; "
+            f"{done} of {len(self.prompts)} answers of this round are cached, run again to ask for the rest"
+        )
+
+
+class ServerAnswerer:
+    """`regenerate.Answerer` for `backend=server`: connects (and checks) once, then answers each
+    round of prompts through every live endpoint."""
+
+    def __init__(self, cfg: RegenerateConfig, target_name: str, target_path: str, tokenizer):
+        self.cfg, self.started = cfg, time.perf_counter()
+        self.endpoints = connect(cfg, target_name, target_path, tokenizer)
+
+    def __call__(self, prompts: list[list[int]], eos: set[int], seeds: list[int],
+                 on_finish: Callable[[int, list[int]], None]) -> None:
+        c = self.cfg
+        sampling = {"max_tokens": c.max_new_tokens, "temperature": c.temperature, "top_p": c.top_p, "n": 1,
+                    "stop_token_ids": sorted(eos), "return_token_ids": True}
+
+        def body(i: int) -> dict:
+            return {"prompt": prompts[i], **sampling, **({"seed": seeds[i]} if c.temperature > 0 else {})}
+
+        live = [ep for ep in self.endpoints if not ep.dead]
+        Dispatcher(live, prompts, body, c, eos).run(on_finish)
+
+    def postfix(self) -> dict[str, str]:
+        """New tokens/s per endpoint since connecting, for the progress bar."""
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        return {f"ep{k}": f"{ep.tokens / elapsed:.0f}tok/s" + (" dead" if ep.dead else "")
+                for k, ep in enumerate(self.endpoints)}

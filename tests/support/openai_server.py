@@ -1,0 +1,114 @@
+"""A small OpenAI-compatible completions server over a transformers model, for the fast tier.
+
+It speaks the part of vLLM's API that `data_prep.regen_server` uses (`/v1/models`, `/tokenize`,
+`/v1/completions` with token-id prompts and `return_token_ids`) and answers with draftsmith's own
+engine (`regen_engine.generate`, one prompt per request), so the server backend's answers can be
+compared with the `hf` backend's. It stands in for `vllm serve` only where a test needs failures
+on cue (a server that errors, dies after n answers, wants a key, serves another name);
+tests/e2e/test_regen_server.py runs the real vLLM server.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from data_prep.regen_engine import generate
+
+
+@dataclass
+class Behaviour:
+    """What the server does besides answering."""
+
+    model_id: str = "tiny"
+    root: str = ""
+    key: str | None = None  # the Bearer token it requires
+    fail_first: int = 0  # completions answered HTTP 500 before the first success
+    die_after: int | None = None  # stop serving after this many answers
+    token_offset: int = 0  # /tokenize returns ids shifted by this (another tokenizer)
+    answered: list[list[int]] = field(default_factory=list)  # prompts answered, in order
+    requests: int = 0  # completion requests received
+
+
+class Server:
+    """`with Server(model, tok, behaviour) as s:` serves at `s.url` (.../v1) on 127.0.0.1."""
+
+    def __init__(self, model, tokenizer, behaviour: Behaviour | None = None):
+        self.model, self.tok, self.b = model, tokenizer, behaviour or Behaviour()
+        self.lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def __enter__(self) -> Server:
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def _complete(self, body: dict) -> tuple[int, dict]:
+        b = self.b
+        with self.lock:
+            b.requests += 1
+            if b.fail_first > 0:
+                b.fail_first -= 1
+                return 500, {"error": "busy"}
+            if b.die_after is not None and len(b.answered) >= b.die_after:
+                threading.Thread(target=self.stop, daemon=True).start()
+                return 503, {"error": "shutting down"}
+            seed = body.get("seed")
+            ids = generate(self.model, [body["prompt"]], max_new_tokens=body["max_tokens"], batch_size=1,
+                           eos_token_ids=body["stop_token_ids"], temperature=body["temperature"],
+                           top_p=body["top_p"], seeds=None if seed is None else [seed])[0]
+            b.answered.append(body["prompt"])
+        return 200, {"choices": [{"index": 0, "text": "", "token_ids": ids, "finish_reason": "stop"}]}
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def _reply(self, status: int, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _authorised(self) -> bool:
+                key = server.b.key
+                if key and self.headers.get("Authorization") != f"Bearer {key}":
+                    self._reply(401, {"error": "bad key"})
+                    return False
+                return True
+
+            def do_GET(self) -> None:
+                if not self._authorised():
+                    return
+                if self.path == "/v1/models":
+                    self._reply(200, {"data": [{"id": server.b.model_id, "root": server.b.root}]})
+                else:
+                    self._reply(404, {"error": "no route"})
+
+            def do_POST(self) -> None:
+                if not self._authorised():
+                    return
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/tokenize":
+                    ids = server.tok.encode(body["prompt"], add_special_tokens=False)
+                    self._reply(200, {"tokens": [t + server.b.token_offset for t in ids]})
+                elif self.path == "/v1/completions":
+                    self._reply(*server._complete(body))
+                else:
+                    self._reply(404, {"error": "no route"})
+
+        return Handler
