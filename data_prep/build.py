@@ -22,6 +22,7 @@ from data_prep.capture import LAYER_CONVENTION, TOKEN_BYTES, CaptureSpec, captur
 from data_prep.folder import DataFolder
 from data_prep.keys import FolderKey, data_base, matmul_dtype
 from data_prep.linears import DataLinears
+from data_prep.ranks import SINGLE, Ranks
 from data_prep.rows import spill_samples
 from data_prep.sources import held_out
 from data_prep.stats import PrepStats
@@ -128,13 +129,15 @@ class ShardWriter:
         self.tokens, self.seconds = 0, 0.0
         self._linears: DataLinears | None = None
 
-    def write(self, partial: Path, progress: Callable | None) -> dict[str, dict]:
-        """Each split's manifest record: its sizes and its shards'."""
+    def write(self, partial: Path, progress: Callable | None, ranks: Ranks = SINGLE) -> dict[str, dict]:
+        """Each split's manifest record: its sizes and its shards' (with several `ranks`, only the
+        shards this rank wrote or found: the records are rank 0's second pass)."""
         desc = "capture" if self.stored.needs_forward else "write"
         self.bar = progress(total=self.spill.tokens, unit="tok", desc=desc) if progress else None
+        owned = ranks.owns_shard if ranks.world > 1 else None
         splits = {}
         for split in SPLITS:
-            records = write_split(partial, split, self._chunks(split), self._shard, self._written)
+            records = write_split(partial, split, self._chunks(split), self._shard, self._written, owned)
             splits[split] = {
                 k: sum(r[k] for r in records) for k in ("samples", "tokens", "masked_tokens")
             } | {"shards": records}
@@ -199,31 +202,43 @@ def base_manifest(cfg: RootConfig, identity: dict, spec: CaptureSpec, mode: str)
     }
 
 
-def build_folder(key: FolderKey, modes: tuple[str, ...]) -> DataFolder:
+def build_folder(key: FolderKey, modes: tuple[str, ...], ranks: Ranks = SINGLE) -> DataFolder:
     """Build the data folder of `key` in the mode `modes` allows (`prepare` holds its lock): spill
     the samples, choose the mode, capture the shards into the partial folder (resuming a killed
-    build's), write the draft vocabulary and the manifest, move the folder into place."""
+    build's), write the draft vocabulary and the manifest, move the folder into place. Several
+    `ranks` build it together (`data_prep.ranks`): each regenerates and captures its share, rank 0
+    writes the manifest, and every rank returns the finished folder."""
     cfg, spec, identity = key.cfg, key.spec, key.target.identity
-    stats, progress = PrepStats(), progress_bars(cfg)
-    spill_dir = key.sibling(".spill")
+    stats, progress = PrepStats(), progress_bars(cfg) if ranks.main else None
+    spill_dir = key.sibling(f".spill{ranks.rank}" if ranks.world > 1 else ".spill")
     shutil.rmtree(spill_dir, ignore_errors=True)  # what a killed run left
     try:
         spill = TokenSpill(spill_dir)
-        spill_samples(cfg, key.target, spill, stats, progress)
-        mode = modes[0] if len(modes) == 1 else choose_hidden_states(
+        spill_samples(cfg, key.target, spill, stats, progress, ranks)
+        mode = ranks.from_main(modes[0] if len(modes) == 1 or not ranks.main else choose_hidden_states(
             spec, spill.tokens, identity["hidden_size"], data_base(cfg)
-        )
+        ))
         path = key.folder(mode)
         # Online shards hold what Medusa-2's do: tokens only.
         stored = spec if mode == "offline" else CaptureSpec((), None, spec.storage_dtype)
         order = split_order(spill, cfg.data.val_fraction)
         plan = {"folder": path.name, "splits": {k: spill.digest(v) for k, v in order.items()}}
-        partial = open_partial(path, plan)
-        if stored.needs_forward:
+        partial = open_partial(path, plan) if ranks.main else None
+        if stored.needs_forward and ranks.main:
             fixed = draft_vocab_bytes(key.vocab, identity["vocab_size"])
             check_space(cfg, stored, spill.tokens, identity["hidden_size"], partial, fixed)
+        partial = ranks.from_main(partial)
         writer = ShardWriter(key, stored, spill, order)
-        manifest = base_manifest(cfg, identity, spec, mode) | {"splits": writer.write(partial, progress)}
+        splits = writer.write(partial, progress, ranks)
+        if ranks.world > 1:  # every rank's shards are written: rank 0 reads them all back
+            ranks.barrier()
+            if not ranks.main:
+                ranks.barrier()  # while rank 0 writes the manifest
+                return built_folder(key, (mode,))
+            captured, writer = writer, ShardWriter(key, stored, spill, order)
+            splits = writer.write(partial, None)
+            writer.tokens, writer.seconds = captured.tokens, captured.seconds
+        manifest = base_manifest(cfg, identity, spec, mode) | {"splits": splits}
     finally:
         shutil.rmtree(spill_dir, ignore_errors=True)
     if key.vocab:
@@ -232,5 +247,6 @@ def build_folder(key: FolderKey, modes: tuple[str, ...]) -> DataFolder:
         manifest["capture_tokens_per_s"] = writer.tokens_per_s()
     manifest["stats"] = stats.as_dict()
     folder = DataFolder.from_manifest(path, finish(partial, path, manifest))
+    ranks.barrier()
     print(folder.summary(reused=False))
     return folder

@@ -13,11 +13,12 @@ Caches are shared by the runs of a sweep: a folder is built under a lock file be
 (`<key>.lock`, `conf.files.build_lock`), so runs started together build it once and the others
 reuse it; the regeneration cache has its own lock. Offline capture checks the free disk against
 its known size before it starts, and a disk that still fills is one line; the partial folder
-resumes.
+resumes. Under torchrun every rank regenerates and captures its share (`data_prep.ranks`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import hydra
@@ -25,12 +26,13 @@ from omegaconf import DictConfig
 
 from conf.compose import hydra_main
 from conf.errors import UserError, exit_on_user_error
-from conf.files import build_once, disk_full_is_one_line
+from conf.files import build_lock, build_once, disk_full_is_one_line
 from conf.schema import RootConfig, to_root_config
 from data_prep.build import build_folder, built_folder
 from data_prep.capture import CaptureSpec
 from data_prep.folder import DataFolder
 from data_prep.keys import FolderKey, data_base
+from data_prep.ranks import SINGLE, Ranks
 from data_prep.regen_vllm import check_vllm_installed
 from data_prep.sources import check_source_exists
 from data_prep.target import Target, resolve_target
@@ -67,13 +69,14 @@ DISK_FULL_THEN = (
 )
 
 
-def prepare(cfg: RootConfig, target: Target | None = None) -> DataFolder:
+def prepare(cfg: RootConfig, target: Target | None = None, ranks: Ranks = SINGLE) -> DataFolder:
     """Build (or reuse) the data folder for `cfg` and return it.
 
     `target`: the run's resolved `cfg.target` (`resolve_target`), so that a caller that holds it
     does not resolve it again; None resolves it here. Its weights load only if a stage needs
     them. Runs that prepare one folder at once build it once: the first under its lock, the
-    others wait and reuse it.
+    others wait and reuse it. `ranks`: the processes of one torchrun that build it together
+    (`data_prep.ranks`); every rank calls this and gets the folder.
     """
     check_source(cfg)
     target = resolve_target(cfg) if target is None else target
@@ -86,16 +89,32 @@ def prepare(cfg: RootConfig, target: Target | None = None) -> DataFolder:
 
     def build() -> DataFolder:
         with disk_full_is_one_line(data_base(cfg), DISK_FULL_THEN):
-            return build_folder(key, modes)
+            return build_folder(key, modes, ranks)
 
-    what = f"data folder {key.folder(modes[0])}"
-    return build_once(key.sibling(".lock"), what, lambda: built_folder(key, modes), build)
+    what, lock = f"data folder {key.folder(modes[0])}", key.sibling(".lock")
+    if ranks.world == 1:
+        return build_once(lock, what, lambda: built_folder(key, modes), build)
+    # Several ranks build it together: rank 0 holds the lock for them all and tells them whether
+    # the folder is there already (another run may have built it while rank 0 waited).
+    with contextlib.ExitStack() as held:
+        found = built_folder(key, modes) if ranks.main else None
+        if ranks.main and found is None:
+            held.enter_context(build_lock(lock, what))
+            found = built_folder(key, modes)
+        if ranks.from_main(found is not None):
+            return found or built_folder(key, modes)
+        return build()
 
 
 @hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
 @exit_on_user_error
 def main(dict_cfg: DictConfig) -> None:
-    prepare(to_root_config(dict_cfg))
+    """One process, or every rank under torchrun (`data_prep.ranks`)."""
+    ranks = Ranks.from_env()
+    try:
+        prepare(to_root_config(dict_cfg), ranks=ranks)
+    finally:
+        ranks.close()
 
 
 if __name__ == "__main__":

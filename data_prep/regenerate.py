@@ -31,6 +31,7 @@ import torch
 
 from conf.files import build_lock, lock_path
 from conf.schema import RegenerateConfig
+from data_prep.ranks import Ranks
 from data_prep.regen_engine import generate
 from data_prep.regen_server import ServerAnswerer
 from data_prep.sources import Sample, answer_uid
@@ -245,3 +246,47 @@ def regenerate(
         stats.regenerate_seconds += round(time.perf_counter() - started, 2)
         stats.skipped_prompt_too_long += sum(1 for s in wanted if not done[s.uid])
         return [(s.uid, cached_turns(done[s.uid])) for s in wanted if done[s.uid]]
+
+
+def part_file(cache_file: Path, rank: int) -> Path:
+    """Rank `rank`'s part of the answer cache (`data_prep.ranks`), beside it."""
+    return cache_file.with_name(f"{cache_file.stem}.part{rank}.jsonl")
+
+
+def fold_parts(cache_file: Path) -> None:
+    """Append every rank's part (a killed run's too) to the cache, the conversations it lacks,
+    then delete the parts: no rank is writing when this runs."""
+    parts = sorted(cache_file.parent.glob(f"{cache_file.stem}.part*.jsonl"))
+    if not parts:
+        return
+    with build_lock(lock_path(cache_file), f"regeneration cache {cache_file}"):
+        done = read_cache(cache_file)
+        with open(cache_file, "a", encoding="utf-8") as out:
+            for part in parts:
+                for uid, turns in read_cache(part).items():
+                    if uid not in done:
+                        done[uid] = turns
+                        out.write(json.dumps({"uid": uid, "turns": turns}) + "\n")
+                out.flush()
+                part.unlink()
+
+
+def regenerate_shares(samples: list[Sample], answerer: Callable[[], Answerer], tpl: ChatTemplate,
+                      cfg: RegenerateConfig, max_length: int, cache_file: Path, stats: PrepStats,
+                      progress: Callable | None, ranks: Ranks) -> None:
+    """Each rank answers its prompts that the cache lacks into its own part; afterwards the cache
+    holds every answer, on every rank (`data_prep.ranks`, step 1). One process: nothing to do
+    here, `regenerate` answers them all."""
+    if ranks.world == 1:
+        return
+    if ranks.main:
+        fold_parts(cache_file)  # what a killed run's ranks answered
+    ranks.barrier()
+    done = read_cache(cache_file)
+    mine = [s for s in samples if ranks.owns_prompt(s.uid)
+            and any(answer_uid(s.uid, k) not in done for k in range(cfg.num_samples))]
+    regenerate(mine, answerer, tpl, cfg, max_length, part_file(cache_file, ranks.rank), stats, progress)
+    ranks.barrier()
+    if ranks.main:
+        fold_parts(cache_file)
+    ranks.barrier()

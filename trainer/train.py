@@ -2,8 +2,9 @@
 
 prepare data (if its cache is missing) -> train -> evaluate -> export, then say where all went.
 Every rank runs this file and holds its own target (online it computes the hidden states of the
-rank's batches); rank 0 prepares data first, evaluates, exports and prints. Several nodes work
-alike, over a shared file system or each with its own copy of the data (see `prepare_data`).
+rank's batches); the ranks prepare data together (each its share, `data_prep.ranks`), rank 0
+evaluates, exports and prints. Several nodes work alike, over a shared file system or each with
+its own copy of the data (see `prepare_data`).
 
 `resume=true` (same `run_dir`) goes on after any stop, `kill -9` included: regeneration keeps
 each answered conversation (a torn last line is cut) and answers the rest, capture resumes after
@@ -28,8 +29,10 @@ from conf.errors import UserError, exit_on_user_error
 from conf.schema import RootConfig, to_root_config
 from conf.sizes import Sizes
 from data_prep.folder import DataFolder
+from data_prep.keys import data_base
 from data_prep.masks import attention_layout
 from data_prep.prepare import check_source, prepare
+from data_prep.ranks import Ranks
 from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target, resolve_target
 from heads.export.write import export_head, formats_for
@@ -44,10 +47,14 @@ from trainer.val_decode import build_val_decoder
 
 
 def prepare_data(cfg: RootConfig, acc, target: Target) -> DataFolder:
-    """The data folder on every rank, built once per file system: global rank 0 first; then the
-    first rank of each other node reuses it (a shared file system) or builds its own copy
-    (node-local disks, from the same config the same bytes); then every other rank reuses its
-    node's. A barrier closes each turn."""
+    """The data folder on every rank. Where every rank sees the data cache (one node, or a shared
+    file system) the ranks build it together, each regenerating and capturing its share
+    (`data_prep.ranks`). Else it is built once per node: global rank 0 first; then the first
+    rank of each other node builds its own copy (from the same config the same bytes); then
+    every other rank reuses its node's. A barrier closes each turn."""
+    ranks = Ranks.from_env()
+    if ranks.share_folder(data_base(cfg)):
+        return prepare(cfg, target=target, ranks=ranks)
     turn = 0 if acc.is_main_process else 1 if acc.is_local_main_process else 2
     folder = None
     for now in range(3):

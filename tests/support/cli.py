@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,13 @@ from pathlib import Path
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment of a CLI run: this interpreter's import path, one thread per process."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), **extra}
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free right now (a server or a torchrun rendezvous binds it next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_cli(module: str, args: list[str], cwd: Path, **env: str) -> subprocess.Popen:
