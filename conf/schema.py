@@ -161,10 +161,11 @@ class RegenerateConfig(_Checked):
         self._at_least(0, "temperature", "workers", "retries")
         self._require("top_p", _probability, "a value in (0, 1]")
         self._one_of("backend", REGEN_BACKENDS)
-        server = self.backend == "server"
+        # backend=server with no endpoints may still find every answer cached (a training run
+        # after the regeneration run); `data_prep.regen_server.connect` refuses it when not.
         self._require(
             "endpoints",
-            lambda v: bool(v) == server and all(_ENDPOINT.fullmatch(str(u)) for u in v),
+            lambda v: (not v or self.backend == "server") and all(_ENDPOINT.fullmatch(str(u)) for u in v),
             "a list of http(s)://host:port/v1 URLs, given with data.regenerate.backend=server only",
         )
         self._require("api_key_env", lambda v: v is None or re.fullmatch(r"[A-Za-z_]\w*", v),

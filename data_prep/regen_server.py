@@ -109,6 +109,9 @@ def served_names(target_name: str, target_path: str) -> set[str]:
 def connect(cfg: RegenerateConfig, target_name: str, target_path: str, tokenizer) -> list[Endpoint]:
     """Every endpoint, each checked to serve the target, or one line naming the first that does
     not; no prompt is sent before all are checked."""
+    if not cfg.endpoints:
+        raise UserError("data.regenerate.endpoints=[]: some answers are not cached yet; list the servers "
+                        "that answer them (data.regenerate.backend=server)")
     key, names = api_key(cfg), served_names(target_name, target_path)
     expected = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
     endpoints = []

@@ -6,7 +6,9 @@ Takes the first N usable prompts of the configured source (default: twice the re
 so finished rows are refilled), regenerates their answers with the configured backend into a
 throw-away cache, then runs the capture's bare forward (no hidden states kept, no lm_head) over
 the resulting conversations in the same process. `ratio` = regeneration's new tokens/s over the
-forward's tokens/s: how close answer writing comes to the speed of reading.
+forward's tokens/s: how close answer writing comes to the speed of reading. Any backend: with
+`data.regenerate.backend=server data.regenerate.endpoints='["http://127.0.0.1:8000/v1"]'` the
+answers come from running servers (`vllm serve <target folder>`) and the forward still runs here.
 """
 
 from __future__ import annotations

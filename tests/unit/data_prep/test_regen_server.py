@@ -116,10 +116,19 @@ def test_the_api_key_comes_from_the_environment_and_is_never_shown(tiny, tmp_pat
 
 
 @pytest.mark.parametrize("fields, says", [
-    ({"backend": "server"}, "data.regenerate.endpoints=[]: expected a list of http(s)://host:port/v1 URLs"),
     ({"endpoints": ["http://h:1/v1"]}, "given with data.regenerate.backend=server only"),
     ({"backend": "server", "endpoints": ["h:1"]}, "data.regenerate.endpoints=['h:1']"),
     ({"api_key_env": "not a name"}, "data.regenerate.api_key_env='not a name': expected null or the name"),
 ])
 def test_bad_server_settings_are_one_line(fields, says):
     assert says in user_error_line(lambda: RegenerateConfig(**fields))
+
+
+def test_no_endpoints_is_refused_only_when_an_answer_is_missing(tiny, tmp_path):
+    model, tpl, _ = tiny
+    with Server(model, tpl.tok) as s:
+        through(server_cfg(s), tiny, tmp_path / "r.jsonl", SAMPLES[:2])
+    cached = RegenerateConfig(max_new_tokens=5, backend="server")
+    assert len(through(cached, tiny, tmp_path / "r.jsonl", SAMPLES[:2])) == 2  # no server needed
+    line = user_error_line(lambda: through(cached, tiny, tmp_path / "r.jsonl", SAMPLES[:3]))
+    assert line.startswith("error: data.regenerate.endpoints=[]: some answers are not cached yet")
