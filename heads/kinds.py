@@ -77,6 +77,9 @@ class HeadKind:
     card_facts: Callable[[dict, str], dict] = _no_card_facts
     # export and vLLM checks: (head config, asked num_speculative_tokens) -> tokens an engine drafts
     served_tokens: Callable[[dict, int], int] = _asked_tokens
+    # data_prep: whether capture keeps the target's top-1 id per token (`data_prep.capture.TOP`),
+    # which a teacher over a draft vocabulary needs (is the target's choice inside it?)
+    target_top: bool = False
 
     @property
     def name(self) -> str:
@@ -99,6 +102,7 @@ EAGLE3 = HeadKind(
     drafter="trainer.eagle3_trainee:eagle3_drafter",
     bench_fields=("ttt_length",),
     card_facts=export_eagle3.card_facts,
+    target_top=True,
 )
 
 MEDUSA = HeadKind(

@@ -16,7 +16,9 @@ unroll steps, scale with the labelled tokens. EAGLE-3 is the default head.
 `preset=specforge` measures what SpecForge's EAGLE-3 sequence-packing benchmark measures
 (docs/benchmarks/eagle3-sequence-packing.md, one H200, 2026-10-02), at its shapes, so that the
 figures compare: one draft step (forward, backward, optimizer update, the frozen target lm_head's
-teacher projection included) on target features already on the device. The target is random, of
+teacher projection included: SpecForge's over the whole vocabulary, ours over the draft vocabulary's
+rows, the target's top-1 coming with the features as capture keeps it) on target features already
+on the device. The target is random, of
 Llama-3.2-1B's shape (hidden 2048, 16 layers, vocabulary 128256; only its config, embeddings and
 lm_head exist: the features are random too). The draft: hidden 2048, intermediate 8192, 16 heads /
 4 KV heads (head_dim 128), draft vocabulary 32000, TTT 7, bf16 autocast on a GPU; micro-batches
@@ -42,6 +44,7 @@ from transformers import LlamaConfig
 from conf.compose import compose_root, split_args
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import DataConfig, OptimConfig, RootConfig, derive
+from data_prep.capture import TOP, greedy_ids
 from data_prep.prepare import capture_spec, draft_vocab_size
 from data_prep.sources import iter_samples
 from data_prep.stats import PrepStats
@@ -265,8 +268,9 @@ def preset_batches(
     preset: Preset, docs: str, padding: str, count: int, labelled: float, trainee, device
 ) -> list[Batch]:
     """`count` device micro-batches of `docs` documents laid out by `padding`; the same documents
-    for every mode. The target features are views of one random device tensor (float32, as the
-    loop widens them): already on the device, and no more memory than the widest batch needs."""
+    for every mode. The target features (and its top-1 ids, which capture keeps) are views of one
+    random device tensor each (float32, as the loop widens them): already on the device, and no
+    more memory than the widest batch needs."""
     g = torch.Generator().manual_seed(SPECFORGE_SEED)
     cpu = []
     for _ in range(count):
@@ -274,16 +278,19 @@ def preset_batches(
         samples = [synthetic_document(n, preset.target["vocab_size"], labelled, g) for n in lengths]
         cpu.append(PADDING[padding](samples, max(preset.row_len, *lengths), trainee.batch_index))
     slots = max(b["input_ids"].numel() for b in cpu)
-    hidden = preset.target["hidden_size"]
-    aux = torch.randn(slots, trainee.head.fc.in_features, device=device)
-    final = torch.randn(slots, hidden, device=device)
+    hidden, vocab = preset.target["hidden_size"], preset.target["vocab_size"]
+    features = {
+        "aux_hidden": torch.randn(slots, trainee.head.fc.in_features, device=device),
+        "final_hidden": torch.randn(slots, hidden, device=device),
+        TOP: torch.randint(vocab, (slots,), generator=g).int().to(device),
+    }
     out = []
     for b in cpu:
         rows, cols = b["input_ids"].shape
         n = rows * cols
         out.append(
             {k: v.to(device) for k, v in b.items()}
-            | {"aux_hidden": aux[:n].view(rows, cols, -1), "final_hidden": final[:n].view(rows, cols, -1)}
+            | {k: v[:n].view(rows, cols, *v.shape[1:]) for k, v in features.items()}
         )
     return out
 
@@ -382,10 +389,12 @@ def main(argv: list[str]) -> None:
     trainee, fields = bench_trainee(cfg, model)
     with torch.no_grad():  # captured as training will see them (Medusa-2 reads none)
         hs = model(batch["input_ids"], output_hidden_states=True).hidden_states
-    aux = capture_spec(cfg, model.config.get_text_config().num_hidden_layers).aux_layer_ids
-    if aux:
-        batch["aux_hidden"] = torch.cat([hs[i] for i in aux], -1).float()
+    spec = capture_spec(cfg, model.config.get_text_config().num_hidden_layers)
+    if spec.aux_layer_ids:
+        batch["aux_hidden"] = torch.cat([hs[i] for i in spec.aux_layer_ids], -1).float()
     batch["final_hidden"] = hs[-1].float()
+    if spec.target_top:
+        batch[TOP] = greedy_ids(model.get_output_embeddings(), batch["final_hidden"].bfloat16().float())
     trainee.to(model.device)
     batch |= trainee.batch_index(batch)  # what the loader adds on the CPU; here once, untimed
     use_bf16 = mixed_precision(cfg.dist) == "bf16"
