@@ -8,7 +8,10 @@ Batches are real: chat-templated conversations from `data.source` (ShareGPT by d
 the real target, captured as training will see them (fp32 on CPU, bf16 autocast on a GPU), at
 `optim.batch_tokens` tokens per batch. The last fraction F (default 1.0, the worst case) of each
 row is labelled, as an answer after its prompt: the vocabulary projections, and EAGLE-3's later
-unroll steps, scale with the labelled tokens. EAGLE-3 is the default head.
+unroll steps, scale with the labelled tokens. EAGLE-3 is the default head. After the timed steps,
+two more are timed by parts (`StepBreakdown`): `breakdown_s` holds the mean seconds per step of
+fc, attention, mlp, lm_head, teacher, the rest of the forward, backward and optimizer (these add
+up to a step), and ttt_unroll (the forward's later unroll steps, inside the parts).
 
     python scripts/bench_train.py preset=specforge [tiny=true] [docs=equal,spread,lognormal] \
         [padding=padded,packed] [warmup=5] [steps=20] [--labelled 0.75] [head.* / optim.* ...]
@@ -31,10 +34,12 @@ CPU the process's peak RSS). `tiny=true` keeps the code path at toy sizes (a CPU
 from __future__ import annotations
 
 import json
+import re
 import resource
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -116,25 +121,165 @@ def batch_shape(cfg: RootConfig) -> tuple[int, int]:
     return max(1, cfg.optim.batch_tokens // seq_len), seq_len
 
 
+def no_mark(phase: str) -> None:
+    """`make_step`'s default phase marker: nothing (the throughput runs)."""
+
+
 def make_step(
     trainee, optim: OptimConfig, device: torch.device, bf16: bool
-) -> tuple[Callable[[Batch], None], int]:
+) -> tuple[Callable[..., None], int]:
     """A training step on a device batch as the loop runs it (bf16 autocast as accelerate applies
     `dist.mixed_precision`, the trainee's AdamW groups, gradient clipping), and how many
-    parameters it trains."""
+    parameters it trains. `step(batch, mark)` calls `mark` with each phase as it begins
+    ("forward", "backward", "optimizer") and with "end" (`StepBreakdown` times them)."""
     groups = trainee.param_groups(optim.lr, optim.weight_decay)
     params = [p for g in groups for p in g["params"]]
     opt = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas))
 
-    def step(batch: Batch) -> None:
+    def step(batch: Batch, mark: Callable[[str], None] = no_mark) -> None:
+        mark("forward")
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = trainee(batch)["loss"]
+        mark("backward")
         loss.backward()
+        mark("optimizer")
         torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
         opt.step()
         opt.zero_grad()
+        mark("end")
 
     return step, sum(p.numel() for p in params)
+
+
+# The forward's parts `StepBreakdown` charges module calls to, by what the module computes. A
+# module inside one already charged is part of it (an attention's projections are attention).
+FORWARD_PARTS = ("fc", "attention", "mlp", "lm_head", "teacher")
+
+
+def module_part(name: str, module: torch.nn.Module) -> str | None:
+    """The part of the forward a module's calls are charged to, None for the rest: the fusing
+    `fc`, attention and MLP blocks (a draft layer's, Medusa's residual blocks, a trained
+    target's), and the vocabulary projections (`lm_head`, Medusa's `lm_heads.k`)."""
+    cls, leaf = type(module).__name__, name.rsplit(".", 1)[-1]
+    if leaf == "fc" and isinstance(module, torch.nn.Linear):
+        return "fc"
+    if cls.endswith("Attention"):
+        return "attention"
+    if cls.endswith(("MLP", "Block")):
+        return "mlp"
+    if re.search(r"(^|\.)(lm_head|lm_heads\.\d+)$", name):
+        return "lm_head"
+    return None
+
+
+class StepBreakdown:
+    """Where a training step's time goes, by timed sections: the wall clock at each phase of
+    `make_step` (forward, backward, optimizer: clipping, AdamW and zeroing the gradients) and,
+    inside the forward, at the entry and exit of each module `module_part` names (forward hooks,
+    the outermost charged call counts) and of the trainee's `teacher` where it has one. What the
+    forward spends elsewhere (embeddings, rotary, norms, masks, gathers, log-softmax and the
+    objective) is `forward_other`. Calls made while autograd recomputes a checkpointed forward
+    belong to the backward. `ttt_unroll` is the forward from the second call of the decoder
+    layer (step k=1 of EAGLE-3's training-time-test unroll) to its end: what the later unroll
+    steps add (inside the parts above, not beside them; 0 without an unroll). On a GPU each
+    timestamp synchronises first, which serialises the step: the breakdown then runs slower
+    than the throughput steps, which are timed without it."""
+
+    def __init__(self, trainee: torch.nn.Module, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds: Counter = Counter()
+        self.steps, self.phase, self.started = 0, None, 0.0
+        self.depth, self.entered = 0, 0.0
+        self.layer_calls: Counter = Counter()
+        self.unroll_from: float | None = None
+        self.trainee, self.handles = trainee, []
+        for name, module in trainee.named_modules():
+            if part := module_part(name, module):
+                self.handles += [
+                    module.register_forward_pre_hook(lambda *_: self._enter()),
+                    module.register_forward_hook(lambda *_, part=part: self._leave(part)),
+                ]
+            elif type(module).__name__.endswith("DecoderLayer"):
+                self.handles.append(module.register_forward_pre_hook(lambda m, _: self._layer(m)))
+        if hasattr(trainee, "teacher"):
+            self._wrap_teacher(trainee)
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _enter(self) -> None:
+        if self.phase == "forward":
+            if self.depth == 0:
+                self.entered = self._now()
+            self.depth += 1
+
+    def _leave(self, part: str) -> None:
+        if self.phase == "forward":
+            self.depth -= 1
+            if self.depth == 0:
+                self.seconds[part] += self._now() - self.entered
+
+    def _layer(self, layer: torch.nn.Module) -> None:
+        """A decoder layer's call: its second in one forward starts the unroll's later steps (a
+        trained target's layers run once each)."""
+        if self.phase == "forward":
+            self.layer_calls[id(layer)] += 1
+            if self.layer_calls[id(layer)] == 2 and self.unroll_from is None:
+                self.unroll_from = self._now()
+
+    def _wrap_teacher(self, trainee) -> None:
+        teacher = trainee.teacher
+
+        def timed(*args, **kwargs):
+            self._enter()
+            out = teacher(*args, **kwargs)
+            self._leave("teacher")
+            return out
+
+        trainee.teacher = timed
+
+    def mark(self, phase: str) -> None:
+        """`make_step`'s marker: close the running phase, open `phase`."""
+        now = self._now()
+        if self.phase is not None:
+            self.seconds[self.phase] += now - self.started
+        if self.phase == "forward" and self.unroll_from is not None:
+            self.seconds["ttt_unroll"] += now - self.unroll_from
+        if phase == "end":
+            self.steps += 1
+        self.phase, self.started = (None if phase == "end" else phase), now
+        self.layer_calls.clear()
+        self.unroll_from = None
+
+    def record(self) -> dict[str, float]:
+        """Mean seconds per step of each part: the forward's parts, `forward_other`, `backward`
+        and `optimizer` add up to the step; `ttt_unroll` lies inside the forward."""
+        per = {k: v / max(self.steps, 1) for k, v in self.seconds.items()}
+        parts = {k: per.get(k, 0.0) for k in FORWARD_PARTS}
+        parts["forward_other"] = per.get("forward", 0.0) - sum(parts.values())
+        parts |= {k: per.get(k, 0.0) for k in ("backward", "optimizer", "ttt_unroll")}
+        return {k: round(v, 4) for k, v in parts.items()}
+
+    def close(self) -> None:
+        """Remove the hooks and the teacher's wrapper: the trainee is as it was."""
+        for handle in self.handles:
+            handle.remove()
+        self.trainee.__dict__.pop("teacher", None)
+
+
+def step_breakdown(
+    trainee, step: Callable[..., None], batch: Batch, device: torch.device, steps: int
+) -> dict[str, float]:
+    """`StepBreakdown.record` over `steps` more steps on `batch`, after the timed ones."""
+    breakdown = StepBreakdown(trainee, device)
+    try:
+        for _ in range(steps):
+            step(batch, breakdown.mark)
+    finally:
+        breakdown.close()
+    return breakdown.record()
 
 
 def timed_steps(
@@ -311,6 +456,8 @@ def preset_trainee(cfg: RootConfig, preset: Preset, device: torch.device) -> Eag
     return Eagle3Trainee(head, target_lm_head, cfg.head.ttt_length, cfg.head.step_weight)
 
 
+# Steps `step_breakdown` times by parts, after (and apart from) the throughput's steps.
+BREAKDOWN_STEPS = 2
 PRESET_KEYS = ("preset", "tiny", "docs", "padding", "warmup", "steps")
 
 
@@ -401,6 +548,7 @@ def main(argv: list[str]) -> None:
     step, trainable = make_step(trainee, cfg.optim, model.device, use_bf16)
     n = 5
     seconds, peak = timed_steps(lambda _: step(batch), model.device, 1, n)
+    breakdown = step_breakdown(trainee, step, batch, model.device, BREAKDOWN_STEPS)
     elapsed = sum(seconds)
     tokens, labels = batch["input_ids"].numel(), int(batch["loss_mask"].sum())
     print(
@@ -419,6 +567,8 @@ def main(argv: list[str]) -> None:
                 "labelled_tokens_per_s": round(n * labels / elapsed, 1),
                 "step_s": round(elapsed / n, 3),
                 "peak_memory_mib": round(peak, 1),
+                "breakdown_steps": BREAKDOWN_STEPS,
+                "breakdown_s": breakdown,
             }
         )
     )
