@@ -379,7 +379,8 @@ def capture_shard(
 def bare_forward(model, shards: list[list[Tokenized]], batch_tokens: int, full_logits: bool) -> None:
     """The target's forward over the capture's batches, keeping nothing: the speed of light that
     capture and regeneration are measured against (`scripts/bench_capture.py`, `bench_regen.py`).
-    Without `full_logits` it skips the full-vocabulary lm_head, as capture does."""
+    Without `full_logits` it skips the full-vocabulary lm_head, as capture does where it keeps
+    no top-1 (`CaptureSpec.target_top`)."""
     for shard in shards:
         lengths = [len(t.input_ids) for t in shard]
         for idx in length_batches(lengths, batch_tokens):

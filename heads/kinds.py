@@ -1,6 +1,7 @@
 """A head kind is one record: everything the rest of the code asks about EAGLE-3 or Medusa.
 
-Data prep asks which layers to capture and whether there is a draft vocabulary; the evaluator
+Data prep asks which layers to capture, whether there is a draft vocabulary and whether to keep
+the target's top-1 id per token (a teacher over a draft vocabulary needs it); the evaluator
 asks how the head is usually served and how to load it for decoding; export asks its formats,
 their layouts, the self-check and the model card's title and serve commands; the trainer asks for
 its trainee and drafter. Each answer is a field of `HeadKind`, so no module outside a kind's own

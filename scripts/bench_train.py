@@ -260,7 +260,7 @@ class StepBreakdown:
         parts = {k: per.get(k, 0.0) for k in FORWARD_PARTS}
         parts["forward_other"] = per.get("forward", 0.0) - sum(parts.values())
         parts |= {k: per.get(k, 0.0) for k in ("backward", "optimizer", "ttt_unroll")}
-        return {k: round(v, 4) for k, v in parts.items()}
+        return {k: round(v, 6) for k, v in parts.items()}
 
     def close(self) -> None:
         """Remove the hooks and the teacher's wrapper: the trainee is as it was."""
