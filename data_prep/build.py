@@ -194,6 +194,7 @@ def base_manifest(cfg: RootConfig, identity: dict, spec: CaptureSpec, mode: str)
         "aux_layer_ids": list(spec.aux_layer_ids),
         "final_layer_id": spec.final_layer_id,
         "storage_dtype": spec.storage_dtype,
+        "target_top": spec.target_top,
         "matmul_dtype": str(matmul_dtype(cfg)).removeprefix("torch."),
         "max_length": cfg.data.max_length,
         "data": dataclasses.asdict(cfg.data),

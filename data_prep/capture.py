@@ -10,23 +10,34 @@ Online training (`data.hidden_states=online`) stores none of it: the training lo
 forward on each batch (`capture_batch`) and rounds through the storage dtype, so the objective
 gets the very batch it would have read from disk.
 
+A head trained against the target's distribution over a draft vocabulary (EAGLE-3) also needs the
+target's own choice at each position (is it inside the draft vocabulary? did the draft pick it?),
+which takes the full-vocabulary lm_head. Capture computes it once, from the final hidden state as
+stored (so it is the argmax of the very logits the teacher reads), through the target's lm_head as
+it computes in data prep (`data.matmul_dtype`), and keeps it as `TOP` (int32 per token,
+`CaptureSpec.target_top`; online, the loop's capture computes it alike on each batch). Training
+then multiplies the stored final hidden state by the draft vocabulary's rows of the lm_head only
+(`trainer.eagle3_trainee.draft_teacher`): at the default 8,192 a sixth of SmolLM2's 49,152 rows,
+where every epoch multiplied by all of them before.
+
 What each mode costs. Offline keeps (aux layers + 1) x hidden size x 2 bytes per token in bf16,
-plus 5 for the ids and the loss mask; online keeps the ids, masks and offsets (~5 bytes per
-token) plus the draft vocabulary's `d2t`/`t2d` (~115 KB), and every rank runs its own frozen
-replica of the target on every training and validation batch (no grad, the target's dtype, this
-module's code and layer ids, rounded through `data.storage_dtype`). The head then gets its batch
-bit for bit where capture and training pad a batch alike, else up to the bf16 rounding of about
-one value in 10^5 (float32 attention reduces over differently blocked keys), so losses agree to
-~1e-4 of their value (tests/unit/trainer/test_online.py). The replica lives outside the DDP/ZeRO wrap: not in
-the optimizer, not sharded or all-reduced, not in checkpoints; resume is exact in both modes.
-At 8B (32 KiB per token offline), 50k regenerated conversations of ~1k tokens are 1.6 TB offline
-and 250 MB online, and the 300k-500k conversations that give acceptance lengths of 2.5-3 fit on
-no single node's disk. Offline pays the forward once: it suits shards that fit comfortably and
-are reused (several runs, epochs or head variants on one data set), or a GPU that cannot hold
-the target beside the head. Online suits data that does not fit (any 7-8B target past a few
-thousand conversations), one-off runs, or a GPU that reading 32 KiB per token would starve; it
-pays one target forward per token in every epoch, and each rank holds the target (16 GB in bf16
-at 8B). `scripts/bench_online.py` prints both training speeds and the bare capture forward.
+plus 4 for the target's choice where kept and 5 for the ids and the loss mask; online keeps the
+ids, masks and offsets (~5 bytes per token) plus the draft vocabulary's `d2t`/`t2d` (~115 KB), and
+every rank runs its own frozen replica of the target on every training and validation batch (no
+grad, the target's dtype, this module's code and layer ids, rounded through `data.storage_dtype`).
+The head then gets its batch bit for bit where capture and training pad a batch alike, else up to
+the bf16 rounding of about one value in 10^5 (float32 attention reduces over differently blocked
+keys), so losses agree to ~1e-4 of their value (tests/unit/trainer/test_online.py). The replica
+lives outside the DDP/ZeRO wrap: not in the optimizer, not sharded or all-reduced, not in
+checkpoints; resume is exact in both modes. At 8B (32 KiB per token offline), 50k regenerated
+conversations of ~1k tokens are 1.6 TB offline and 250 MB online, and the 300k-500k conversations
+that give acceptance lengths of 2.5-3 fit on no single node's disk. Offline pays the forward once:
+it suits shards that fit comfortably and are reused (several runs, epochs or head variants on one
+data set), or a GPU that cannot hold the target beside the head. Online suits data that does not
+fit (any 7-8B target past a few thousand conversations), one-off runs, or a GPU that reading 32 KiB
+per token would starve; it pays one target forward per token in every epoch, and each rank holds
+the target (16 GB in bf16 at 8B). `scripts/bench_online.py` prints both training speeds and the
+bare capture forward.
 
 `data.hidden_states=auto` (`data_prep.prepare`) picks online when the estimated shards exceed half
 of the free disk under the cache and says why in one line, else offline, into the very folder an
@@ -56,17 +67,26 @@ LAYER_CONVENTION = "hf_hidden_states"
 NONFINITE = "nonfinite_hidden"
 # Bytes every shard holds per token whatever is captured: an int32 id and a bool loss mask.
 TOKEN_BYTES = 5
+# The field of the target's top-1 id at each position (int32), where `CaptureSpec.target_top`.
+TOP = "target_top"
+TOP_BYTES = 4
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 
 
 @dataclass(frozen=True)
 class CaptureSpec:
-    """What to keep per token; empty `aux_layer_ids` and `final=False` = tokens only."""
+    """What to keep per token; empty `aux_layer_ids` and `final=False` = tokens only.
+    `target_top`: also the target's top-1 id (`TOP`), from the final layer, which it needs."""
 
     aux_layer_ids: tuple[int, ...]
     final_layer_id: int | None
     storage_dtype: str = "bfloat16"  # one of conf.schema.STORAGE_DTYPES
+    target_top: bool = False
+
+    def __post_init__(self):
+        if self.target_top and self.final_layer_id is None:
+            raise ValueError("CaptureSpec: target_top is computed from the final layer; capture it")
 
     @property
     def needs_forward(self) -> bool:
@@ -77,10 +97,12 @@ class CaptureSpec:
         return len(self.aux_layer_ids) if field == "aux_hidden" else 1
 
     def bytes_per_token(self, hidden_size: int) -> int:
-        """Stored hidden-state bytes per token: 2 per value in bf16, 1 plus a float32 scale per
-        layer in fp8 (token ids and masks add `TOKEN_BYTES`)."""
+        """Stored bytes per token of what the forward gives: hidden states at 2 per value in bf16,
+        1 plus a float32 scale per layer in fp8, and the target's choice (token ids and masks add
+        `TOKEN_BYTES`)."""
         layers = len(self.aux_layer_ids) + (self.final_layer_id is not None)
-        return layers * (hidden_size + 4 if self.storage_dtype == "fp8" else 2 * hidden_size)
+        hidden = layers * (hidden_size + 4 if self.storage_dtype == "fp8" else 2 * hidden_size)
+        return hidden + TOP_BYTES * self.target_top
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -217,6 +239,23 @@ def hidden_states(
     return _kept(_all_layers(model, ids, position_ids), spec)
 
 
+# Logits one lm_head call of `greedy_ids` computes: ~256 MB in float32 whatever the vocabulary.
+LOGIT_ELEMENTS = 1 << 26
+
+
+@torch.no_grad()
+def greedy_ids(lm_head: torch.nn.Module, final: torch.Tensor) -> torch.Tensor:
+    """Int32 [...]: the target's top-1 id for each row of final hidden states `final` [..., H],
+    the argmax of its `lm_head` (the module, so that it computes as the target's linears do in
+    data prep; a final logit softcap or scale is monotonic and changes no argmax). Chunked so
+    that full-vocabulary logits never all sit in memory."""
+    weight = lm_head.weight
+    flat = final.reshape(-1, final.shape[-1]).to(weight.dtype)
+    rows = max(1, LOGIT_ELEMENTS // weight.shape[0])
+    tops = [lm_head(part).argmax(-1).int() for part in flat.split(rows)]
+    return torch.cat(tops).reshape(final.shape[:-1])
+
+
 def first_nonfinite(layers: Sequence[torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
     """Int64 [3] on the layers' device: (layer id, row, position) of the first non-finite hidden
     state at a position `keep` [B, T] marks (lowest layer first: the one that overflowed, as every
@@ -250,8 +289,9 @@ def overflow_message(layer: int, position: int, sample: str) -> str:
 def forward_hidden(
     model, batch: list[list[int]], spec: CaptureSpec, names: list[str]
 ) -> list[dict[str, torch.Tensor]]:
-    """One right-padded forward; per sample its fields [L, G*H] in float32 on the CPU. Refuses a
-    batch whose hidden states are not finite, naming the layer and the sample (`names`)."""
+    """One right-padded forward; per sample its fields [L, G*H] in float32 on the CPU (`TOP`
+    [L] int32, where kept). Refuses a batch whose hidden states are not finite, naming the
+    layer and the sample (`names`)."""
     ids = pad_batch(batch, model.device)
     lengths = torch.tensor([len(s) for s in batch], device=ids.device)
     keep = torch.arange(ids.shape[1], device=ids.device)[None] < lengths[:, None]
@@ -259,7 +299,13 @@ def forward_hidden(
     layer, row, position = where.tolist()
     if layer >= 0:
         raise UserError(overflow_message(layer, position, names[row]))
-    return [{k: v[b, : len(s)].float().cpu() for k, v in fields.items()} for b, s in enumerate(batch)]
+    if spec.target_top:  # from the final hidden state as stored: the logits the teacher reads
+        final = stored(fields["final_hidden"], 1, spec.storage_dtype)
+        fields[TOP] = greedy_ids(model.get_output_embeddings(), final)
+    return [
+        {k: v[b, : len(s)].cpu() if k == TOP else v[b, : len(s)].float().cpu() for k, v in fields.items()}
+        for b, s in enumerate(batch)
+    ]
 
 
 def stored(x: torch.Tensor, groups: int, storage_dtype: str) -> torch.Tensor:
@@ -277,6 +323,8 @@ def checked_capture(model, spec: CaptureSpec, batch: dict[str, torch.Tensor]) ->
         name: torch.where(keep[..., None], stored(x, spec.groups(name), spec.storage_dtype), 0)
         for name, x in fields.items()
     }
+    if spec.target_top:  # zero on padding, as collate pads the stored field
+        out[TOP] = torch.where(keep, greedy_ids(model.get_output_embeddings(), out["final_hidden"]), 0)
     return out | {NONFINITE: where.clone()}  # an ordinary tensor, out of inference mode
 
 
@@ -320,7 +368,9 @@ def capture_shard(
         names = [sample_name(samples[i], i) for i in idx]
         for item in forward_hidden(model, [samples[i].input_ids for i in idx], spec, names):
             for name, value in item.items():
-                for k, v in encode(name, value, spec.groups(name), spec.storage_dtype).items():
+                groups = spec.groups(name)
+                as_stored = {TOP: value} if name == TOP else encode(name, value, groups, spec.storage_dtype)
+                for k, v in as_stored.items():
                     parts.setdefault(k, []).append(v)
     return tensors | {k: torch.cat(v) for k, v in parts.items()}
 
@@ -329,7 +379,8 @@ def capture_shard(
 def bare_forward(model, shards: list[list[Tokenized]], batch_tokens: int, full_logits: bool) -> None:
     """The target's forward over the capture's batches, keeping nothing: the speed of light that
     capture and regeneration are measured against (`scripts/bench_capture.py`, `bench_regen.py`).
-    Without `full_logits` it skips the full-vocabulary lm_head, as capture does."""
+    Without `full_logits` it skips the full-vocabulary lm_head, as capture does where it keeps
+    no top-1 (`CaptureSpec.target_top`)."""
     for shard in shards:
         lengths = [len(t.input_ids) for t in shard]
         for idx in length_batches(lengths, batch_tokens):

@@ -40,9 +40,11 @@ from heads.kinds import check_export_formats, head_kind
 
 
 def capture_spec(cfg: RootConfig, num_hidden_layers: int) -> CaptureSpec:
-    """What the chosen head trains on: the layers its kind captures (`heads.kinds`)."""
-    aux, final = head_kind(cfg.head.name).captured_layers(cfg.head, num_hidden_layers)
-    return CaptureSpec(aux, final, cfg.data.storage_dtype)
+    """What the chosen head trains on: the layers its kind captures, and the target's top-1 id
+    where its kind asks for it (`heads.kinds`)."""
+    kind = head_kind(cfg.head.name)
+    aux, final = kind.captured_layers(cfg.head, num_hidden_layers)
+    return CaptureSpec(aux, final, cfg.data.storage_dtype, kind.target_top)
 
 
 def draft_vocab_size(cfg: RootConfig, vocab_size: int) -> int | None:

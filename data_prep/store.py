@@ -30,14 +30,17 @@ from safetensors.torch import save_file
 
 from conf.errors import UserError
 from conf.files import atomic_write, check_sha256, replace_dir, sha256_file
-from data_prep.capture import CaptureSpec, checked_capture, decode
+from data_prep.capture import TOP, CaptureSpec, checked_capture, decode
 from data_prep.linears import DataLinears
 from data_prep.template import Tokenized
 
 # 2: rows are token ids as the template renders them and the target emits them (one row per turn
 # where the template rewrites history), shards name their uids; 3: keys by inclusion
-# (`data_prep.keys`), every count in the manifest's stats.
-FORMAT_VERSION = 3
+# (`data_prep.keys`), every count in the manifest's stats; 4: the target's top-1 id per token
+# (`capture.TOP`) where the head's teacher needs it, and `target_top` in the manifest. An older
+# folder is refused by its path (`load_manifest`); a run keys its folder by this version, so it
+# builds the new folder beside an old one, once.
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 SPLITS = ("train", "validation")
@@ -246,7 +249,7 @@ def online_capture(manifest: dict, model) -> Callable[[dict], dict] | None:
     and where they overflowed (`capture.NONFINITE`). None when the folder holds them, or when
     the head reads none (Medusa-2)."""
     m = manifest
-    spec = CaptureSpec(tuple(m["aux_layer_ids"]), m["final_layer_id"], m["storage_dtype"])
+    spec = CaptureSpec(tuple(m["aux_layer_ids"]), m["final_layer_id"], m["storage_dtype"], m["target_top"])
     if manifest.get("hidden_states") != "online" or not spec.needs_forward:
         return None
     # The linear layers compute as they did when the folder was prepared (`data.matmul_dtype`);
@@ -265,8 +268,9 @@ class CapturedDataset(torch.utils.data.Dataset):
 
     item: input_ids LongTensor[T], loss_mask BoolTensor[T], and when captured aux_hidden [T, 3H]
     and final_hidden [T, H]: bf16 as stored (half the bytes to pad and copy; the trainer widens
-    them on the device), float32 when stored as fp8. `lengths` serves length-grouped batching.
-    Opening it checks each shard against its checksum (`check_file`) before anything is read.
+    them on the device), float32 when stored as fp8; where kept, `target_top` IntTensor[T]
+    (`capture.TOP`). `lengths` serves length-grouped batching. Opening it checks each shard
+    against its checksum (`check_file`) before anything is read.
     """
 
     def __init__(self, folder: str | Path, split: str):
@@ -279,11 +283,13 @@ class CapturedDataset(torch.utils.data.Dataset):
         self.shards = [self.folder / s["file"] for s in records]
         self._index: list[tuple[int, int, int]] = []
         self.fields: dict[str, list[str]] = {}
+        self.top = False
         for k, (path, record) in enumerate(zip(self.shards, records)):
             check_file(self.folder, record)
             with safe_open(str(path), "pt") as f:
                 offsets = f.get_tensor("offsets").tolist()
                 names = set(f.keys())
+            self.top = TOP in names
             # field -> the tensors that store it (the value, and its fp8 scale if any)
             self.fields = {
                 n: [t for t in (n, f"{n}_scale") if t in names]
@@ -324,4 +330,6 @@ class CapturedDataset(torch.utils.data.Dataset):
             parts = {t: f.get_slice(t)[a:b] for t in stored}
             # fp8 needs its scales applied here; bf16 stays as stored until the device.
             item[name] = decode(parts, name) if f"{name}_scale" in parts else parts[name]
+        if self.top:
+            item[TOP] = f.get_slice(TOP)[a:b]
         return item

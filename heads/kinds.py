@@ -1,6 +1,7 @@
 """A head kind is one record: everything the rest of the code asks about EAGLE-3 or Medusa.
 
-Data prep asks which layers to capture and whether there is a draft vocabulary; the evaluator
+Data prep asks which layers to capture, whether there is a draft vocabulary and whether to keep
+the target's top-1 id per token (a teacher over a draft vocabulary needs it); the evaluator
 asks how the head is usually served and how to load it for decoding; export asks its formats,
 their layouts, the self-check and the model card's title and serve commands; the trainer asks for
 its trainee and drafter. Each answer is a field of `HeadKind`, so no module outside a kind's own
@@ -77,6 +78,9 @@ class HeadKind:
     card_facts: Callable[[dict, str], dict] = _no_card_facts
     # export and vLLM checks: (head config, asked num_speculative_tokens) -> tokens an engine drafts
     served_tokens: Callable[[dict, int], int] = _asked_tokens
+    # data_prep: whether capture keeps the target's top-1 id per token (`data_prep.capture.TOP`),
+    # which a teacher over a draft vocabulary needs (is the target's choice inside it?)
+    target_top: bool = False
 
     @property
     def name(self) -> str:
@@ -99,6 +103,7 @@ EAGLE3 = HeadKind(
     drafter="trainer.eagle3_trainee:eagle3_drafter",
     bench_fields=("ttt_length",),
     card_facts=export_eagle3.card_facts,
+    target_top=True,
 )
 
 MEDUSA = HeadKind(

@@ -4,9 +4,9 @@
 
 Samples are ShareGPT conversations with their original answers (no regeneration), tokenized
 and sharded exactly as `prepare` does; EAGLE-3 capture (three aux layers + the final one).
-`forward_tokens_per_s` times the same model call without hidden states and without storage
-(the capture skips the full-vocabulary lm_head, so the baseline does too);
-`full_logits_forward_tokens_per_s` is a plain `model(ids)` for reference. Each side takes its
+`forward_tokens_per_s` times the same model call without hidden states, storage or lm_head;
+`full_logits_forward_tokens_per_s` is a plain `model(ids)`, the full-vocabulary lm_head included,
+which EAGLE-3's capture also runs once per token for the target's top-1 (`capture.TOP`). Each side takes its
 best of `--reps` interleaved rounds, so a neighbour's load spike hurts both alike.
 """
 

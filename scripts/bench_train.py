@@ -8,7 +8,10 @@ Batches are real: chat-templated conversations from `data.source` (ShareGPT by d
 the real target, captured as training will see them (fp32 on CPU, bf16 autocast on a GPU), at
 `optim.batch_tokens` tokens per batch. The last fraction F (default 1.0, the worst case) of each
 row is labelled, as an answer after its prompt: the vocabulary projections, and EAGLE-3's later
-unroll steps, scale with the labelled tokens. EAGLE-3 is the default head.
+unroll steps, scale with the labelled tokens. EAGLE-3 is the default head. After the timed steps,
+two more are timed by parts (`StepBreakdown`): `breakdown_s` holds the mean seconds per step of
+fc, attention, mlp, lm_head, teacher, the rest of the forward, backward and optimizer (these add
+up to a step), and ttt_unroll (the forward's later unroll steps, inside the parts).
 
     python scripts/bench_train.py preset=specforge [tiny=true] [docs=equal,spread,lognormal] \
         [padding=padded,packed] [warmup=5] [steps=20] [--labelled 0.75] [head.* / optim.* ...]
@@ -16,7 +19,9 @@ unroll steps, scale with the labelled tokens. EAGLE-3 is the default head.
 `preset=specforge` measures what SpecForge's EAGLE-3 sequence-packing benchmark measures
 (docs/benchmarks/eagle3-sequence-packing.md, one H200, 2026-10-02), at its shapes, so that the
 figures compare: one draft step (forward, backward, optimizer update, the frozen target lm_head's
-teacher projection included) on target features already on the device. The target is random, of
+teacher projection included: SpecForge's over the whole vocabulary, ours over the draft vocabulary's
+rows, the target's top-1 coming with the features as capture keeps it) on target features already
+on the device. The target is random, of
 Llama-3.2-1B's shape (hidden 2048, 16 layers, vocabulary 128256; only its config, embeddings and
 lm_head exist: the features are random too). The draft: hidden 2048, intermediate 8192, 16 heads /
 4 KV heads (head_dim 128), draft vocabulary 32000, TTT 7, bf16 autocast on a GPU; micro-batches
@@ -29,10 +34,12 @@ CPU the process's peak RSS). `tiny=true` keeps the code path at toy sizes (a CPU
 from __future__ import annotations
 
 import json
+import re
 import resource
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +49,7 @@ from transformers import LlamaConfig
 from conf.compose import compose_root, split_args
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import DataConfig, OptimConfig, RootConfig, derive
+from data_prep.capture import TOP, greedy_ids
 from data_prep.prepare import capture_spec, draft_vocab_size
 from data_prep.sources import iter_samples
 from data_prep.stats import PrepStats
@@ -113,25 +121,165 @@ def batch_shape(cfg: RootConfig) -> tuple[int, int]:
     return max(1, cfg.optim.batch_tokens // seq_len), seq_len
 
 
+def no_mark(phase: str) -> None:
+    """`make_step`'s default phase marker: nothing (the throughput runs)."""
+
+
 def make_step(
     trainee, optim: OptimConfig, device: torch.device, bf16: bool
-) -> tuple[Callable[[Batch], None], int]:
+) -> tuple[Callable[..., None], int]:
     """A training step on a device batch as the loop runs it (bf16 autocast as accelerate applies
     `dist.mixed_precision`, the trainee's AdamW groups, gradient clipping), and how many
-    parameters it trains."""
+    parameters it trains. `step(batch, mark)` calls `mark` with each phase as it begins
+    ("forward", "backward", "optimizer") and with "end" (`StepBreakdown` times them)."""
     groups = trainee.param_groups(optim.lr, optim.weight_decay)
     params = [p for g in groups for p in g["params"]]
     opt = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas))
 
-    def step(batch: Batch) -> None:
+    def step(batch: Batch, mark: Callable[[str], None] = no_mark) -> None:
+        mark("forward")
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = trainee(batch)["loss"]
+        mark("backward")
         loss.backward()
+        mark("optimizer")
         torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
         opt.step()
         opt.zero_grad()
+        mark("end")
 
     return step, sum(p.numel() for p in params)
+
+
+# The forward's parts `StepBreakdown` charges module calls to, by what the module computes. A
+# module inside one already charged is part of it (an attention's projections are attention).
+FORWARD_PARTS = ("fc", "attention", "mlp", "lm_head", "teacher")
+
+
+def module_part(name: str, module: torch.nn.Module) -> str | None:
+    """The part of the forward a module's calls are charged to, None for the rest: the fusing
+    `fc`, attention and MLP blocks (a draft layer's, Medusa's residual blocks, a trained
+    target's), and the vocabulary projections (`lm_head`, Medusa's `lm_heads.k`)."""
+    cls, leaf = type(module).__name__, name.rsplit(".", 1)[-1]
+    if leaf == "fc" and isinstance(module, torch.nn.Linear):
+        return "fc"
+    if cls.endswith("Attention"):
+        return "attention"
+    if cls.endswith(("MLP", "Block")):
+        return "mlp"
+    if re.search(r"(^|\.)(lm_head|lm_heads\.\d+)$", name):
+        return "lm_head"
+    return None
+
+
+class StepBreakdown:
+    """Where a training step's time goes, by timed sections: the wall clock at each phase of
+    `make_step` (forward, backward, optimizer: clipping, AdamW and zeroing the gradients) and,
+    inside the forward, at the entry and exit of each module `module_part` names (forward hooks,
+    the outermost charged call counts) and of the trainee's `teacher` where it has one. What the
+    forward spends elsewhere (embeddings, rotary, norms, masks, gathers, log-softmax and the
+    objective) is `forward_other`. Calls made while autograd recomputes a checkpointed forward
+    belong to the backward. `ttt_unroll` is the forward from the second call of the decoder
+    layer (step k=1 of EAGLE-3's training-time-test unroll) to its end: what the later unroll
+    steps add (inside the parts above, not beside them; 0 without an unroll). On a GPU each
+    timestamp synchronises first, which serialises the step: the breakdown then runs slower
+    than the throughput steps, which are timed without it."""
+
+    def __init__(self, trainee: torch.nn.Module, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds: Counter = Counter()
+        self.steps, self.phase, self.started = 0, None, 0.0
+        self.depth, self.entered = 0, 0.0
+        self.layer_calls: Counter = Counter()
+        self.unroll_from: float | None = None
+        self.trainee, self.handles = trainee, []
+        for name, module in trainee.named_modules():
+            if part := module_part(name, module):
+                self.handles += [
+                    module.register_forward_pre_hook(lambda *_: self._enter()),
+                    module.register_forward_hook(lambda *_, part=part: self._leave(part)),
+                ]
+            elif type(module).__name__.endswith("DecoderLayer"):
+                self.handles.append(module.register_forward_pre_hook(lambda m, _: self._layer(m)))
+        if hasattr(trainee, "teacher"):
+            self._wrap_teacher(trainee)
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _enter(self) -> None:
+        if self.phase == "forward":
+            if self.depth == 0:
+                self.entered = self._now()
+            self.depth += 1
+
+    def _leave(self, part: str) -> None:
+        if self.phase == "forward":
+            self.depth -= 1
+            if self.depth == 0:
+                self.seconds[part] += self._now() - self.entered
+
+    def _layer(self, layer: torch.nn.Module) -> None:
+        """A decoder layer's call: its second in one forward starts the unroll's later steps (a
+        trained target's layers run once each)."""
+        if self.phase == "forward":
+            self.layer_calls[id(layer)] += 1
+            if self.layer_calls[id(layer)] == 2 and self.unroll_from is None:
+                self.unroll_from = self._now()
+
+    def _wrap_teacher(self, trainee) -> None:
+        teacher = trainee.teacher
+
+        def timed(*args, **kwargs):
+            self._enter()
+            out = teacher(*args, **kwargs)
+            self._leave("teacher")
+            return out
+
+        trainee.teacher = timed
+
+    def mark(self, phase: str) -> None:
+        """`make_step`'s marker: close the running phase, open `phase`."""
+        now = self._now()
+        if self.phase is not None:
+            self.seconds[self.phase] += now - self.started
+        if self.phase == "forward" and self.unroll_from is not None:
+            self.seconds["ttt_unroll"] += now - self.unroll_from
+        if phase == "end":
+            self.steps += 1
+        self.phase, self.started = (None if phase == "end" else phase), now
+        self.layer_calls.clear()
+        self.unroll_from = None
+
+    def record(self) -> dict[str, float]:
+        """Mean seconds per step of each part: the forward's parts, `forward_other`, `backward`
+        and `optimizer` add up to the step; `ttt_unroll` lies inside the forward."""
+        per = {k: v / max(self.steps, 1) for k, v in self.seconds.items()}
+        parts = {k: per.get(k, 0.0) for k in FORWARD_PARTS}
+        parts["forward_other"] = per.get("forward", 0.0) - sum(parts.values())
+        parts |= {k: per.get(k, 0.0) for k in ("backward", "optimizer", "ttt_unroll")}
+        return {k: round(v, 6) for k, v in parts.items()}
+
+    def close(self) -> None:
+        """Remove the hooks and the teacher's wrapper: the trainee is as it was."""
+        for handle in self.handles:
+            handle.remove()
+        self.trainee.__dict__.pop("teacher", None)
+
+
+def step_breakdown(
+    trainee, step: Callable[..., None], batch: Batch, device: torch.device, steps: int
+) -> dict[str, float]:
+    """`StepBreakdown.record` over `steps` more steps on `batch`, after the timed ones."""
+    breakdown = StepBreakdown(trainee, device)
+    try:
+        for _ in range(steps):
+            step(batch, breakdown.mark)
+    finally:
+        breakdown.close()
+    return breakdown.record()
 
 
 def timed_steps(
@@ -265,8 +413,9 @@ def preset_batches(
     preset: Preset, docs: str, padding: str, count: int, labelled: float, trainee, device
 ) -> list[Batch]:
     """`count` device micro-batches of `docs` documents laid out by `padding`; the same documents
-    for every mode. The target features are views of one random device tensor (float32, as the
-    loop widens them): already on the device, and no more memory than the widest batch needs."""
+    for every mode. The target features (and its top-1 ids, which capture keeps) are views of one
+    random device tensor each (float32, as the loop widens them): already on the device, and no
+    more memory than the widest batch needs."""
     g = torch.Generator().manual_seed(SPECFORGE_SEED)
     cpu = []
     for _ in range(count):
@@ -274,16 +423,19 @@ def preset_batches(
         samples = [synthetic_document(n, preset.target["vocab_size"], labelled, g) for n in lengths]
         cpu.append(PADDING[padding](samples, max(preset.row_len, *lengths), trainee.batch_index))
     slots = max(b["input_ids"].numel() for b in cpu)
-    hidden = preset.target["hidden_size"]
-    aux = torch.randn(slots, trainee.head.fc.in_features, device=device)
-    final = torch.randn(slots, hidden, device=device)
+    hidden, vocab = preset.target["hidden_size"], preset.target["vocab_size"]
+    features = {
+        "aux_hidden": torch.randn(slots, trainee.head.fc.in_features, device=device),
+        "final_hidden": torch.randn(slots, hidden, device=device),
+        TOP: torch.randint(vocab, (slots,), generator=g).int().to(device),
+    }
     out = []
     for b in cpu:
         rows, cols = b["input_ids"].shape
         n = rows * cols
         out.append(
             {k: v.to(device) for k, v in b.items()}
-            | {"aux_hidden": aux[:n].view(rows, cols, -1), "final_hidden": final[:n].view(rows, cols, -1)}
+            | {k: v[:n].view(rows, cols, *v.shape[1:]) for k, v in features.items()}
         )
     return out
 
@@ -304,6 +456,8 @@ def preset_trainee(cfg: RootConfig, preset: Preset, device: torch.device) -> Eag
     return Eagle3Trainee(head, target_lm_head, cfg.head.ttt_length, cfg.head.step_weight)
 
 
+# Steps `step_breakdown` times by parts, after (and apart from) the throughput's steps.
+BREAKDOWN_STEPS = 2
 PRESET_KEYS = ("preset", "tiny", "docs", "padding", "warmup", "steps")
 
 
@@ -382,16 +536,19 @@ def main(argv: list[str]) -> None:
     trainee, fields = bench_trainee(cfg, model)
     with torch.no_grad():  # captured as training will see them (Medusa-2 reads none)
         hs = model(batch["input_ids"], output_hidden_states=True).hidden_states
-    aux = capture_spec(cfg, model.config.get_text_config().num_hidden_layers).aux_layer_ids
-    if aux:
-        batch["aux_hidden"] = torch.cat([hs[i] for i in aux], -1).float()
+    spec = capture_spec(cfg, model.config.get_text_config().num_hidden_layers)
+    if spec.aux_layer_ids:
+        batch["aux_hidden"] = torch.cat([hs[i] for i in spec.aux_layer_ids], -1).float()
     batch["final_hidden"] = hs[-1].float()
+    if spec.target_top:
+        batch[TOP] = greedy_ids(model.get_output_embeddings(), batch["final_hidden"].bfloat16().float())
     trainee.to(model.device)
     batch |= trainee.batch_index(batch)  # what the loader adds on the CPU; here once, untimed
     use_bf16 = mixed_precision(cfg.dist) == "bf16"
     step, trainable = make_step(trainee, cfg.optim, model.device, use_bf16)
     n = 5
     seconds, peak = timed_steps(lambda _: step(batch), model.device, 1, n)
+    breakdown = step_breakdown(trainee, step, batch, model.device, BREAKDOWN_STEPS)
     elapsed = sum(seconds)
     tokens, labels = batch["input_ids"].numel(), int(batch["loss_mask"].sum())
     print(
@@ -410,6 +567,8 @@ def main(argv: list[str]) -> None:
                 "labelled_tokens_per_s": round(n * labels / elapsed, 1),
                 "step_s": round(elapsed / n, 3),
                 "peak_memory_mib": round(peak, 1),
+                "breakdown_steps": BREAKDOWN_STEPS,
+                "breakdown_s": breakdown,
             }
         )
     )

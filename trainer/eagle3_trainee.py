@@ -1,7 +1,9 @@
 """How an EAGLE-3 head learns: the training-time-test (TTT) unroll against the target's distribution.
 
-`Eagle3Trainee` (a `trainer.trainee.Trainee`) is the trainable head plus the frozen target
-lm_head that turns stored final hidden states into teacher logits.
+`Eagle3Trainee` (a `trainer.trainee.Trainee`) is the trainable head plus the frozen rows of the
+target lm_head that turn stored final hidden states into the teacher's distribution over the
+draft vocabulary (`draft_teacher`). The target's own choice at each position, which takes the
+full vocabulary, comes with the batch (`data_prep.capture.TOP`), computed once by capture.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from data_prep.capture import TOP
 from heads.eagle3 import Eagle3Head
 from trainer.decoding import Eagle3Drafter
 from trainer.decoding.drafters import Shape
@@ -93,6 +96,29 @@ def ttt_batch_index(batch: Batch, ttt_length: int, prompt_weight: float = 0.0) -
     }
 
 
+@torch.no_grad()
+def draft_teacher(
+    final_hidden: torch.Tensor,
+    draft_lm_head: torch.Tensor,
+    target_top: torch.Tensor,
+    target_to_draft: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a head drafting over a draft vocabulary learns from, at N rows: (the target's
+    probabilities over the draft vocabulary, renormalised, float32 [N, Vd]; the target's top-1 as
+    a draft id, -1 where it lies outside the draft vocabulary, [N]).
+
+    `final_hidden` [N, H]: the target's final hidden states; `draft_lm_head` [Vd, H]: the target
+    lm_head's rows of the draft ids in order; `target_top` [N]: the target's top-1 (target) id
+    at those rows, the argmax over the whole vocabulary that capture kept; `target_to_draft` [V]:
+    target id -> draft id or -1. The renormalised softmax reads the draft ids' logits alone, so
+    this equals the full-vocabulary computation (logits of every row, their argmax, a softmax over
+    the draft columns) at a draft-vocabulary's share of its multiply-adds. The product runs in the
+    training dtype (under bf16 autocast where training runs it), the softmax in float32.
+    """
+    logits = final_hidden.to(draft_lm_head.dtype) @ draft_lm_head.T
+    return F.softmax(logits.float(), dim=-1), target_to_draft[target_top.long()]
+
+
 class Eagle3Trainee(nn.Module):
     def __init__(
         self,
@@ -108,25 +134,21 @@ class Eagle3Trainee(nn.Module):
         self.batch_index = partial(
             ttt_batch_index, ttt_length=ttt_length, prompt_weight=objective.prompt_weight
         )
-        self.register_buffer("lm_head_weight", target_lm_head.detach().float(), persistent=False)
+        # The target lm_head's draft-vocabulary rows: all the teacher multiplies by.
+        rows = target_lm_head.detach()[head.draft_token_ids().to(target_lm_head.device)]
+        self.register_buffer("teacher_weight", rows.float(), persistent=False)
         # target id -> draft id (or -1): the draft vocabulary is sorted, so a cumulative count.
         t2d = head.t2d
         self.register_buffer(
             "target_to_draft", torch.where(t2d, t2d.long().cumsum(0) - 1, -1), persistent=False
         )
 
-    @torch.no_grad()
-    def teacher(self, final_hidden: torch.Tensor, chunk: int = 1024):
-        """Target probabilities over the draft vocab (renormalised) and the target's argmax as a
-        draft id (-1 when outside the draft vocab) for rows [N,H], chunked so that full-vocab
-        logits never all sit in memory."""
-        draft_ids = self.head.draft_token_ids()
-        probs, tops = [], []
-        for part in final_hidden.float().split(chunk):
-            logits = part @ self.lm_head_weight.T
-            tops.append(self.target_to_draft[logits.argmax(-1)])
-            probs.append(F.softmax(logits[:, draft_ids], dim=-1))
-        return torch.cat(probs), torch.cat(tops)
+    def teacher(
+        self, final_hidden: torch.Tensor, target_top: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft_teacher` with this trainee's lm_head rows and vocabulary map, for final hidden
+        states [N, H] and the target's top-1 ids [N] at the same rows."""
+        return draft_teacher(final_hidden, self.teacher_weight, target_top, self.target_to_draft)
 
     def unroll(
         self,
@@ -190,8 +212,9 @@ class Eagle3Trainee(nn.Module):
         ids, labels, rows = batch["input_ids"], batch[LABEL_INDEX], batch["ttt_rows"]
         position = batch[LABEL_POSITION]  # in its own sample: the prediction never crosses one
         # The target's distribution for the token at u is the one it computed at u-1.
-        final = batch["final_hidden"].flatten(0, 1).index_select(0, (labels - 1).clamp(min=0))
-        teacher_p, teacher_top = self.teacher(final)
+        before = (labels - 1).clamp(min=0)
+        final = batch["final_hidden"].flatten(0, 1).index_select(0, before)
+        teacher_p, teacher_top = self.teacher(final, batch[TOP].flatten().index_select(0, before))
         answer = batch["loss_mask"].flatten().index_select(0, labels)
         weight = self.objective.row_weights(answer)
         inside = teacher_top >= 0  # the target's choice is inside the draft vocabulary

@@ -39,7 +39,7 @@ def test_cli_refuses_offline_capture_on_a_small_disk_and_auto_goes_online(
     assert code == 2, err[-3000:]
     [line] = error_lines(err)
     assert line.startswith("error: data.hidden_states=offline: capturing ")
-    assert " tokens x 517 bytes needs " in line
+    assert " tokens x 521 bytes needs " in line  # 4 layers x 64 x 2, the top-1 (4), tokens (5)
     assert f"MB more under {cache}, which has " in line and "use data.hidden_states=online" in line
     assert not list(cache.glob("*.partial/*/shard-*"))  # refused before the first shard
 

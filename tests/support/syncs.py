@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conf.schema import DistConfig, Eagle3Config, MedusaConfig, OptimConfig
+from data_prep.capture import TOP, greedy_ids
 from heads.eagle3 import Eagle3Head
 from heads.medusa import MedusaHead
 from trainer.batching import batch_loader
@@ -103,7 +104,8 @@ LABELLED = [(14, [range(4, 9), range(11, 14)]), (11, [range(3, 11)]), (9, [range
 
 
 def samples(model, fields: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
-    """Items as `data_prep.store.CapturedDataset` yields them (hidden states stored in bf16)."""
+    """Items as `data_prep.store.CapturedDataset` yields them (hidden states stored in bf16, the
+    target's top-1 from the stored final one)."""
     g = torch.Generator().manual_seed(0)
     out = []
     for length, spans in LABELLED:
@@ -114,10 +116,11 @@ def samples(model, fields: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
         with torch.no_grad():
             hs = model(ids[None], output_hidden_states=True).hidden_states
         captured = {
-            "aux_hidden": torch.cat([hs[i][0] for i in (2, 4, 5)], -1),
-            "final_hidden": hs[-1][0],
+            "aux_hidden": torch.cat([hs[i][0] for i in (2, 4, 5)], -1).bfloat16(),
+            "final_hidden": hs[-1][0].bfloat16(),
         }
-        out.append({"input_ids": ids, "loss_mask": mask} | {f: captured[f].bfloat16() for f in fields})
+        captured[TOP] = greedy_ids(model.get_output_embeddings(), captured["final_hidden"].float())
+        out.append({"input_ids": ids, "loss_mask": mask} | {f: captured[f] for f in fields})
     return out
 
 
@@ -129,7 +132,7 @@ def eagle3(model, draft: int = 3000, aux: tuple[int, ...] = (2, 4, 5), ttt_lengt
     head = Eagle3Head.from_target(model, "tiny", Eagle3Config(aux_layer_ids=list(aux)), d2t, t2d)
     lm_head = model.get_output_embeddings().weight
     trainee = Eagle3Trainee(head, lm_head, ttt_length=ttt_length, step_weight=0.8)
-    return trainee, ("aux_hidden", "final_hidden")
+    return trainee, ("aux_hidden", "final_hidden", TOP)
 
 
 def medusa1(model):

@@ -7,8 +7,11 @@ import json
 import os
 
 import pytest
+import torch
 
 from conf.errors import UserError
+from data_prep import build, keys, store
+from data_prep.capture import TOP
 from data_prep.keys import folder_key, regen_cache_file
 from data_prep.prepare import capture_spec, prepare
 from data_prep.store import CapturedDataset, load_manifest, sha256_file
@@ -40,7 +43,7 @@ def test_eagle3_folder_manifest_dataset_and_vocab(tiny_llama_dir, source, tmp_pa
     assert data.manifest == m and data.samples == 24 and data.capture_tokens_per_s > 0
     assert m["layer_convention"] == "hf_hidden_states"
     assert m["aux_layer_ids"] == [2, 4, 5] and m["final_layer_id"] == 8
-    assert m["storage_dtype"] == "bfloat16"
+    assert m["storage_dtype"] == "bfloat16" and m["target_top"]
     assert {k: m["target"][k] for k in ("vocab_size", "hidden_size", "num_hidden_layers")} == {
         "vocab_size": 49152,
         "hidden_size": 64,
@@ -56,6 +59,7 @@ def test_eagle3_folder_manifest_dataset_and_vocab(tiny_llama_dir, source, tmp_pa
     item = ds[0]
     assert item["aux_hidden"].shape == (ds.lengths[0], 3 * 64)
     assert item["final_hidden"].shape == (ds.lengths[0], 64)
+    assert item[TOP].shape == (ds.lengths[0],) and item[TOP].dtype == torch.int32
     assert 0 < int(item["loss_mask"].sum()) < ds.lengths[0]
     summary = capsys.readouterr().out.strip().splitlines()[-1]
     assert summary.startswith("data: 24 samples") and "bytes/token" in summary
@@ -75,10 +79,32 @@ def test_eagle3_folder_manifest_dataset_and_vocab(tiny_llama_dir, source, tmp_pa
     assert "reused" in capsys.readouterr().out
 
 
+def test_a_folder_of_the_previous_format_is_refused_and_built_anew(
+    tiny_llama_dir, source, tmp_path, monkeypatch
+):
+    """Format 3 shards lack the target's top-1: such a folder is refused by its path, in one line,
+    and a run with the same config builds the new folder beside it (its key names the format),
+    once."""
+    cfg = tiny_prep_config(tiny_llama_dir, source, tmp_path)
+    with monkeypatch.context() as m:
+        for module in (store, build, keys):
+            m.setattr(module, "FORMAT_VERSION", 3)
+        old = prepare(cfg).path
+    with pytest.raises(UserError) as err:
+        CapturedDataset(old, "train")
+    message = str(err.value)
+    assert "\n" not in message and "format_version 3, expected 4; delete the folder" in message
+    new = prepare(cfg).path
+    assert new != old and new.parent == old.parent and (old / "manifest.json").exists()
+    assert load_manifest(new)["format_version"] == 4 and TOP in CapturedDataset(new, "train")[0]
+    assert prepare(cfg).path == new  # reused from now on
+
+
 def test_medusa_final_only_joint_tokens_only_and_fp8(tiny_llama_dir, source, tmp_path):
     final = prepare(tiny_prep_config(tiny_llama_dir, source, tmp_path, head="medusa")).path
     item = CapturedDataset(final, "train")[0]
-    assert set(item) == {"input_ids", "loss_mask", "final_hidden"}
+    assert set(item) == {"input_ids", "loss_mask", "final_hidden"}  # no top-1: Medusa needs none
+    assert not load_manifest(final)["target_top"]
     assert not (final / "draft_vocab.safetensors").exists()
     joint = prepare(tiny_prep_config(tiny_llama_dir, source, tmp_path, "head.joint=true", head="medusa")).path
     assert set(CapturedDataset(joint, "train")[0]) == {"input_ids", "loss_mask"}

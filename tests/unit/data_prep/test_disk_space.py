@@ -30,7 +30,8 @@ def test_refusal_comes_before_the_target_loads(tiny_llama_dir, chat_file, tmp_pa
     monkeypatch.setattr(Target, "load_model", lambda self: pytest.fail("the target was loaded"))
     with pytest.raises(UserError) as err:
         P.prepare(tiny_prep_config(tiny_llama_dir, chat_file, tmp_path, "data.hidden_states=offline"))
-    assert " tokens x 517 bytes needs " in str(err.value) and "which has 1.0 MB free" in str(err.value)
+    # 4 layers x 64 x 2 bytes, the target's top-1 (4) and the token bytes (5)
+    assert " tokens x 521 bytes needs " in str(err.value) and "which has 1.0 MB free" in str(err.value)
 
 
 def fail_writes_after(monkeypatch, shards: int) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from conf.errors import UserError
 from conf.schema import Eagle3Config
+from data_prep.capture import TOP, greedy_ids
 from data_prep.target import load_target
 from heads.eagle3 import Eagle3Head, default_aux_layer_ids, norm_flags, resolve_aux_layer_ids
 from tests.support.targets import build_tiny_target
@@ -96,7 +97,8 @@ def test_loss_is_finite_and_metrics_count_labels(tiny):
     mask = torch.zeros(2, 10, dtype=torch.bool)
     mask[:, 5:] = True
     trainee = Eagle3Trainee(head, model.get_output_embeddings().weight, ttt_length=3, step_weight=0.8)
-    out = trainee({"input_ids": ids, "loss_mask": mask, "aux_hidden": aux, "final_hidden": final})
+    top = greedy_ids(model.get_output_embeddings(), final)
+    out = trainee({"input_ids": ids, "loss_mask": mask, "aux_hidden": aux, "final_hidden": final, TOP: top})
     assert torch.isfinite(out["loss"])
     # label positions t+2+k in 5..9 -> positions t in 3-k..7-k: 5 per row at every step
     assert out["total"].tolist() == [10.0, 10.0, 10.0]

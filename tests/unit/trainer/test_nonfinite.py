@@ -257,7 +257,8 @@ def test_online_steps_with_the_overflow_check_never_sync(tiny_llama_dir, tmp_pat
     model, _ = load_target(str(tiny_llama_dir), device="cpu")
     torch.manual_seed(0)
     trainee, _ = eagle3(model)
-    capture = partial(checked_capture, model, CaptureSpec((2, 4, 5), model.config.num_hidden_layers))
+    spec = CaptureSpec((2, 4, 5), model.config.num_hidden_layers, target_top=True)
+    capture = partial(checked_capture, model, spec)
     assert_steps_never_sync(trainee, samples(model, ()), tmp_path, capture)
 
 

@@ -20,7 +20,7 @@ from conf.errors import UserError
 from conf.schema import (
     DataConfig,
 )
-from data_prep.capture import CaptureSpec, capture_batch
+from data_prep.capture import TOP, CaptureSpec, capture_batch
 from data_prep.sources import iter_dataset
 from data_prep.store import load_manifest
 from data_prep.target import load_target
@@ -88,7 +88,8 @@ def test_online_training_steps_never_sync(tiny_llama_dir, build, tmp_path):
     torch.manual_seed(0)
     trainee, fields = build(model)
     aux = (2, 4, 5) if "aux_hidden" in fields else ()
-    capture = partial(capture_batch, model, CaptureSpec(aux, model.config.num_hidden_layers))
+    spec = CaptureSpec(aux, model.config.num_hidden_layers, target_top=TOP in fields)
+    capture = partial(capture_batch, model, spec)
     assert_steps_never_sync(trainee, samples(model, ()), tmp_path, capture)
 
 

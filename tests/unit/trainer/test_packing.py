@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from conf.schema import MedusaConfig
-from data_prep.capture import CaptureSpec, capture_batch, causal_mask, document_mask, hidden_states
+from data_prep.capture import (
+    TOP,
+    CaptureSpec,
+    capture_batch,
+    causal_mask,
+    document_mask,
+    greedy_ids,
+    hidden_states,
+)
 from heads.medusa import MedusaHead
 from tests.support.decode import chaotic_target
 from tests.support.runs import tiny_run_config, train_losses
@@ -40,6 +48,11 @@ DOCS = [(13, 0), (7, 1), (10, 4), (5, 0), (9, 9)]
 ROWS = [[0, 1, 2], [3, 4]]  # the packed layout: three samples in a row, two in the other
 
 
+def eagle3_spec(model) -> CaptureSpec:
+    """EAGLE-3's capture for `model`: the aux layers, the final one and the target's top-1."""
+    return CaptureSpec(AUX, model.config.num_hidden_layers, target_top=True)
+
+
 @pytest.fixture(scope="module")
 def target():
     return chaotic_target(layers=4)
@@ -53,9 +66,10 @@ def items(model, fields: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
     for length, first in DOCS:
         ids = torch.randint(1, model.config.vocab_size, (length,), generator=g)
         mask = torch.arange(length) >= first
-        hs = hidden_states(model, ids[None], CaptureSpec(AUX, model.config.num_hidden_layers))
-        captured = {"aux_hidden": hs["aux_hidden"][0], "final_hidden": hs["final_hidden"][0]}
-        out.append({"input_ids": ids, "loss_mask": mask} | {f: captured[f].bfloat16() for f in fields})
+        hs = hidden_states(model, ids[None], eagle3_spec(model))
+        captured = {name: hs[name][0].bfloat16() for name in ("aux_hidden", "final_hidden")}
+        captured[TOP] = greedy_ids(model.get_output_embeddings(), captured["final_hidden"].float())
+        out.append({"input_ids": ids, "loss_mask": mask} | {f: captured[f] for f in fields})
     return out
 
 
@@ -136,7 +150,7 @@ def test_packed_rows_keep_positions_and_attention_per_sample():
 
 
 def test_online_capture_of_packed_rows_equals_each_sample_alone(target):
-    spec = CaptureSpec(AUX, target.config.num_hidden_layers)
+    spec = eagle3_spec(target)
     samples = items(target, ())
     batch = packed(samples, None)
     got = hidden_states(target, batch["input_ids"], spec, batch["position_ids"])
@@ -164,7 +178,7 @@ def test_packed_training_steps_never_sync(target, build, tmp_path):
 
 def test_online_packed_training_steps_never_sync(target, tmp_path):
     trainee, _ = eagle3(target)
-    capture = partial(capture_batch, target, CaptureSpec(AUX, target.config.num_hidden_layers))
+    capture = partial(capture_batch, target, eagle3_spec(target))
     assert_steps_never_sync(trainee, items(target, ())[:4], tmp_path, capture, packed=True)
 
 

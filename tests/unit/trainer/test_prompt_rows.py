@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conf.schema import Eagle3Config, MedusaConfig
+from data_prep.capture import TOP, greedy_ids
 from data_prep.target import load_target
 from heads.eagle3 import Eagle3Head
 from heads.medusa import MedusaHead
@@ -36,7 +37,9 @@ def samples(model, aux_layer_ids: list[int]) -> list[dict[str, torch.Tensor]]:
             hs = model(ids[None], output_hidden_states=True).hidden_states
         mask = torch.arange(n) >= PROMPT
         aux = torch.cat([hs[i][0] for i in aux_layer_ids], -1)
-        out.append({"input_ids": ids, "loss_mask": mask, "aux_hidden": aux, "final_hidden": hs[-1][0]})
+        final = hs[-1][0]
+        top = greedy_ids(model.get_output_embeddings(), final)
+        out.append({"input_ids": ids, "loss_mask": mask, "aux_hidden": aux, "final_hidden": final, TOP: top})
     return out
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from data_prep.capture import TOP
 from data_prep.target import load_target
 from tests.support.syncs import (
     assert_steps_never_sync,
@@ -61,7 +62,7 @@ def masked_reference(trainee: Eagle3Trainee, batch: dict[str, torch.Tensor]):
     token is labelled and the target's choice is inside the draft vocabulary."""
     ids, mask = batch["input_ids"], batch["loss_mask"]
     b, t = ids.shape
-    probs, top = trainee.teacher(batch["final_hidden"].flatten(0, 1))
+    probs, top = trainee.teacher(batch["final_hidden"].flatten(0, 1), batch[TOP].flatten())
     probs, top = probs.view(b, t, -1), top.view(b, t)
     loss, totals = 0.0, []
     for k, hidden, _, _ in trainee.unroll(batch["aux_hidden"], ids):
