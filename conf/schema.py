@@ -460,12 +460,15 @@ class Eagle3Config(ObjectiveConfig):
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     # Layer variants, as vLLM's `llama_eagle3` and speculators name them (false = the original
-    # EAGLE-3 layout): one RMSNorm over the fused [3*Ht] features before fc; the residual taken
-    # after hidden_norm; the post-norm hidden fed back between draft steps (EAGLE 3.1).
+    # EAGLE-3 layout): one RMSNorm over the fused [3*Ht] features before fc; or instead one RMSNorm
+    # per aux layer before fc (`fc_norm`, EAGLE 3.1's; speculators refuses both on, TensorRT-LLM
+    # would apply only fc_norm, so they are exclusive here); the residual taken after hidden_norm;
+    # the post-norm hidden fed back between draft steps (EAGLE 3.1).
     # On by default: on the embedded default's data and steps they raised vLLM's acceptance length
     # (see README, Measured: rows "original EAGLE-3" and "the three `head.norm_*` on"). A head
     # folder saved without them still reads as all off (`heads.eagle3.norm_flags`).
     norm_before_fc: bool = True
+    fc_norm: bool = False
     norm_before_residual: bool = True
     norm_output: bool = True
     # EAGLE-3 trains on every captured position by default (the shared default is answers only).
@@ -485,6 +488,12 @@ class Eagle3Config(ObjectiveConfig):
             "null or 3 distinct HF hidden_states indices >= 0",
         )
         self._optional_positive("intermediate_size", "num_attention_heads", "num_key_value_heads")
+        self._require(
+            "fc_norm",
+            lambda v: not (v and self.norm_before_fc),
+            f"false with {self._key('norm_before_fc')}=true (one norm before fc or the other: "
+            f"add {self._key('norm_before_fc')}=false)",
+        )
         self._at_least(1, "ttt_length")
         self._require("step_weight", _probability, "a value in (0, 1]")
 

@@ -3,7 +3,8 @@
 The layout (names, the 2H attention input, where the norms sit) follows what the serving engines
 load (vLLM `llama_eagle3`, SGLang, TRT-LLM), so that export is a renaming and nothing else. The
 layer variants in `NORM_FLAGS` are vLLM's and speculators' own flags, with their placement and
-tensor names (`input_norm.weight`), so a head trained with them is served as it was trained.
+tensor names (`input_norm.weight`, `fc_norm.{i}.weight`), so a head trained with them is served as
+it was trained.
 One `step` serves training (the TTT unroll passes earlier steps' K/V as `past`) and decoding
 (the decoder passes its static KV cache as `past`): the caller owns the mask, so both see one code
 path.
@@ -45,9 +46,11 @@ Past = KV | KVStore
 # The layer variants the head implements, spelled as vLLM 0.32 `llama_eagle3` and speculators read
 # them from a head's config (all false = the original EAGLE-3 layout):
 #   norm_before_fc: one RMSNorm over the concatenated [n_aux * Ht] features before fc (`input_norm`);
+#   fc_norm: one RMSNorm over each aux layer's [Ht] chunk before fc (`fc_norm.{i}.weight`, EAGLE
+#     3.1); vLLM applies it after input_norm when both are on (`combine_hidden_states`);
 #   norm_before_residual: the decoder layer's residual is hidden_norm(feature), not the raw feature;
 #   norm_output: the hidden fed back to the next draft step is the final norm's output.
-NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")
+NORM_FLAGS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")
 
 
 def norm_flags(config: LlamaConfig | dict) -> dict[str, bool]:
@@ -221,6 +224,14 @@ class Eagle3Head(nn.Module):
         self.embed_tokens = nn.Embedding(v, h).requires_grad_(False)
         fused = len(self.aux_layer_ids) * config.target_hidden_size
         self.input_norm = LlamaRMSNorm(fused, eps=config.rms_norm_eps) if flags["norm_before_fc"] else None
+        self.fc_norm = (
+            nn.ModuleList(
+                LlamaRMSNorm(config.target_hidden_size, eps=config.rms_norm_eps)
+                for _ in self.aux_layer_ids
+            )
+            if flags["fc_norm"]
+            else None
+        )
         self.fc = nn.Linear(fused, h, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
@@ -261,9 +272,15 @@ class Eagle3Head(nn.Module):
 
     # ---- compute ------------------------------------------------------------------------
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """[..., 3*Ht] target features (ascending layer ids) -> [..., H] draft feature."""
+        """[..., 3*Ht] target features (ascending layer ids) -> [..., H] draft feature.
+
+        The one way into the layer (P-EAGLE's mask_hidden too): vLLM's `combine_hidden_states`
+        order, input_norm over the whole, then fc_norm per aux layer, then fc."""
         if self.input_norm is not None:
             aux_hidden = self.input_norm(aux_hidden)
+        if self.fc_norm is not None:
+            chunks = aux_hidden.chunk(len(self.fc_norm), dim=-1)
+            aux_hidden = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
         return self.fc(aux_hidden)
 
     def layer(

@@ -304,7 +304,11 @@ def main() -> None:
     started = time.perf_counter()
     cmd = [a.main_python, __file__, *export_dirs, "--role", "ours", *sizes]
     cmd += ["--target", a.target] if a.target else []
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    # This checkout's modules first: a python with draftsmith installed from another checkout
+    # would otherwise import that one's (sys.path[0] is scripts/, not the checkout).
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if done.returncode != 0:
         sys.exit(f"error: our side failed:\n{done.stderr[-3000:]}")
     ref = json.loads(done.stdout.strip().splitlines()[-1])

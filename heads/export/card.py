@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from heads.eagle3 import NORM_FLAGS
+
 if TYPE_CHECKING:
     from heads.kinds import HeadKind
 
@@ -176,7 +178,7 @@ def training_section(training: dict | None) -> str:
     knobs = {"ce+tv": f", tv weight {head.get('tv_weight')}", "lk": f", eta {head.get('lk_eta')}"}
     prompt = head.get("prompt_loss_weight", 0.0)
     lines = [f"- loss `{loss}`{knobs.get(loss, '')}, prompt rows weighted {prompt}"]
-    norms = [n for n in ("norm_before_fc", "norm_before_residual", "norm_output") if head.get(n)]
+    norms = [n for n in NORM_FLAGS if head.get(n)]
     if norms:
         lines.append("- EAGLE-3 norms on: " + ", ".join(f"`{n}`" for n in norms))
     if optim:

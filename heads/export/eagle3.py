@@ -14,7 +14,9 @@ Both layouts carry the same tensors; only the decoder layer's prefix differs (`m
 engine loaders may drop a misnamed tensor without a word. The layer-variant flags are written
 explicitly in every config and read back the same way: an engine fills a missing one with its own
 default (vLLM's speculators path: `norm_before_residual` true) and drops `input_norm.weight`
-when `norm_before_fc` is off, so a flag that is not written is a head served differently.
+when `norm_before_fc` is off, so a flag that is not written is a head served differently. Both
+formats name the per-aux-layer norms (`fc_norm`) `fc_norm.{i}.weight` and write the flag at the
+top level, where vLLM (both paths) and TensorRT-LLM read it.
 """
 
 from __future__ import annotations
@@ -94,26 +96,13 @@ def layer_fields(cfg: dict) -> dict:
     }
 
 
-# The engines' variant our head does not compute (one RMSNorm per aux layer before fc): always
-# written false, never accepted true.
-UNSUPPORTED_FLAGS = ("fc_norm",)
-
-
-def variant_flags(cfg: dict) -> dict[str, bool]:
-    """Every layer-variant flag vLLM reads, as the head computes them (all always written)."""
-    return {**norm_flags(cfg), **dict.fromkeys(UNSUPPORTED_FLAGS, False)}
-
-
 def read_variant_flags(top: dict, where: str) -> dict[str, bool]:
     """The head's flags from an exported config; refuse one missing or not a bool (an engine would
-    apply its own default) or an unsupported variant switched on (the head does not compute it)."""
-    flags = {k: top.get(k) for k in (*NORM_FLAGS, *UNSUPPORTED_FLAGS)}
+    apply its own default)."""
+    flags = {k: top.get(k) for k in NORM_FLAGS}
     bad = {k: v for k, v in flags.items() if not isinstance(v, bool)}
     if bad:
         raise UserError(f"{where}: layer variant flags {bad} must each be written as true or false")
-    on = [k for k in UNSUPPORTED_FLAGS if flags.pop(k)]
-    if on:
-        raise UserError(f"{where}: layer variants {on} are not what a draftsmith head computes")
     return flags
 
 
@@ -121,8 +110,9 @@ def serving_notes(cfg: dict, fmt: str) -> list[str]:
     """Model-card lines for engines that would serve this head's layer variants wrongly.
 
     Read off their loaders: SGLang `llama_eagle3.py` reads none of the flags and skips an unknown
-    `input_norm.weight`; TensorRT-LLM `modeling_speculative.py` reads `eagle_config.norm_before_fc`
-    and `norm_output` but not `norm_before_residual`. vLLM reads all three in both formats."""
+    `input_norm.weight`; TensorRT-LLM `modeling_speculative.py` reads `eagle_config.norm_before_fc`,
+    `fc_norm` and `norm_output` but not `norm_before_residual`. vLLM reads all four in both
+    formats."""
     on = [k for k, v in norm_flags(cfg).items() if v]
     if fmt != "eagle3" or not on:
         return []
@@ -139,7 +129,7 @@ def serving_notes(cfg: dict, fmt: str) -> list[str]:
 def native_config(cfg: dict, dtype: str) -> dict:
     """config.json of the native layout (vLLM, SGLang and TensorRT-LLM read it)."""
     ids = engine_layer_ids(cfg["aux_layer_ids"])
-    flags = variant_flags(cfg)
+    flags = norm_flags(cfg)
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         **layer_fields(cfg),
@@ -171,7 +161,7 @@ def speculators_config(
         "draft_vocab_size": cfg["draft_vocab_size"],
         "target_hidden_size": cfg["target_hidden_size"],
         "eagle_aux_hidden_state_layer_ids": sorted(cfg["aux_layer_ids"]),
-        **variant_flags(cfg),
+        **norm_flags(cfg),
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [
@@ -212,9 +202,13 @@ def expected_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     )
     p = OUR_LAYER_PREFIX
     fused = len(cfg["aux_layer_ids"]) * cfg["target_hidden_size"]
-    input_norm = {"input_norm.weight": (fused,)} if norm_flags(cfg)["norm_before_fc"] else {}
+    flags = norm_flags(cfg)
+    input_norm = {"input_norm.weight": (fused,)} if flags["norm_before_fc"] else {}
+    n_aux, ht = len(cfg["aux_layer_ids"]), cfg["target_hidden_size"]
+    fc_norm = {f"fc_norm.{i}.weight": (ht,) for i in range(n_aux)} if flags["fc_norm"] else {}
     return {
         **input_norm,
+        **fc_norm,
         "fc.weight": (h, fused),
         f"{p}self_attn.q_proj.weight": (q, 2 * h),
         f"{p}self_attn.k_proj.weight": (kv, 2 * h),

@@ -140,3 +140,33 @@ def test_vllm_serves_the_export_losslessly(served, name):
     assert line["loaded"], line["error"]
     assert line["greedy_text_match"], line  # vLLM with speculation writes what it writes without
     assert line["within_10pct"], line  # vLLM drafts with the weights ours drafts with
+
+
+# ---- EAGLE 3.1's fc_norm, served ------------------------------------------------------------------
+
+# EAGLE 3.1: one RMSNorm per aux layer before fc instead of one over their concatenation.
+EAGLE31 = Eagle3Config(norm_before_fc=False, fc_norm=True)
+
+
+@pytest.fixture(scope="module")
+def served_fc_norm(tmp_path_factory) -> dict[str, dict]:
+    """check_vllm's lines for an fc_norm head (its norms' weights off 1.0, each its own) on the
+    llama family, exported in both formats (bfloat16, as shipped)."""
+    root = tmp_path_factory.mktemp("fc_norm")
+    tok = byte_tokenizer()
+    model = tiny_family_target("llama", len(tok), **SHAPE, **special_token_ids(tok))
+    target = save_target(model, tok, root / "target")
+    head = make_eagle3_head(target, root / "head", cfg=EAGLE31, draft_vocab=DRAFT_VOCAB)
+    return check_in_vllm([export_head(head, fmt, root / fmt)[0] for fmt in ("eagle3", "speculators")])
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_vllm_serves_an_fc_norm_head(served_fc_norm, fmt):
+    """vLLM loads `fc_norm` from the config's top level and `fc_norm.{i}.weight` (an unexpected or
+    misnamed tensor fails its load), writes the same greedy text with the draft as without, and
+    accepts within 10% of our decoder on the same weights. The norms' exact placement is
+    tests/unit/heads/test_eagle3_head.py's, against vLLM's code written out."""
+    line = served_fc_norm[fmt]
+    assert line["loaded"], line["error"]
+    assert line["ours_lossless"] and line["greedy_text_match"], line
+    assert line["within_10pct"], line

@@ -44,9 +44,9 @@ def make_eagle3_head(
     torch.manual_seed(seed)
     d2t = keep - torch.arange(draft_vocab)
     head = Eagle3Head.from_target(model, str(target_dir), cfg or ORIGINAL_LAYOUT, d2t, t2d)
-    with torch.no_grad():  # move the norms off 1.0 so a dropped norm weight would show
+    with torch.no_grad():  # move the norms off 1.0 so a dropped or swapped norm weight would show
         for name, p in head.named_parameters():
-            if name.endswith("norm.weight"):
+            if "norm" in name:  # every RMSNorm's weight: the layer's, input_norm, fc_norm.{i}
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
     return head.save_pretrained(out)
 

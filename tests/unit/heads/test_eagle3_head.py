@@ -3,14 +3,24 @@ and it refuses a target it was not trained for."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from transformers import LlamaConfig
 
 from conf.errors import UserError
 from conf.schema import Eagle3Config
 from data_prep.capture import TOP, greedy_ids
 from data_prep.target import load_target
-from heads.eagle3 import Eagle3Head, default_aux_layer_ids, norm_flags, resolve_aux_layer_ids
+from heads.eagle3 import (
+    NORM_FLAGS,
+    Eagle3Head,
+    default_aux_layer_ids,
+    norm_flags,
+    resolve_aux_layer_ids,
+)
+from heads.folder import CONFIG_NAME
 from tests.support.targets import build_tiny_target
 from trainer.eagle3_trainee import Eagle3Trainee, ttt_attention_mask
 from trainer.trainee import simulated_acceptance_length
@@ -57,7 +67,7 @@ def test_ttt_unroll_equals_chain_decoding(tiny, tiny_llama_dir, variants):
     (with the norm variants too: the state fed back is the same in both)."""
     model, head = tiny
     if variants:
-        head = variant_of(head, model, tiny_llama_dir, **dict.fromkeys(ALL_OFF, True))
+        head = variant_of(head, **dict.fromkeys(ALL_OFF, True))
     torch.manual_seed(1)
     ids = torch.randint(0, 3000, (1, 12))
     aux, _ = aux_features(model, head, ids)
@@ -168,17 +178,23 @@ def test_aux_layer_ids_error_names_the_main_jobs_override(ids, n, shown):
 # ---- layer variants (vLLM `llama_eagle3` / speculators flags) --------------------------------
 
 
-def variant_of(base: Eagle3Head, model, target_dir, **flags) -> Eagle3Head:
-    """`base` with some norm flags on: every shared weight copied, the added input_norm off 1.0
-    (a weight of ones would hide a misplaced norm's scale)."""
-    d2t, t2d = identity_vocab(model.config.vocab_size, 3000)
-    head = Eagle3Head.from_target(model, str(target_dir), Eagle3Config(**(ALL_OFF | flags)), d2t, t2d)
+def variant_of(base: Eagle3Head, **flags) -> Eagle3Head:
+    """`base` with some norm flags on, built from the layer config as a folder's reader builds it
+    (so norm_before_fc with fc_norm, which the training config refuses, is vLLM's too): every shared
+    weight copied, the added norms' weights off 1.0 (ones would hide a misplaced norm's scale)."""
+    head = Eagle3Head(LlamaConfig(**(base.config.to_dict() | flags)), base.target)
     missing, unexpected = head.load_state_dict(base.state_dict(), strict=False)
-    assert unexpected == [] and missing == (["input_norm.weight"] if head.input_norm is not None else [])
-    if head.input_norm is not None:
-        with torch.no_grad():
-            head.input_norm.weight.uniform_(0.5, 1.5)
+    added = [k for k in head.state_dict() if k.startswith(("input_norm.", "fc_norm."))]
+    assert unexpected == [] and sorted(missing) == sorted(added)
+    with torch.no_grad():
+        for name in added:
+            head.get_parameter(name).uniform_(0.5, 1.5)
     return head.eval()
+
+
+def rms_norm_by_hand(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm written out (vLLM's `RMSNorm.forward_native`: float32 mean of squares)."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def reference_chain(head: Eagle3Head, aux, ids, flags: dict[str, bool]):
@@ -187,7 +203,12 @@ def reference_chain(head: Eagle3Head, aux, ids, flags: dict[str, bool]):
     own sub-modules so that the comparison is exact. Returns [fused feature, step 0's fed-back
     hidden, its logits, step 1's fed-back hidden, its logits]."""
     m, t = head.midlayer, ids.shape[1] - 1
-    feat = head.fc(head.input_norm(aux) if flags["norm_before_fc"] else aux)  # combine_hidden_states
+    x = head.input_norm(aux) if flags["norm_before_fc"] else aux  # combine_hidden_states
+    if flags["fc_norm"]:  # then one norm per aux layer's [Ht] slice, in the order of the ids
+        ht, eps = head.config.target_hidden_size, head.config.rms_norm_eps
+        slices = [x[..., i * ht : (i + 1) * ht] for i in range(len(head.fc_norm))]
+        x = torch.cat([rms_norm_by_hand(c, n.weight, eps) for c, n in zip(slices, head.fc_norm)], dim=-1)
+    feat = head.fc(x)
 
     def layer(hidden, tokens, pos, past):
         cos, sin = head.rotary(hidden, pos)
@@ -214,20 +235,20 @@ def head_chain(head: Eagle3Head, aux, ids):
     return [feat, h0, l0, h1, l1]
 
 
-ALL_OFF = dict.fromkeys(("norm_before_fc", "norm_before_residual", "norm_output"), False)
+ALL_OFF = dict.fromkeys(NORM_FLAGS, False)
 
 
 @pytest.mark.parametrize(
     "flags",
-    [{}, {"norm_before_fc": True}, {"norm_before_residual": True}, {"norm_output": True},
-     dict.fromkeys(ALL_OFF, True)],
-    ids=["off", "norm_before_fc", "norm_before_residual", "norm_output", "all"],
+    [{}, {"norm_before_fc": True}, {"fc_norm": True}, {"norm_before_fc": True, "fc_norm": True},
+     {"norm_before_residual": True}, {"norm_output": True}, dict.fromkeys(ALL_OFF, True)],
+    ids=["off", "norm_before_fc", "fc_norm", "both-fc-norms", "norm_before_residual", "norm_output", "all"],
 )
-def test_each_norm_sits_where_vllm_puts_it(tiny, tiny_llama_dir, flags):
+def test_each_norm_sits_where_vllm_puts_it(tiny, flags):
     """Per flag: the head equals the engine's placement exactly, and differs from the flag-off head
     exactly in the outputs that flag reaches (fc input / residual / the state fed back)."""
     model, base = tiny
-    head = variant_of(base, model, tiny_llama_dir, **flags)
+    head = variant_of(base, **flags)
     torch.manual_seed(2)
     ids = torch.randint(0, 3000, (1, 9))
     aux, _ = aux_features(model, head, ids[:, :-1])
@@ -236,9 +257,10 @@ def test_each_norm_sits_where_vllm_puts_it(tiny, tiny_llama_dir, flags):
         off = head_chain(base.eval(), aux, ids)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     (feat, h0, l0, _, l1), (feat_off, h0_off, l0_off, _, l1_off) = got, off
-    assert torch.equal(feat, feat_off) != flags.get("norm_before_fc", False)
+    changes_fc_input = flags.get("norm_before_fc", False) or flags.get("fc_norm", False)
+    assert torch.equal(feat, feat_off) != changes_fc_input
     # Step 0's logits move with anything before the final norm; norm_output alone keeps them.
-    changes_step0 = flags.get("norm_before_fc", False) or flags.get("norm_before_residual", False)
+    changes_step0 = changes_fc_input or flags.get("norm_before_residual", False)
     assert torch.equal(l0, l0_off) != changes_step0
     assert torch.equal(h0, h0_off) != (changes_step0 or flags.get("norm_output", False))
     if flags == {"norm_output": True}:  # the same layer, only the fed-back state is normed
@@ -246,19 +268,58 @@ def test_each_norm_sits_where_vllm_puts_it(tiny, tiny_llama_dir, flags):
     assert torch.equal(l1, l1_off) == (flags == {})
 
 
+def test_fc_norm_is_one_norm_per_aux_layer(tiny):
+    """fc_norm scales each aux layer's slice by that slice's own RMS: a layer whose features are
+    1000x larger reaches fc as it would at 1x (one norm over the concatenation does not)."""
+    model, base = tiny
+    head = variant_of(base, fc_norm=True)
+    assert [tuple(n.weight.shape) for n in head.fc_norm] == [(head.config.target_hidden_size,)] * 3
+    torch.manual_seed(3)
+    ids = torch.randint(0, 3000, (1, 8))
+    aux, _ = aux_features(model, head, ids)
+    ht = head.config.target_hidden_size
+    louder = aux.clone()
+    louder[..., ht : 2 * ht] *= 1000.0
+    with torch.no_grad():
+        assert torch.allclose(head.fuse(louder), head.fuse(aux), atol=1e-3)  # eps aside
+        one_norm = variant_of(base, norm_before_fc=True)  # one RMS over all three: no longer equal
+        assert not torch.allclose(one_norm.fuse(louder), one_norm.fuse(aux), atol=1e-2)
+
+
 def test_flags_off_adds_no_tensor(tiny):
     """The default head is the original layout: no input_norm, the same tensors as before."""
     _, head = tiny
-    assert head.input_norm is None and not any("input_norm" in k for k in head.state_dict())
+    assert head.input_norm is None and head.fc_norm is None
+    assert not any(k.startswith(("input_norm", "fc_norm")) for k in head.state_dict())
+
+
+def test_folder_saved_before_fc_norm_reads_as_off(tiny, tmp_path, tiny_llama_dir):
+    """A head folder written before the flag existed (no `fc_norm` in its config) loads with it
+    off and computes what it computed."""
+    model, base = tiny
+    head = variant_of(base, norm_before_fc=True, norm_output=True)
+    head.save_pretrained(tmp_path / "h")
+    meta_file = tmp_path / "h" / CONFIG_NAME
+    meta = json.loads(meta_file.read_text())
+    del meta["config"]["fc_norm"]
+    meta_file.write_text(json.dumps(meta))
+    again = Eagle3Head.from_pretrained(tmp_path / "h", model, str(tiny_llama_dir))
+    assert again.fc_norm is None and norm_flags(again.config)["fc_norm"] is False
+    aux, _ = aux_features(model, head, torch.randint(0, 3000, (1, 8)))
+    ids = torch.randint(0, 3000, (1, 9))
+    with torch.no_grad():
+        pairs = zip(head_chain(again.eval(), aux, ids), head_chain(head, aux, ids), strict=True)
+        assert all(torch.equal(g, w) for g, w in pairs)
 
 
 def test_norm_variant_folder_round_trip(tiny, tmp_path, tiny_llama_dir):
     model, base = tiny
-    head = variant_of(base, model, tiny_llama_dir, **dict.fromkeys(ALL_OFF, True))
+    head = variant_of(base, **dict.fromkeys(ALL_OFF, True))
     head.save_pretrained(tmp_path / "h")
     again = Eagle3Head.from_pretrained(tmp_path / "h", model, str(tiny_llama_dir))
     assert norm_flags(again.config) == dict.fromkeys(ALL_OFF, True)
     assert torch.equal(again.input_norm.weight, head.input_norm.weight)
+    assert all(torch.equal(a.weight, b.weight) for a, b in zip(again.fc_norm, head.fc_norm, strict=True))
     aux, _ = aux_features(model, head, torch.randint(0, 3000, (1, 8)))
     ids = torch.randint(0, 3000, (1, 9))
     with torch.no_grad():
@@ -270,6 +331,12 @@ def test_norm_flags_refuse_non_bool_before_anything_loads():
     from conf.compose import compose_root
 
     assert compose_root(["+head=eagle3", "head.norm_output=true"]).head.norm_output is True
+    # The two fc-input norms are one or the other (speculators refuses both, TensorRT-LLM would
+    # apply only fc_norm): the override that fixes it is named.
+    with pytest.raises(UserError, match=r"^head.fc_norm=True: .*add head.norm_before_fc=false\)$"):
+        compose_root(["+head=eagle3", "head.fc_norm=true"])
+    both = ["+head=eagle3", "head.fc_norm=true", "head.norm_before_fc=false"]
+    assert compose_root(both).head.fc_norm is True
     for flag in ALL_OFF:
         with pytest.raises(UserError, match=f"{flag}: Value 'maybe' is not a valid bool"):
             compose_root(["+head=eagle3", f"head.{flag}=maybe"])

@@ -327,7 +327,14 @@ def test_broken_export_folder_names_the_file(head_dir, tiny_target, tmp_path, na
 
 # ---- layer variants: every flag written where the engines read it, read back strictly ------------
 
-NORM_FLAGS_ON = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
+# The two fc-input norms, each with the other variants on: one RMSNorm over the concatenation
+# (`input_norm.weight`, [3*Ht]) or one per aux layer (EAGLE 3.1's `fc_norm.{i}.weight`, [Ht] each).
+NORM_FLAGS_ON = {"norm_before_fc": True, "fc_norm": False, "norm_before_residual": True, "norm_output": True}
+FC_NORM_ON = NORM_FLAGS_ON | {"norm_before_fc": False, "fc_norm": True}
+FC_INPUT_NORMS = {
+    "input_norm": (NORM_FLAGS_ON, {"input_norm.weight": (3 * 64,)}),
+    "fc_norm": (FC_NORM_ON, {f"fc_norm.{i}.weight": (64,) for i in range(3)}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -336,34 +343,45 @@ def variant_head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
     return make_eagle3_head(tiny_llama_dir, out, cfg=Eagle3Config(**NORM_FLAGS_ON))
 
 
+@pytest.fixture(scope="module")
+def fc_norm_head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("heads") / "fc_norm"
+    return make_eagle3_head(tiny_llama_dir, out, cfg=Eagle3Config(**FC_NORM_ON))
+
+
+@pytest.mark.parametrize("norm", list(FC_INPUT_NORMS))
 @pytest.mark.parametrize("fmt,reader", [("eagle3", read_native), ("speculators", read_speculators)])
-def test_norm_variants_round_trip(variant_head_dir, tmp_path, tiny_target, fmt, reader):
+def test_norm_variants_round_trip(request, tmp_path, tiny_target, fmt, reader, norm):
     """vLLM 0.32 reads the flags at the top level of both formats (the speculators path copies
     them, defaulting a missing norm_before_residual to true) and `norm_before_fc` from
-    eagle_config first (llama_eagle3.LlamaModel); the fc-input norm is `input_norm.weight`."""
-    out, report = export_head(
-        variant_head_dir, fmt, tmp_path / fmt, target_model=tiny_target, dtype="float32"
-    )
+    eagle_config first (llama_eagle3.LlamaModel); the fc-input norms are `input_norm.weight` and
+    `fc_norm.{i}.weight` (one per aux layer, in the order of the ids) in both formats."""
+    head_dir = request.getfixturevalue("variant_head_dir" if norm == "input_norm" else "fc_norm_head_dir")
+    flags, norm_tensors = FC_INPUT_NORMS[norm]
+    out, report = export_head(head_dir, fmt, tmp_path / fmt, target_model=tiny_target, dtype="float32")
     assert report["max_abs_diff_vs_trained_float32"] == 0.0
     cfg = json.loads((out / "config.json").read_text())
-    assert {k: cfg[k] for k in NORM_FLAGS_ON} == NORM_FLAGS_ON and cfg["fc_norm"] is False
+    assert {k: cfg[k] for k in flags} == flags
     if fmt == "eagle3":
-        assert cfg["eagle_config"]["norm_before_fc"] is True
-    keys = (NATIVE_KEYS if fmt == "eagle3" else SPECULATORS_KEYS) | {"input_norm.weight"}
+        assert cfg["eagle_config"]["norm_before_fc"] is flags["norm_before_fc"]
+    keys = (NATIVE_KEYS if fmt == "eagle3" else SPECULATORS_KEYS) | set(norm_tensors)
     tensors = load_file(out / "model.safetensors")
-    assert set(tensors) == keys and tensors["input_norm.weight"].shape == (3 * 64,)
+    assert set(tensors) == keys
+    assert {k: tuple(tensors[k].shape) for k in norm_tensors} == norm_tensors
+    _, _, trained = load_head(head_dir, "eagle3")
+    assert all(torch.equal(tensors[k], trained[k]) for k in norm_tensors)
     read_cfg, read_tensors = reader(out)
-    assert {k: read_cfg[k] for k in NORM_FLAGS_ON} == NORM_FLAGS_ON
-    _, spec, _ = load_head(variant_head_dir, "eagle3")
+    assert {k: read_cfg[k] for k in flags} == flags
+    _, spec, _ = load_head(head_dir, "eagle3")
     got = EAGLE3_CHECK.outputs(EAGLE3_CHECK.build(read_cfg, spec, read_tensors, tiny_target))
-    expected = trained_outputs(variant_head_dir, tiny_target)
+    expected = trained_outputs(head_dir, tiny_target)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
 def test_flags_off_are_written_false_everywhere(head_dir, tmp_path):
     for fmt in ("eagle3", "speculators"):
         cfg = json.loads((export_head(head_dir, fmt, tmp_path / fmt)[0] / "config.json").read_text())
-        assert all(cfg[k] is False for k in (*NORM_FLAGS_ON, "fc_norm"))
+        assert all(cfg[k] is False for k in NORM_FLAGS_ON)
         assert fmt == "speculators" or cfg["eagle_config"]["norm_before_fc"] is False
 
 
@@ -383,7 +401,8 @@ TAMPERED = {
     # An engine would use its own default for a missing flag (vLLM: norm_before_residual=true).
     "missing": (lambda c: c.pop("norm_before_residual"), "norm_before_residual.*true or false"),
     "not-bool": (lambda c: c.update(norm_output="yes"), "norm_output.*true or false"),
-    "fc_norm": (lambda c: c.update(fc_norm=True), r"\['fc_norm'\] are not what"),
+    # The per-aux-layer norms switched on without their weights.
+    "fc_norm": (lambda c: c.update(fc_norm=True), r"missing \['fc_norm.0.weight'"),
     # vLLM drops `input_norm.weight` without a word when the flag is off.
     "fc-flag-off": (fc_flag_off, r"unknown tensors \['input_norm.weight'\]"),
 }
@@ -396,6 +415,15 @@ def test_reader_refuses_tampered_flags(variant_head_dir, tmp_path, fmt, reader, 
     edit, message = TAMPERED[case]
     edit_config(out, edit)
     with pytest.raises(UserError, match=message):
+        reader(out)
+
+
+@pytest.mark.parametrize("fmt,reader", [("eagle3", read_native), ("speculators", read_speculators)])
+def test_reader_refuses_fc_norm_weights_with_the_flag_off(fc_norm_head_dir, tmp_path, fmt, reader):
+    """vLLM would build no fc_norm for them: the head would be served without its norms."""
+    out, _ = export_head(fc_norm_head_dir, fmt, tmp_path / fmt)
+    edit_config(out, lambda c: c.update(fc_norm=False))
+    with pytest.raises(UserError, match=r"unknown tensors \['fc_norm.0.weight'"):
         reader(out)
 
 
@@ -424,6 +452,36 @@ def test_self_check_refuses_a_flipped_flag(variant_head_dir, tmp_path):
     src_cfg, spec, src_tensors = load_head(variant_head_dir, "eagle3")
     with pytest.raises(UserError, match="config norm_output: True != False"):
         verify_export(EAGLE3_CHECK, src_cfg, spec, src_tensors, read_speculators(out), torch.bfloat16)
+
+
+def swap_fc_norms(cfg: dict, tensors: dict) -> None:
+    """Two aux layers' norms swapped: each applied to the other layer's features."""
+    first, last = tensors["fc_norm.0.weight"], tensors["fc_norm.2.weight"]
+    tensors["fc_norm.0.weight"], tensors["fc_norm.2.weight"] = last, first
+
+
+def drop_fc_norms(cfg: dict, tensors: dict) -> None:
+    """Read back as a head without them."""
+    cfg["fc_norm"] = False
+    for i in range(3):
+        del tensors[f"fc_norm.{i}.weight"]
+
+
+SWAPPED_FC_NORMS = {
+    "swapped": (swap_fc_norms, r"fc_norm.0.weight: values differ"),
+    "flag-off": (drop_fc_norms, r"config fc_norm: True != False"),
+}
+
+
+@pytest.mark.parametrize("case", list(SWAPPED_FC_NORMS))
+def test_self_check_covers_fc_norm(fc_norm_head_dir, tmp_path, case):
+    out, _ = export_head(fc_norm_head_dir, "speculators", tmp_path / "s")
+    read_cfg, read_tensors = read_speculators(out)
+    edit, message = SWAPPED_FC_NORMS[case]
+    edit(read_cfg, read_tensors)
+    src_cfg, spec, src_tensors = load_head(fc_norm_head_dir, "eagle3")
+    with pytest.raises(UserError, match=message):
+        verify_export(EAGLE3_CHECK, src_cfg, spec, src_tensors, (read_cfg, read_tensors), torch.bfloat16)
 
 
 def test_serving_notes_name_the_engines_that_ignore_flags(variant_head_dir, head_dir):
