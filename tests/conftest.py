@@ -26,11 +26,15 @@ TESTS = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test with its tier, the folder it sits in (`-m unit`, `-m e2e`)."""
+    """Mark each test with its tier, the folder it sits in (`-m unit`, `-m e2e`), and `vllm` where
+    its module runs the vLLM venv (names `VLLM_PYTHON`): CI runs those once it has built that venv,
+    and a new engine test is one of them without remembering a marker."""
     for item in items:
         tier = item.path.relative_to(TESTS).parts[0]
         if tier in ("unit", "e2e"):
             item.add_marker(tier)
+        if hasattr(getattr(item, "module", None), "VLLM_PYTHON"):
+            item.add_marker("vllm")
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,8 @@ speculation and with each export: vLLM must load each export and write the same 
 as without it, and its acceptance length must be ours on the same prompts and weights.
 
 What vLLM 0.32 cannot serve is an expected skip with its reason (`UNSERVED`), checked: vLLM must
-still refuse it, so the matrix stays true. Runs only where `.venv-vllm/bin/python` exists (CI has
-none); one vLLM process per family (each engine start costs seconds, the import tens of them).
+still refuse it, so the matrix stays true. Runs only where `.venv-vllm/bin/python` exists (CI
+builds it); one vLLM process per family (each engine start costs seconds, the import tens of them).
 The CPU attention kernels of vLLM take head sizes 32, 64, 80, ... only, so these targets have two
 32-wide heads (one KV head) where the other family tests have four of 16.
 """
