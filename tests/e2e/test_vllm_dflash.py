@@ -90,7 +90,8 @@ def lines(tmp_path_factory) -> dict[str, dict]:
     exports = [export_head(head, fmt, root / fmt)[0] for fmt in ("dflash", "dflash-speculators")]
     cmd = [str(VLLM_PYTHON), str(SCRIPT), *map(str, exports), "--prompts", str(PROMPTS),
            "--max-tokens", str(NEW), "--main-python", sys.executable]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 shared cores: one thread each side
+    # One thread each side (2 shared cores); the check's own side imports this worktree's modules.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1500, env=env)
     found = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(found) == len(exports), f"rc={done.returncode}\n{done.stderr[-4000:]}"
