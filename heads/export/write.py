@@ -103,6 +103,7 @@ def export_head(
             eval_report=report,
             data=run.get("data"),
             training={k: run[k] for k in ("head", "optim") if k in run},
+            speculative_keys=kind.speculative_keys(fmt),
             **kind.card_facts(src_cfg, fmt),
         )
         (tmp / "README.md").write_text(render(facts, kind))
