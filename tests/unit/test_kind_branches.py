@@ -22,6 +22,10 @@ OWN = {
     "trainer/eagle3_trainee.py",
     "trainer/medusa_trainee.py",
     "trainer/decoding/drafters.py",
+    "heads/peagle.py",
+    "heads/export/peagle.py",
+    "trainer/peagle_trainee.py",
+    "trainer/decoding/peagle.py",
 }
 LOOKUPS = ("get", "pop", "startswith", "endswith")
 
