@@ -57,10 +57,8 @@ def rigged_head(model, tokenizer, out: Path) -> Path:
     """A P-EAGLE head (K=3, 2,048 draft ids) trained on the target's greedy answers to the check's
     prompts, saved in the project's folder format."""
     eos = eos_token_ids(model, tokenizer)
-    texts = [
-        torch.cat([x, torch.tensor(greedy_generate(model, x, MAX_TOKENS, eos).tokens)])
-        for x in check_prompts(tokenizer)
-    ]
+    prompts = check_prompts(tokenizer)
+    texts = [torch.cat([x, torch.tensor(greedy_generate(model, x, MAX_TOKENS, eos).tokens)]) for x in prompts]
     v = model.config.vocab_size
     d2t, t2d = build_draft_vocab(torch.bincount(torch.cat(texts), minlength=v), 2048)
     cfg = PEagleConfig(parallel_tokens=K)
@@ -69,14 +67,16 @@ def rigged_head(model, tokenizer, out: Path) -> Path:
     trainee = PEagleTrainee(head, model.get_output_embeddings().weight, K, cfg.step_weight)
     samples = []
     with torch.no_grad():
-        for ids in texts:
+        for x, ids in zip(prompts, texts):
             hs = model(ids[None], output_hidden_states=True).hidden_states
             aux = torch.cat([hs[i][0] for i in head.aux_layer_ids], -1)
-            samples.append({"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool),
-                            "aux_hidden": aux, "final_hidden": hs[-1][0]})
+            answer = torch.arange(ids.numel()) >= x.numel()  # the teacher's rows: answers only
+            samples.append(
+                {"input_ids": ids, "loss_mask": answer, "aux_hidden": aux, "final_hidden": hs[-1][0]}
+            )
     batch = collate(samples, trainee.batch_index)
     opt = torch.optim.AdamW(trainee.head.parameters(), lr=2e-3)
-    for _ in range(80):
+    for _ in range(60):
         loss = trainee(batch)["loss"]
         opt.zero_grad()
         loss.backward()
