@@ -91,8 +91,9 @@ def test_vllm_serves_a_peagle_head_in_parallel_losslessly_with_our_acceptance(tm
     exports = [export_head(head, fmt, tmp_path / fmt, model)[0] for fmt in formats]
     cmd = [str(VLLM_PYTHON), str(SCRIPT), *map(str, exports), "--prompts", str(PROMPTS),
            "--max-tokens", str(MAX_TOKENS), "--k", str(K), "--main-python", sys.executable]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1500,
-                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    # PYTHONPATH: our side (`--role ours`) imports this checkout's modules, not an installed copy.
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1500, env=env)
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == len(exports), f"rc={done.returncode}\n{done.stderr[-4000:]}"
     for line in lines:
