@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 
+from transformers import LlamaConfig
+
 from conf.errors import UserError
 from heads.eagle3 import norm_flags
 from heads.export import eagle3
@@ -34,9 +36,10 @@ def speculative_keys(fmt: str) -> dict:
     return {"method": "eagle3", "parallel_drafting": True}
 
 
-def served_tokens(cfg: dict, asked: int) -> int:
-    """The K the head was trained for: exports serve it whatever the evaluator drafted."""
-    return cfg["parallel_tokens"]
+def served_tokens(cfg: dict | LlamaConfig, asked: int) -> int:
+    """The K the head was trained for: exports serve it whatever the evaluator drafted (`cfg`: a
+    saved head's config, or a loaded head's, as scripts/check_vllm.py passes it)."""
+    return (cfg if isinstance(cfg, dict) else vars(cfg))["parallel_tokens"]
 
 
 def mask_shape(cfg: dict) -> dict[str, tuple[int, ...]]:
