@@ -494,8 +494,49 @@ class Eagle3Config(ObjectiveConfig):
             f"false with {self._key('norm_before_fc')}=true (one norm before fc or the other: "
             f"add {self._key('norm_before_fc')}=false)",
         )
-        self._at_least(1, "ttt_length")
         self._require("step_weight", _probability, "a value in (0, 1]")
+        self.check_steps()
+
+    def check_steps(self) -> None:
+        """The draft steps it trains: the TTT unroll's length (`PEagleConfig` has slots instead)."""
+        self._at_least(1, "ttt_length")
+
+
+@dataclass(frozen=True)
+class PEagleConfig(Eagle3Config):
+    """Hydra group `head/peagle`: an EAGLE-3 head that drafts `parallel_tokens` tokens in one
+    forward (P-EAGLE, arXiv 2602.01469; vLLM's `parallel_drafting`). Slot 1 is EAGLE-3's first
+    step; slots 2..K read a mask token and a learned hidden state (`heads.peagle`). Everything
+    else (layers, variants, loss, `step_weight` as the weight of slot k) is EAGLE-3's."""
+
+    PREFIX: ClassVar[str] = "head"
+    name: str = "peagle"
+    # K: the slots trained per anchor and the num_speculative_tokens its exports serve. 3 = the
+    # tokens the evaluator drafts (eval.num_speculative_tokens), as EAGLE-3's ttt_length.
+    parallel_tokens: int = 3
+    # The input id of slots 2..K, embedded with the target's (shared, frozen) embedding. null:
+    # the target's pad token, else its eos: where both peers' resolution ends for a tokenizer with
+    # no mask token and no unused embedding rows (SmolLM2: 2). Sharing an id with real text is
+    # harmless: a mask slot's hidden is the learned `mask_hidden`, never a target feature.
+    mask_token_id: int | None = None
+    # The share of anchors whose slots 2..K train in a batch (the rest train slot 1 only): bounds
+    # the (K-1) x anchors extra rows on long sequences. 1 = every anchor, as EAGLE-3's unroll
+    # trains every position; the peers keep ~0.7^(k-1) of them at slot k, floor 0.2, on GPUs.
+    anchor_fraction: float = 1.0
+    # No TTT unroll: the slots are `parallel_tokens`.
+    ttt_length: int | None = None
+
+    def check_steps(self) -> None:
+        self._require(
+            "ttt_length",
+            lambda v: v is None,
+            "null: a peagle head drafts its slots in one forward; set head.parallel_tokens",
+        )
+        self._require(
+            "parallel_tokens", lambda v: v >= 2, "an integer >= 2 (slot 1 alone is an EAGLE-3 head)"
+        )
+        self._require("mask_token_id", lambda v: v is None or v >= 0, "null or a token id >= 0")
+        self._require("anchor_fraction", _probability, "a value in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -603,7 +644,9 @@ class DFlashConfig(ObjectiveConfig):
 
 
 # The head config groups by name (`+head=<name>`); each kind's record (`heads.kinds`) holds the rest.
-HEAD_CONFIGS: dict[str, type] = {cls.name: cls for cls in (Eagle3Config, MedusaConfig, DFlashConfig)}
+HEAD_CONFIGS: dict[str, type] = {
+    cls.name: cls for cls in (Eagle3Config, MedusaConfig, PEagleConfig, DFlashConfig)
+}
 
 
 # ---- the root -------------------------------------------------------------------------------
@@ -619,7 +662,7 @@ class RootConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    head: Any = None  # Eagle3Config | MedusaConfig | DFlashConfig, checked against HEAD_CONFIGS
+    head: Any = None  # one of HEAD_CONFIGS' classes, checked against it
     seed: int = 0
     run_dir: str = "outputs"
     resume: bool = False

@@ -248,13 +248,18 @@ class Eagle3Head(nn.Module):
         cls, target_model, target_name: str, cfg: Eagle3Config, d2t: torch.Tensor, t2d: torch.Tensor
     ) -> Eagle3Head:
         """A fresh head: embeddings copied (frozen), lm_head initialised from the target's rows."""
-        config = draft_layer_config(target_model.config, cfg, len(d2t))
+        config = cls.draft_config(target_model.config, cfg, len(d2t))
         head = cls(config, TargetSpec.from_model(target_model, target_name))
         head.set_vocab(d2t, t2d)
         head.embed_tokens.weight.data.copy_(target_model.get_input_embeddings().weight.float())
         target_lm = target_model.get_output_embeddings().weight.float()
         head.lm_head.weight.data.copy_(target_lm[head.draft_token_ids()])
         return head
+
+    @classmethod
+    def draft_config(cls, target_config, cfg: Eagle3Config, draft_vocab_size: int) -> LlamaConfig:
+        """The saved LlamaConfig of a fresh head (a kind built on this one adds its keys)."""
+        return draft_layer_config(target_config, cfg, draft_vocab_size)
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         if d2t.numel() != self.config.draft_vocab_size or t2d.numel() != self.config.vocab_size:
@@ -348,10 +353,13 @@ class Eagle3Head(nn.Module):
         return head
 
 
-def load_for_decoding(path: str | Path, target_model, target_name: str) -> tuple[Eagle3Head, object]:
+def load_for_decoding(
+    path: str | Path, target_model, target_name: str, head_class: type[Eagle3Head] = Eagle3Head
+) -> tuple[Eagle3Head, object]:
     """(head, the model that verifies its drafts) for decoding: the head refuses a target other
-    than its own, and aux layer ids this target lacks, before anything is decoded."""
-    head = Eagle3Head.from_pretrained(path, target_model, target_name)
+    than its own, and aux layer ids this target lacks, before anything is decoded. `head_class`:
+    a kind built on EAGLE-3 loads its own module the same way."""
+    head = head_class.from_pretrained(path, target_model, target_name)
     n_layers = target_model.config.get_text_config().num_hidden_layers
     resolve_aux_layer_ids(head.aux_layer_ids, n_layers, f"the head at {str(path)!r}: aux_layer_ids")
     return head, target_model

@@ -1,4 +1,5 @@
-"""A head kind is one record: everything the rest of the code asks about EAGLE-3, Medusa or DFlash.
+"""A head kind is one record: everything the rest of the code asks about EAGLE-3, Medusa, P-EAGLE
+or DFlash.
 
 Data prep asks which layers to capture, whether there is a draft vocabulary and whether to keep
 the target's top-1 id per token (a teacher over a draft vocabulary needs it); the evaluator
@@ -7,14 +8,15 @@ their layouts, the self-check and the model card's title and serve commands; the
 its trainee and drafter. Each answer is a field of `HeadKind`, so no module outside a kind's own
 branches on the kind's name (`tests/unit/test_kind_branches.py` holds the line).
 
-A new kind (EAGLE 3.1, P-EAGLE, ...) supplies:
+A new kind (EAGLE 3.1's successors, DSpark, ...) supplies:
 - its config class in `conf/schema.py` (its `name` default is the kind's name) with the YAML
   group `conf/head/<name>.yaml`, listed in `conf.schema.HEAD_CONFIGS`: the one schema stays in
   conf, which cannot import this module;
 - `heads/<name>.py`: the head module (`kind = <name>`, `save_pretrained`/`from_pretrained`),
   `captured_layers` and `load_for_decoding`;
 - `heads/export/<name>.py`: its formats' `Layout`s, the self-check's `KindOps`, `serve_lines`
-  (and `card_facts` / `served_tokens` where the defaults below do not fit);
+  (and `card_facts` / `served_tokens` / `engine_keys` where the defaults below do not fit:
+  vLLM serves a P-EAGLE folder as method "eagle3" with parallel drafting, not as "peagle");
 - `trainer/<name>_trainee.py`: the trainee builder and the drafter builder, with the decoding
   drafter in `trainer/decoding/`;
 - one `HeadKind(...)` below, added to `KINDS`.
@@ -37,11 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from conf.errors import UserError
-from conf.schema import DFlashConfig, Eagle3Config, MedusaConfig, RootConfig
-from heads import dflash, eagle3, medusa
+from conf.schema import DFlashConfig, Eagle3Config, MedusaConfig, PEagleConfig, RootConfig
+from heads import dflash, eagle3, medusa, peagle
 from heads.export import dflash as export_dflash
 from heads.export import eagle3 as export_eagle3
 from heads.export import medusa as export_medusa
+from heads.export import peagle as export_peagle
 from heads.export.card import CardFacts
 from heads.export.check import KindOps
 from heads.export.core import Layout
@@ -82,11 +85,20 @@ class HeadKind:
     # data_prep: whether capture keeps the target's top-1 id per token (`data_prep.capture.TOP`),
     # which a teacher over a draft vocabulary needs (is the target's choice inside it?)
     target_top: bool = False
+    # model card and vLLM checks: export format -> vLLM's speculative_config keys besides model and
+    # num_speculative_tokens; None: {"method": <name>}
+    engine_keys: Callable[[str], dict] | None = None
 
     @property
     def name(self) -> str:
-        """+head=<name>, the `kind` of a saved head, and vLLM's speculative method name."""
+        """+head=<name> and the `kind` of a saved head."""
         return self.config.name
+
+    def speculative_keys(self, fmt: str) -> dict:
+        """vLLM's speculative_config keys for an export in `fmt`, besides model and
+        num_speculative_tokens: the method (the kind's name unless `engine_keys` says otherwise,
+        as P-EAGLE's "eagle3" with parallel drafting)."""
+        return {"method": self.name} if self.engine_keys is None else self.engine_keys(fmt)
 
 
 EAGLE3 = HeadKind(
@@ -124,6 +136,26 @@ MEDUSA = HeadKind(
     served_tokens=export_medusa.served_tokens,
 )
 
+PEAGLE = HeadKind(
+    config=PEagleConfig,
+    captured_layers=peagle.captured_layers,
+    draft_vocab=True,
+    served_shape="chain",
+    static_tree=False,
+    load_for_decoding=peagle.load_for_decoding,
+    formats=export_peagle.FORMATS,
+    check=export_peagle.CHECK,
+    title="P-EAGLE draft head",
+    serve_lines=export_peagle.serve_lines,
+    trainee="trainer.peagle_trainee:build_peagle_trainee",
+    drafter="trainer.peagle_trainee:peagle_drafter",
+    bench_fields=("parallel_tokens", "anchor_fraction"),
+    card_facts=export_peagle.card_facts,
+    served_tokens=export_peagle.served_tokens,
+    target_top=True,  # EAGLE-3's teacher over the draft vocabulary
+    engine_keys=export_peagle.speculative_keys,
+)
+
 DFLASH = HeadKind(
     config=DFlashConfig,
     captured_layers=dflash.captured_layers,
@@ -142,7 +174,7 @@ DFLASH = HeadKind(
     served_tokens=export_dflash.served_tokens,
 )
 
-KINDS: dict[str, HeadKind] = {k.name: k for k in (EAGLE3, MEDUSA, DFLASH)}
+KINDS: dict[str, HeadKind] = {k.name: k for k in (EAGLE3, MEDUSA, PEAGLE, DFLASH)}
 
 
 def head_kind(name: str) -> HeadKind:

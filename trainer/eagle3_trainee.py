@@ -66,14 +66,18 @@ def gather_positions(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(valid, order, 0), valid
 
 
-def ttt_batch_index(batch: Batch, ttt_length: int, prompt_weight: float = 0.0) -> Batch:
+def ttt_batch_index(
+    batch: Batch, ttt_length: int, prompt_weight: float = 0.0, anchors: torch.Tensor | None = None
+) -> Batch:
     """`Eagle3Trainee.batch_index`: where each of the N labels is read at each unroll step.
 
     Label j at flat position (row, u) is predicted at step k from position u-2-k, if that is in
     its own sample (its `label_position` is >= 2+k). Adds `label_batch_index`'s fields;
     `ttt_positions`, `ttt_valid` [B,S]: the positions the later steps run (`gather_positions` of
     those any later step predicts a label from); `ttt_rows` [K,N]: label j's row among step k's
-    flattened hidden states (0 where it has none there). The labels are `trained_mask`'s.
+    flattened hidden states (0 where it has none there); `ttt_counted` [K,N]: whether step k
+    predicts label j. The labels are `trained_mask`'s. `anchors` [B,T] (None: all): the only
+    positions the later steps run, a sub-sample that bounds their cost.
     """
     mask = trained_mask(batch, prompt_weight)
     index = label_batch_index(batch, prompt_weight)
@@ -81,18 +85,25 @@ def ttt_batch_index(batch: Batch, ttt_length: int, prompt_weight: float = 0.0) -
     later = torch.zeros_like(mask)
     for k in range(1, ttt_length):
         later |= shift_left(mask & (places >= 2 + k), 2 + k, False)
+    if anchors is not None:
+        later &= anchors
     positions, valid = gather_positions(later)
     # Where each position sits among its row's gathered ones (garbage, clamped, where it is none).
     column = (later.long().cumsum(1) - 1).flatten()
     row_start = labels // mask.shape[1] * positions.shape[1]
     rows = [(labels - 2).clamp(min=0)]  # step 0 runs every position
+    counted = [index[LABEL_POSITION] >= 2]
+    flat_later = later.flatten()
     for k in range(1, ttt_length):
-        rows.append(row_start + column[(labels - 2 - k).clamp(min=0)].clamp(min=0))
+        source = (labels - 2 - k).clamp(min=0)
+        rows.append(row_start + column[source].clamp(min=0))
+        counted.append((index[LABEL_POSITION] >= 2 + k) & flat_later[source])
     return {
         **index,
         "ttt_positions": positions,
         "ttt_valid": valid,
         "ttt_rows": torch.stack(rows),
+        "ttt_counted": torch.stack(counted),
     }
 
 
@@ -206,11 +217,13 @@ class Eagle3Trainee(nn.Module):
         Logits (draft and teacher) are computed only at the N labelled rows (`ttt_batch_index`):
         the label mask of assistant tokens usually leaves out the prompt, and the vocab
         projections dominate. Every step computes all N, at fixed shapes, and masks out those it
-        has no prediction for (fewer than 2+k tokens of its sample before it) or whose target
+        has no prediction for (fewer than 2+k tokens of its sample before it, or an anchor the
+        step did not run: `ttt_counted`) or whose target
         token is outside the draft vocabulary."""
         batch = indexed(batch, self.batch_index)
         ids, labels, rows = batch["input_ids"], batch[LABEL_INDEX], batch["ttt_rows"]
-        position = batch[LABEL_POSITION]  # in its own sample: the prediction never crosses one
+        # Step k predicts a label from its own sample only, and from a position the step ran.
+        predicted = batch["ttt_counted"]
         # The target's distribution for the token at u is the one it computed at u-1.
         before = (labels - 1).clamp(min=0)
         final = batch["final_hidden"].flatten(0, 1).index_select(0, before)
@@ -224,7 +237,7 @@ class Eagle3Trainee(nn.Module):
         later = (batch["ttt_positions"], batch["ttt_valid"])
         steps = self.unroll_gathered(batch["aux_hidden"], ids, later, position_ids(batch))
         for k, hidden, _, _ in steps:
-            labelled = position >= 2 + k
+            labelled = predicted[k]
             counted = labelled & inside
             logits = self.head.logits(hidden.flatten(0, 1).index_select(0, rows[k])).float()
             row_loss = self.objective.soft(F.log_softmax(logits, dim=-1), teacher_p)
@@ -254,17 +267,21 @@ class Eagle3Trainee(nn.Module):
         return Eagle3Drafter(self.head), target
 
 
-def build_eagle3_trainee(cfg, target, data_dir: Path | None) -> Eagle3Trainee:
-    """A fresh head for `target` over the draft vocabulary built with the data (no data folder:
-    the lowest ids, which cost a step what any vocabulary of that size costs)."""
+def draft_vocab(cfg, target, data_dir: Path | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of a fresh head: the draft vocabulary built with the data (no data folder: the
+    lowest ids, which cost a step what any vocabulary of that size costs)."""
     from data_prep.vocab import build_draft_vocab, load_draft_vocab
 
     if data_dir is None:
         vocab = target.config.get_text_config().vocab_size
         counts = torch.zeros(vocab, dtype=torch.long)
-        d2t, t2d = build_draft_vocab(counts, min(cfg.data.draft_vocab_size, vocab))
-    else:
-        d2t, t2d = load_draft_vocab(data_dir)
+        return build_draft_vocab(counts, min(cfg.data.draft_vocab_size, vocab))
+    return load_draft_vocab(data_dir)
+
+
+def build_eagle3_trainee(cfg, target, data_dir: Path | None) -> Eagle3Trainee:
+    """A fresh head for `target` over the draft vocabulary of `draft_vocab`."""
+    d2t, t2d = draft_vocab(cfg, target, data_dir)
     head = Eagle3Head.from_target(target, cfg.target.name_or_path, cfg.head, d2t, t2d)
     lm_head = target.get_output_embeddings().weight
     objective = Objective.from_config(cfg.head)

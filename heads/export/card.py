@@ -47,6 +47,8 @@ class CardFacts:
     data: dict | None = None  # the run's `data` config
     training: dict | None = None  # the run's `head` and `optim` configs
     notes: list[str] = field(default_factory=list)
+    # vLLM's speculative_config keys besides model and num_speculative_tokens (the kind's record)
+    speculative_keys: dict = field(default_factory=dict)
 
 
 def front_matter(f: CardFacts, library: str) -> str:

@@ -22,6 +22,7 @@ top level, where vLLM (both paths) and TensorRT-LLM read it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -227,9 +228,12 @@ def expected_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     }
 
 
-def check_tensor_names(tensors: dict[str, torch.Tensor], cfg: dict, where: str) -> None:
-    """Refuse a folder whose tensors are not exactly the ones the engines load."""
-    check_layout(tensors, expected_tensor_shapes(cfg), where)
+def check_tensor_names(
+    tensors: dict[str, torch.Tensor], cfg: dict, where: str, extra: dict[str, tuple[int, ...]] | None = None
+) -> None:
+    """Refuse a folder whose tensors are not exactly the ones the engines load (`extra`: what a
+    kind built on EAGLE-3 adds)."""
+    check_layout(tensors, expected_tensor_shapes(cfg) | (extra or {}), where)
     d2t = tensors.get("d2t")
     if (d2t is not None and d2t.dtype != torch.int64) or tensors["t2d"].dtype != torch.bool:
         raise UserError(f"{where}: d2t must be int64 offsets and t2d bool")
@@ -273,10 +277,21 @@ def _head_config(layer: dict, top: dict, aux_layer_ids: list[int], flags: dict[s
     }
 
 
-def read_native(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def _no_extra(top: dict, cfg: dict, where: str) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    return {}, {}
+
+
+# What a kind built on EAGLE-3 reads beyond it: (config.json, our config kwargs so far, where) ->
+# (more config kwargs, more tensor shapes), refusing what is missing or wrong.
+Extra = Callable[[dict, dict, str], tuple[dict, dict[str, tuple[int, ...]]]]
+
+
+def read_native(
+    folder: Path, extra: Extra = _no_extra, fmt: str = "eagle3"
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """Our loader for the native layout: (draft config kwargs, tensors in our names)."""
     top, tensors = read_folder(folder, WEIGHTS_FILE)
-    where = f"eagle3 export {folder}"
+    where = f"{fmt} export {folder}"
     ids = top["eagle_aux_hidden_state_layer_ids"]
     sglang = top.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
     if sglang != engine_layer_ids(ids)["sglang"]:
@@ -289,16 +304,20 @@ def read_native(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
             f"{flags['norm_before_fc']}; vLLM and TensorRT-LLM read the eagle_config one"
         )
     cfg = _head_config(top, top, ids, flags)
-    check_tensor_names(tensors, cfg, where)
+    more, shapes = extra(top, cfg, where)
+    cfg |= more
+    check_tensor_names(tensors, cfg, where, shapes)
     return cfg, with_d2t(tensors, cfg)
 
 
-def read_speculators(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_speculators(
+    folder: Path, extra: Extra = _no_extra, model_type: str = "eagle3"
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """Our loader for the speculators layout: (draft config kwargs, tensors in our names)."""
     top, tensors = read_folder(folder, WEIGHTS_FILE)
     where = f"speculators export {folder}"
-    if top.get("speculators_model_type") != "eagle3":
-        raise UserError(f"{where}: speculators_model_type is not eagle3")
+    if top.get("speculators_model_type") != model_type:
+        raise UserError(f"{where}: speculators_model_type is not {model_type}")
     flags = read_variant_flags(top, where)
     foreign = [k for k in tensors if k.startswith(OUR_LAYER_PREFIX)]
     if foreign:
@@ -307,21 +326,28 @@ def read_speculators(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     cfg = _head_config(
         top["transformer_layer_config"], top, top["eagle_aux_hidden_state_layer_ids"], flags
     )
-    check_tensor_names(tensors, cfg, where)
+    more, shapes = extra(top, cfg, where)
+    cfg |= more
+    check_tensor_names(tensors, cfg, where, shapes)
     return cfg, with_d2t(tensors, cfg)
 
 
 def build_head(
-    cfg: dict, spec: TargetSpec, tensors: dict[str, torch.Tensor], embed: torch.Tensor
+    cfg: dict,
+    spec: TargetSpec,
+    tensors: dict[str, torch.Tensor],
+    embed: torch.Tensor,
+    head_class: type[Eagle3Head] = Eagle3Head,
 ) -> Eagle3Head:
-    """An `Eagle3Head` from config kwargs and tensors; `embed` is the target's (never exported)."""
-    head = Eagle3Head(LlamaConfig(**cfg), spec)
+    """An `Eagle3Head` (or `head_class`) from config kwargs and tensors; `embed` is the target's
+    (never exported)."""
+    head = head_class(LlamaConfig(**cfg), spec)
     missing, unexpected = head.load_state_dict(
         {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=False
     )
     missing = [k for k in missing if not k.startswith(("embed_tokens.", "rotary."))]
     if missing or unexpected:
-        raise UserError(f"eagle3 head: missing {missing}, unexpected {unexpected}")
+        raise UserError(f"{head.kind} head: missing {missing}, unexpected {unexpected}")
     head.embed_tokens.weight.data.copy_(embed.float())
     return head.eval()
 
@@ -339,7 +365,7 @@ def head_outputs(head: Eagle3Head, seed: int = 0) -> dict[str, torch.Tensor]:
     return {"fused": fused, "fed_back_hidden": hidden, "draft_logits": logits}
 
 
-def _target_embed(cfg: dict, target_model) -> torch.Tensor:
+def target_embed(cfg: dict, target_model) -> torch.Tensor:
     """The target's input embeddings, or a fixed random stand-in: they are never exported, so
     any shared matrix tests the exported weights equally well."""
     if target_model is not None:
@@ -364,7 +390,7 @@ def config_fields(cfg: dict) -> dict:
 
 
 CHECK = KindOps(
-    build=lambda cfg, spec, t, target: build_head(cfg, spec, t, _target_embed(cfg, target)),
+    build=lambda cfg, spec, t, target: build_head(cfg, spec, t, target_embed(cfg, target)),
     outputs=head_outputs,
     config_fields=config_fields,
 )
@@ -382,7 +408,7 @@ def serve_lines(f: CardFacts) -> list[str]:
     native one."""
     base = hub_id(f.target_name) or f.target_name
     k, loc = f.num_speculative_tokens, f.location
-    spec = json.dumps({"method": "eagle3", "model": loc, "num_speculative_tokens": k})
+    spec = json.dumps({"method": "eagle3", "model": loc, "num_speculative_tokens": k} | f.speculative_keys)
     lines = []
     if f.fmt == "speculators":
         lines += [
@@ -423,12 +449,18 @@ def serve_lines(f: CardFacts) -> list[str]:
     return lines
 
 
+# The mask-token keys of a parallel-drafting head (vLLM 0.32 `_init_parallel_drafting_params`):
+# a native config with one is not an EAGLE-3 head's.
+PARALLEL_DRAFTING_KEYS = {"mask_token_id", "pard_token", "ptd_token_id", "dspark_noise_token_id"}
+
 FORMATS = {
     "eagle3": Layout(
         WEIGHTS_FILE,
         lambda cfg, ctx: native_config(cfg, ctx.dtype),
         read_native,
-        lambda top: "draft_vocab_size" in top and "speculators_model_type" not in top,
+        lambda top: "draft_vocab_size" in top
+        and "speculators_model_type" not in top
+        and not PARALLEL_DRAFTING_KEYS & set(top),
         "vllm",
         native_tensors,
     ),

@@ -1,7 +1,8 @@
 """Export a trained head for the serving engines: `python -m heads.export head=<path> format=<fmt>`.
 
 Formats: `eagle3` (native LlamaForCausalLMEagle3 folder: vLLM, SGLang, TensorRT-LLM),
-`speculators` (vLLM's one-command format), `medusa-vllm`, `medusa-tgi`. Each export is written to a
+`speculators` (vLLM's one-command format), `medusa-vllm`, `medusa-tgi`, and P-EAGLE's `peagle` and
+`peagle-speculators`. Each export is written to a
 temporary folder, reloaded by the format's own strict reader and compared with the trained head
 (tensors, config, outputs) before it is renamed into place; then a model card is added and,
 with `push_to_hub=<repo_id>`, the folder is uploaded.
@@ -103,6 +104,7 @@ def export_head(
             eval_report=report,
             data=run.get("data"),
             training={k: run[k] for k in ("head", "optim") if k in run},
+            speculative_keys=kind.speculative_keys(fmt),
             **kind.card_facts(src_cfg, fmt),
         )
         (tmp / "README.md").write_text(render(facts, kind))

@@ -32,10 +32,10 @@ def eagle_head(model, name: str, out: Path, aux: list[int] | None = None) -> Pat
 
 def make_eagle3_head(
     target_dir: Path, out: Path, seed: int = 0, cfg: Eagle3Config | None = None,
-    draft_vocab: int = DRAFT_VOCAB,
+    draft_vocab: int = DRAFT_VOCAB, head_class: type[Eagle3Head] = Eagle3Head,
 ) -> Path:
-    """A fresh EAGLE-3 head with a reduced, non-contiguous draft vocabulary of `draft_vocab` ids
-    (so d2t matters)."""
+    """A fresh EAGLE-3 head (or `head_class`, a kind built on it, with its `cfg`) with a reduced,
+    non-contiguous draft vocabulary of `draft_vocab` ids (so d2t matters)."""
     model, _ = load_target(str(target_dir))
     v = model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
@@ -44,7 +44,7 @@ def make_eagle3_head(
     t2d[keep] = True
     torch.manual_seed(seed)
     d2t = keep - torch.arange(draft_vocab)
-    head = Eagle3Head.from_target(model, str(target_dir), cfg or ORIGINAL_LAYOUT, d2t, t2d)
+    head = head_class.from_target(model, str(target_dir), cfg or ORIGINAL_LAYOUT, d2t, t2d)
     with torch.no_grad():  # move the norms off 1.0 so a dropped or swapped norm weight would show
         for name, p in head.named_parameters():
             if "norm" in name:  # every RMSNorm's weight: the layer's, input_norm, fc_norm.{i}

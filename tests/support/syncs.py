@@ -11,16 +11,18 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conf.schema import DistConfig, Eagle3Config, MedusaConfig, OptimConfig
+from conf.schema import DistConfig, Eagle3Config, MedusaConfig, OptimConfig, PEagleConfig
 from data_prep.capture import TOP, greedy_ids
 from heads.eagle3 import Eagle3Head
 from heads.medusa import MedusaHead
+from heads.peagle import PEagleHead
 from trainer.batching import batch_loader
 from trainer.distributed import build_accelerator
 from trainer.eagle3_trainee import Eagle3Trainee
 from trainer.health import NonFiniteWatch
 from trainer.loop import lr_lambda, train_step
 from trainer.medusa_trainee import JointMedusaTrainee, MedusaTrainee
+from trainer.peagle_trainee import PEagleTrainee
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -132,6 +134,21 @@ def eagle3(model, draft: int = 3000, aux: tuple[int, ...] = (2, 4, 5), ttt_lengt
     head = Eagle3Head.from_target(model, "tiny", Eagle3Config(aux_layer_ids=list(aux)), d2t, t2d)
     lm_head = model.get_output_embeddings().weight
     trainee = Eagle3Trainee(head, lm_head, ttt_length=ttt_length, step_weight=0.8)
+    return trainee, ("aux_hidden", "final_hidden", TOP)
+
+
+def peagle(
+    model, draft: int = 3000, aux: tuple[int, ...] = (2, 4, 5), slots: int = 3, anchor_fraction: float = 0.5
+):
+    """A P-EAGLE trainee drafting over the first `draft` ids (mask slots at a sample of anchors),
+    and the captured fields it reads."""
+    vocab = model.config.vocab_size
+    d2t, t2d = torch.zeros(draft, dtype=torch.long), torch.zeros(vocab, dtype=torch.bool)
+    t2d[:draft] = True
+    cfg = PEagleConfig(aux_layer_ids=list(aux), parallel_tokens=slots, mask_token_id=0)
+    head = PEagleHead.from_target(model, "tiny", cfg, d2t, t2d)
+    lm_head = model.get_output_embeddings().weight
+    trainee = PEagleTrainee(head, lm_head, slots, 0.8, anchor_fraction=anchor_fraction)
     return trainee, ("aux_hidden", "final_hidden", TOP)
 
 

@@ -26,6 +26,10 @@ OWN = {
     "trainer/medusa_trainee.py",
     "trainer/decoding/dflash.py",
     "trainer/decoding/drafters.py",
+    "heads/peagle.py",
+    "heads/export/peagle.py",
+    "trainer/peagle_trainee.py",
+    "trainer/decoding/peagle.py",
 }
 LOOKUPS = ("get", "pop", "startswith", "endswith")
 

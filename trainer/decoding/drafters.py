@@ -67,7 +67,8 @@ class Draft:
     q: torch.Tensor | None = None
 
 
-def _stack(qs: list[torch.Tensor | None]) -> torch.Tensor | None:
+def stack_probs(qs: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """A chain's `Draft.q` from its tokens' probabilities (None: drafted deterministically)."""
     return None if qs[0] is None else torch.stack(qs)
 
 
@@ -164,7 +165,7 @@ class Eagle3Drafter:
                 seen = torch.ones(1, j + 1, dtype=torch.bool, device=self.device)
                 hidden, step_logits = self._step(hidden, self._ids(token)[None], position, seen)
                 logits = step_logits[0, -1]
-        return Draft(torch.tensor(tokens), None, _stack(qs))
+        return Draft(torch.tensor(tokens), None, stack_probs(qs))
 
     def _tree(self, shape: Tree, hidden: torch.Tensor, logits: torch.Tensor, pos: int) -> Draft:
         k = shape.topk
@@ -227,7 +228,7 @@ class MedusaDrafter:
             top = logits.topk(max(ranks) + 1, dim=-1).indices
             return Draft(top[heads[1:], ranks[1:]].cpu(), parents, None)
         picks = [sampling.pick(logits[j]) for j in range(shape.k)]
-        return Draft(torch.tensor([t for t, _ in picks]), None, _stack([q for _, q in picks]))
+        return Draft(torch.tensor([t for t, _ in picks]), None, stack_probs([q for _, q in picks]))
 
 
 class OracleDrafter:
@@ -261,4 +262,4 @@ class OracleDrafter:
         tokens = seq[self.seq.numel() :]
         if isinstance(shape, Tree):
             return Draft(tokens, chain_parents(n + 1), None)
-        return Draft(tokens, None, _stack(qs))
+        return Draft(tokens, None, stack_probs(qs))

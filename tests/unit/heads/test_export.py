@@ -201,7 +201,7 @@ def test_every_format_belongs_to_one_kind_and_every_kind_to_the_schema():
     """The kinds' records name the formats (config checks, defaults): no format name is shared by
     two kinds (`format_kind` would pick the first), and the records are the schema's head groups."""
     names = [fmt for k in KINDS.values() for fmt in k.formats]
-    assert len(names) == len(set(names)) == len(layouts()) == 6
+    assert len(names) == len(set(names)) == len(layouts()) == 8
     assert {n: k.config for n, k in KINDS.items()} == HEAD_CONFIGS
     assert set(DTYPES) == set(EXPORT_DTYPES)
 

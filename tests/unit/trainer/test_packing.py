@@ -28,6 +28,7 @@ from tests.support.decode import chaotic_target
 from tests.support.runs import tiny_run_config, train_losses
 from tests.support.syncs import assert_steps_never_sync
 from tests.support.syncs import eagle3 as eagle3_trainee
+from tests.support.syncs import peagle as peagle_trainee
 from trainer.batching import (
     collate,
     collate_packed,
@@ -78,6 +79,13 @@ def eagle3(model):
     return eagle3_trainee(model, draft=200, aux=AUX, ttt_length=4)
 
 
+def peagle(model):
+    """Every anchor's mask slots: the sample of anchors is seeded by the batch's tokens, which
+    packing reorders."""
+    torch.manual_seed(0)
+    return peagle_trainee(model, draft=200, aux=AUX, slots=4, anchor_fraction=1.0)
+
+
 def medusa1(model):
     torch.manual_seed(0)
     head = MedusaHead.from_target(model, "tiny", MedusaConfig(num_heads=3))
@@ -105,7 +113,9 @@ def floats(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.float() if v.is_floating_point() else v for k, v in batch.items()}
 
 
-@pytest.mark.parametrize("build", [eagle3, medusa1, medusa2], ids=["eagle3-ttt4", "medusa1", "medusa2"])
+@pytest.mark.parametrize(
+    "build", [eagle3, medusa1, medusa2, peagle], ids=["eagle3-ttt4", "medusa1", "medusa2", "peagle-k4"]
+)
 def test_packed_batch_gives_each_sample_its_unpacked_loss(target, build):
     trainee, fields = build(target)
     trainee.eval()  # Medusa-2 counts training batches; nothing else differs
@@ -170,7 +180,9 @@ def test_online_capture_of_packed_rows_equals_each_sample_alone(target):
         assert not stored["final_hidden"][r, start:].any()  # zero on padding, as collate pads
 
 
-@pytest.mark.parametrize("build", [eagle3, medusa1, medusa2], ids=["eagle3", "medusa1", "medusa2"])
+@pytest.mark.parametrize(
+    "build", [eagle3, medusa1, medusa2, peagle], ids=["eagle3", "medusa1", "medusa2", "peagle"]
+)
 def test_packed_training_steps_never_sync(target, build, tmp_path):
     trainee, fields = build(target)
     assert_steps_never_sync(trainee, items(target, fields)[:4], tmp_path, packed=True)

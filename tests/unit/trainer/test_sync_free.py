@@ -23,6 +23,7 @@ from tests.support.syncs import (
     eagle3,
     medusa1,
     medusa2,
+    peagle,
     samples,
 )
 from trainer.batching import collate
@@ -49,7 +50,9 @@ def target(tiny_llama_dir):
     return model
 
 
-@pytest.mark.parametrize("build", [eagle3, medusa1, medusa2], ids=["eagle3", "medusa1", "medusa2-lora"])
+@pytest.mark.parametrize(
+    "build", [eagle3, medusa1, medusa2, peagle], ids=["eagle3", "medusa1", "medusa2-lora", "peagle"]
+)
 def test_training_steps_never_sync(target, build, tmp_path):
     torch.manual_seed(0)
     trainee, fields = build(target)
