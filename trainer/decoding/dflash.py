@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from conf.errors import UserError
-from trainer.decoding.drafters import Chain, Draft, Shape, _stack
+from trainer.decoding.drafters import Chain, Draft, Shape, stack_probs
 from trainer.decoding.kv_cache import StaticCache, capacity_for
 from trainer.decoding.verify import Sampling
 
@@ -75,4 +75,4 @@ class DFlashDrafter:
         self.check(shape)
         logits = self.block_logits()[: min(shape.k, self.drafts)]
         picks = [sampling.pick(row) for row in logits]
-        return Draft(torch.tensor([t for t, _ in picks]), None, _stack([q for _, q in picks]))
+        return Draft(torch.tensor([t for t, _ in picks]), None, stack_probs([q for _, q in picks]))

@@ -11,6 +11,7 @@ import torch
 
 from conf.errors import UserError
 from conf.schema import PEagleConfig
+from data_prep.capture import TOP, greedy_ids
 from heads.peagle import PEagleHead
 from tests.support.decode import chaotic_target
 from trainer.decoding import Chain, Sampling, Tree, speculative_generate
@@ -127,6 +128,7 @@ def captured(target, ids: torch.Tensor) -> dict:
         "input_ids": ids,
         "aux_hidden": torch.cat([hs[i] for i in AUX], -1),
         "final_hidden": hs[-1],
+        TOP: greedy_ids(target.get_output_embeddings(), hs[-1]),
         "loss_mask": torch.ones_like(ids, dtype=torch.bool),
         "attention_mask": torch.ones_like(ids),
     }
