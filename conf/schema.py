@@ -465,8 +465,9 @@ class Eagle3Config(ObjectiveConfig):
     # would apply only fc_norm, so they are exclusive here); the residual taken after hidden_norm;
     # the post-norm hidden fed back between draft steps (EAGLE 3.1).
     # On by default: on the embedded default's data and steps they raised vLLM's acceptance length
-    # (see README, Measured: rows "original EAGLE-3" and "the three `head.norm_*` on"). A head
-    # folder saved without them still reads as all off (`heads.eagle3.norm_flags`).
+    # (see README, Measured: rows "original EAGLE-3" and "the three `head.norm_*` on"). fc_norm in
+    # place of norm_before_fc scored lower there (vLLM τ 1.253 vs 1.262, row "EAGLE 3.1"), so it
+    # is off. A head folder saved without them still reads as all off (`heads.eagle3.norm_flags`).
     norm_before_fc: bool = True
     fc_norm: bool = False
     norm_before_residual: bool = True
