@@ -39,12 +39,11 @@ from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean
 from trainer.trainee import (
     LABEL_INDEX,
     Batch,
+    HeadTrainee,
     indexed,
     label_index,
     position_ids,
     shift_left,
-    simulated_acceptance_length,
-    strip_prefix,
     trained_mask,
 )
 
@@ -119,7 +118,7 @@ def block_attention_mask(
     return torch.cat([context, own], dim=2)[:, None]
 
 
-class DFlashTrainee(nn.Module):
+class DFlashTrainee(HeadTrainee, nn.Module):
     def __init__(
         self,
         head: DFlashHead,
@@ -193,25 +192,6 @@ class DFlashTrainee(nn.Module):
             correct = torch.zeros(k_max, device=ids.device).index_add_(0, at, hit.float())
             total = torch.zeros(k_max, device=ids.device).index_add_(0, at, answer.float())
         return {"loss": loss, "correct": correct, "total": total}
-
-    @staticmethod
-    def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Per drafted token k its top-1 agreement, and the chain acceptance length they imply
-        (the score): the block's slots are drafted at once, so their product assumes slot k is
-        right independently of the slots before it."""
-        acc = (sums["correct"] / sums["total"].clamp(min=1)).tolist()
-        out = {f"acc_{k}": a for k, a in enumerate(acc)}
-        out["sim_acceptance_length"] = simulated_acceptance_length(acc)
-        out["score"] = out["sim_acceptance_length"]
-        return out
-
-    def param_groups(self, lr: float, weight_decay: float) -> list[dict]:
-        params = [p for p in self.head.parameters() if p.requires_grad]
-        return [{"params": params, "lr": lr, "weight_decay": weight_decay}]
-
-    def save_pretrained(self, out_dir: str | Path, state: dict | None = None) -> Path:
-        head_state = None if state is None else strip_prefix(state, "head.")
-        return self.head.save_pretrained(out_dir, state=head_state)
 
     def drafter(self, target) -> tuple[DFlashDrafter, object]:
         return DFlashDrafter(self.head), target

@@ -25,12 +25,11 @@ from trainer.trainee import (
     LABEL_INDEX,
     LABEL_POSITION,
     Batch,
+    HeadTrainee,
     indexed,
     label_batch_index,
     position_ids,
     shift_left,
-    simulated_acceptance_length,
-    strip_prefix,
     trained_mask,
 )
 
@@ -130,7 +129,7 @@ def draft_teacher(
     return F.softmax(logits.float(), dim=-1), target_to_draft[target_top.long()]
 
 
-class Eagle3Trainee(nn.Module):
+class Eagle3Trainee(HeadTrainee, nn.Module):
     def __init__(
         self,
         head: Eagle3Head,
@@ -246,22 +245,6 @@ class Eagle3Trainee(nn.Module):
                 correct[k] = (counted & answer & (logits.argmax(-1) == teacher_top)).sum()
                 total[k] = (labelled & answer).sum()
         return {"loss": loss, "correct": correct, "total": total}
-
-    @staticmethod
-    def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        acc = (sums["correct"] / sums["total"].clamp(min=1)).tolist()
-        out = {f"acc_{k}": a for k, a in enumerate(acc)}
-        out["sim_acceptance_length"] = simulated_acceptance_length(acc)
-        out["score"] = out["sim_acceptance_length"]
-        return out
-
-    def param_groups(self, lr: float, weight_decay: float) -> list[dict]:
-        params = [p for p in self.head.parameters() if p.requires_grad]
-        return [{"params": params, "lr": lr, "weight_decay": weight_decay}]
-
-    def save_pretrained(self, out_dir: str | Path, state: dict | None = None) -> Path:
-        head_state = None if state is None else strip_prefix(state, "head.")
-        return self.head.save_pretrained(out_dir, state=head_state)
 
     def drafter(self, target) -> tuple[Eagle3Drafter, object]:
         return Eagle3Drafter(self.head), target

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from torch import nn
 
 LABEL_INDEX = "label_index"  # the batch fields `label_batch_index` adds
 LABEL_POSITION = "label_position"
@@ -111,3 +112,28 @@ def simulated_acceptance_length(acc: list[float]) -> float:
 
 def strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+class HeadTrainee:
+    """The parts of a trainee that trains its `head` alone and reports per-step top-1 agreement
+    (`correct[k]`/`total[k]`): EAGLE-3, P-EAGLE and DFlash share them. The score is the chain
+    acceptance length those rates imply (for a block drafted at once, DFlash's, it takes slot k
+    to be right independently of the slots before it)."""
+
+    head: nn.Module
+
+    @staticmethod
+    def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        acc = (sums["correct"] / sums["total"].clamp(min=1)).tolist()
+        out = {f"acc_{k}": a for k, a in enumerate(acc)}
+        out["sim_acceptance_length"] = simulated_acceptance_length(acc)
+        out["score"] = out["sim_acceptance_length"]
+        return out
+
+    def param_groups(self, lr: float, weight_decay: float) -> list[dict]:
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        return [{"params": params, "lr": lr, "weight_decay": weight_decay}]
+
+    def save_pretrained(self, out_dir: str | Path, state: dict | None = None) -> Path:
+        head_state = None if state is None else strip_prefix(state, "head.")
+        return self.head.save_pretrained(out_dir, state=head_state)
