@@ -56,6 +56,18 @@ def default_mask_token_id(tokenizer, vocab_size: int) -> int:
     return found
 
 
+def check_mask_token_id(mask_token_id: int, vocab_size: int) -> None:
+    if not 0 <= mask_token_id < vocab_size:
+        raise UserError(f"head.mask_token_id={mask_token_id}: expected an id below the target's {vocab_size}")
+
+
+def check_target(cfg: DFlashConfig, target_config) -> None:
+    """An explicit `head.mask_token_id` lies inside this target's vocabulary (`HeadKind.check_target`;
+    the default comes from the tokenizer, inside it by construction)."""
+    if cfg.mask_token_id is not None:
+        check_mask_token_id(cfg.mask_token_id, target_config.get_text_config().vocab_size)
+
+
 def captured_layers(cfg: DFlashConfig, num_hidden_layers: int) -> tuple[tuple[int, ...], int]:
     """(aux layer ids, final layer id): the fused context features, and the final hidden state
     the target's lm_head turns into the teacher's distribution."""
@@ -70,10 +82,7 @@ def draft_config(target_config, cfg: DFlashConfig, mask_token_id: int) -> Qwen3C
     t = target_config.get_text_config()
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
     num_heads = cfg.num_attention_heads or t.num_attention_heads
-    if not 0 <= mask_token_id < t.vocab_size:
-        raise UserError(
-            f"head.mask_token_id={mask_token_id}: expected an id below the target's {t.vocab_size}"
-        )
+    check_mask_token_id(mask_token_id, t.vocab_size)
     return Qwen3Config(
         hidden_size=t.hidden_size,
         intermediate_size=cfg.intermediate_size or t.intermediate_size,

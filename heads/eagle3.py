@@ -7,13 +7,17 @@ tensor names (`input_norm.weight`, `fc_norm.{i}.weight`), so a head trained with
 it was trained.
 One `step` serves training (the TTT unroll passes earlier steps' K/V as `past`) and decoding
 (the decoder passes its static KV cache as `past`): the caller owns the mask, so both see one code
-path.
+path. A TTT step after the first passes `Branches` instead of a mask over every earlier step's
+keys: a query may read only its own row of those, so `branch_attention` scores them as one dot
+product each beside the masked context, instead of a kernel walking a mask that is diagonal in
+all but its first block (on a CPU half the attention time of a step, for keys that are mostly
+masked out).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +37,38 @@ from heads.folder import TargetSpec, load_head, save_head
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
+class Branches(NamedTuple):
+    """What a TTT unroll step after the first attends to: the verified context's K/V [B,KV,T,D]
+    (step 0's, over every position) under `mask` bool [B,1,S,T] (causal within each document),
+    and each earlier later step's K/V [B,KV,S,D] at the query's own row only: the draft tokens
+    of that query's branch, what a chain decoder's cache holds at inference."""
+
+    context: KV
+    mask: torch.Tensor
+    steps: tuple[KV, ...] = ()
+
+
+def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: Branches) -> torch.Tensor:
+    """Attention of queries q [B,H,S,D], this step's K/V [B,KV,S,D], over `past`: equal to
+    scaled_dot_product_attention over [context | every step's K/V] with the mask
+    [past.mask | diagonal per step], at the multiply-adds of the unmasked keys. Computed in
+    float32 (scores of bf16 K/V rounded to bf16 would lose what a fused kernel keeps) and
+    returned in q's dtype; query heads read their K/V group by a view, never a copy."""
+    (ck, cv), groups = past.context, k.shape[1]
+    b, h, s, d = q.shape
+    own_k = torch.stack([sk for sk, _ in past.steps] + [k], -2).float()  # [B,KV,S,n,D]
+    own_v = torch.stack([sv for _, sv in past.steps] + [v], -2).float()
+    qg = q.float().view(b, groups, h // groups, s, d) * d**-0.5
+    context = (qg.flatten(2, 3) @ ck.float().transpose(-1, -2)).view(b, groups, h // groups, s, -1)
+    context = context.masked_fill(~past.mask[:, :, None], float("-inf"))
+    own = torch.einsum("bgrsd,bgsnd->bgrsn", qg, own_k)
+    probs = torch.cat([context, own], -1).softmax(-1)
+    t = ck.shape[2]
+    out = (probs[..., :t].flatten(2, 3) @ cv.float()).view(b, groups, h // groups, s, d)
+    out = out + torch.einsum("bgrsn,bgsnd->bgrsd", probs[..., t:], own_v)
+    return out.view(b, h, s, d).to(q.dtype)
+
+
 class KVStore(Protocol):
     """A cache that stores a step's K/V itself, as a transformers `Cache` does: `update` returns
     every K/V the step attends to (the decoder's static cache, whose mask hides the rest)."""
@@ -40,8 +76,9 @@ class KVStore(Protocol):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> KV: ...
 
 
-# Earlier positions: K/V the step concatenates its own to, or a store it writes them into.
-Past = KV | KVStore
+# Earlier positions: K/V the step concatenates its own to, a store it writes them into, or a TTT
+# step's context and branches.
+Past = KV | KVStore | Branches
 
 # The layer variants the head implements, spelled as vLLM 0.32 `llama_eagle3` and speculators read
 # them from a head's config (all false = the original EAGLE-3 layout):
@@ -171,20 +208,23 @@ class Eagle3Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if past is None:
-            keys, values = k, v
-        elif isinstance(past, tuple):
-            keys, values = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        if isinstance(past, Branches):
+            out = branch_attention(q, k, v, past)
         else:
-            keys, values = past.update(k, v, 0)
-        rep = self.num_heads // self.num_kv_heads
-        out = F.scaled_dot_product_attention(
-            q,
-            keys.repeat_interleave(rep, dim=1),
-            values.repeat_interleave(rep, dim=1),
-            attn_mask=mask,
-            is_causal=mask is None and past is None and t > 1,
-        )
+            if past is None:
+                keys, values = k, v
+            elif isinstance(past, tuple):
+                keys, values = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+            else:
+                keys, values = past.update(k, v, 0)
+            out = F.scaled_dot_product_attention(
+                q,
+                keys,
+                values,
+                attn_mask=mask,
+                is_causal=mask is None and past is None and t > 1,
+                enable_gqa=True,
+            )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
 
 

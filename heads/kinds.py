@@ -59,6 +59,10 @@ def _asked_tokens(cfg: dict, asked: int) -> int:
     return asked
 
 
+def _any_target(cfg: Any, target_config: Any) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class HeadKind:
     """What the code asks about one head kind; the comments say who asks."""
@@ -88,6 +92,9 @@ class HeadKind:
     # model card and vLLM checks: export format -> vLLM's speculative_config keys besides model and
     # num_speculative_tokens; None: {"method": <name>}
     engine_keys: Callable[[str], dict] | None = None
+    # trainer: (head config, target config) -> None, refusing in one line a head setting this
+    # target cannot take (a token id past its vocabulary), before any data stage runs
+    check_target: Callable[[Any, Any], None] = _any_target
 
     @property
     def name(self) -> str:
@@ -154,6 +161,7 @@ PEAGLE = HeadKind(
     served_tokens=export_peagle.served_tokens,
     target_top=True,  # EAGLE-3's teacher over the draft vocabulary
     engine_keys=export_peagle.speculative_keys,
+    check_target=peagle.check_target,
 )
 
 DFLASH = HeadKind(
@@ -172,6 +180,7 @@ DFLASH = HeadKind(
     bench_fields=("num_layers", "block_size", "anchors_per_sample"),
     card_facts=export_dflash.card_facts,
     served_tokens=export_dflash.served_tokens,
+    check_target=dflash.check_target,
 )
 
 KINDS: dict[str, HeadKind] = {k.name: k for k in (EAGLE3, MEDUSA, PEAGLE, DFLASH)}

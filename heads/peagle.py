@@ -48,6 +48,11 @@ def resolve_mask_token_id(asked: int | None, target_config) -> int:
     return asked
 
 
+def check_target(cfg: PEagleConfig, target_config) -> None:
+    """`head.mask_token_id` resolves for this target (`HeadKind.check_target`)."""
+    resolve_mask_token_id(cfg.mask_token_id, target_config)
+
+
 class PEagleHead(Eagle3Head):
     """`Eagle3Head` plus the learned `mask_hidden` and, in its config, the mask token id and the
     K (`parallel_tokens`) it was trained for."""

@@ -61,6 +61,7 @@ from trainer.batching import best_fit_rows, collate, collate_packed
 from trainer.distributed import mixed_precision
 from trainer.eagle3_trainee import Eagle3Trainee
 from trainer.kind_builders import build_trainee
+from trainer.loop import adamw
 from trainer.trainee import Batch, BatchIndex
 
 
@@ -134,7 +135,7 @@ def make_step(
     ("forward", "backward", "optimizer") and with "end" (`StepBreakdown` times them)."""
     groups = trainee.param_groups(optim.lr, optim.weight_decay)
     params = [p for g in groups for p in g["params"]]
-    opt = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas))
+    opt = adamw(groups, optim)
 
     def step(batch: Batch, mark: Callable[[str], None] = no_mark) -> None:
         mark("forward")

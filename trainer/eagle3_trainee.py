@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from data_prep.capture import TOP
-from heads.eagle3 import Eagle3Head
+from heads.eagle3 import Branches, Eagle3Head
 from trainer.decoding import Eagle3Drafter
 from trainer.decoding.drafters import Shape
 from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean
@@ -195,16 +195,19 @@ class Eagle3Trainee(HeadTrainee, nn.Module):
         pos = torch.arange(t, device=ids.device).expand(b, t)
         places = pos if position_ids is None else position_ids
         valid = torch.ones_like(pos, dtype=torch.bool)
-        past = None
         for k in range(self.ttt_length):
             if k == 1 and later is not None:
                 pos, valid = later
                 hidden = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
             at = places.gather(1, pos)  # each row's position in its own sample
-            attn = ttt_attention_mask(pos, t, k, pos - at)
             tokens = shift_left(ids, 1 + k, 0).gather(1, pos)
-            hidden, kv = self.head.layer(hidden, tokens, at + k, attn, past)
-            past = kv if past is None else tuple(torch.cat([p, n], 2) for p, n in zip(past, kv))
+            if k == 0:  # the context: causal within each document
+                hidden, context = self.head.layer(hidden, tokens, at, ttt_attention_mask(pos, t, 0, pos - at))
+            else:  # step 0's keys under the same rule, then this row's own branch
+                if k == 1:
+                    branches = Branches(context, ttt_attention_mask(pos, t, 0, pos - at))
+                hidden, kv = self.head.layer(hidden, tokens, at + k, None, branches)
+                branches = branches._replace(steps=(*branches.steps, kv))
             yield k, hidden, pos, valid
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -238,11 +241,11 @@ class Eagle3Trainee(HeadTrainee, nn.Module):
         for k, hidden, _, _ in steps:
             labelled = predicted[k]
             counted = labelled & inside
-            logits = self.head.logits(hidden.flatten(0, 1).index_select(0, rows[k])).float()
-            row_loss = self.objective.soft(F.log_softmax(logits, dim=-1), teacher_p)
+            logits = self.head.logits(hidden.flatten(0, 1).index_select(0, rows[k]))
+            row_loss, top = self.objective.from_logits(logits, teacher_p)
             loss = loss + self.step_weight**k * weighted_mean(row_loss, torch.where(counted, weight, 0))
             with torch.no_grad():
-                correct[k] = (counted & answer & (logits.argmax(-1) == teacher_top)).sum()
+                correct[k] = (counted & answer & (top == teacher_top)).sum()
                 total[k] = (labelled & answer).sum()
         return {"loss": loss, "correct": correct, "total": total}
 

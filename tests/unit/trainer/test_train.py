@@ -61,8 +61,30 @@ def train_command(argv: list[str]) -> None:
     exit_on_user_error(run)(cfg)
 
 
+# What only the target's config can refuse: checked on a folder target (the embedded one is
+# converted first, which is what resolving it means), still before any data stage.
+TARGET_BAD_OVERRIDES = [
+    ("+head=peagle head.mask_token_id=1000000", "head.mask_token_id=1000000"),
+    ("+head=dflash head.mask_token_id=1000000", "head.mask_token_id=1000000"),
+]
+
+
 @pytest.mark.parametrize("overrides, expected", BAD_OVERRIDES, ids=[o for o, _ in BAD_OVERRIDES])
 def test_bad_overrides_fail_before_loading(overrides, expected, tmp_path, capsys, monkeypatch):
+    assert_refused(overrides, expected, tmp_path, capsys, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected", TARGET_BAD_OVERRIDES, ids=[o for o, _ in TARGET_BAD_OVERRIDES]
+)
+def test_settings_the_target_cannot_take_fail_before_data(
+    overrides, expected, tmp_path, capsys, monkeypatch, tiny_llama_dir
+):
+    on_folder = f"{overrides} target.name_or_path={tiny_llama_dir}"
+    assert_refused(on_folder, expected, tmp_path, capsys, monkeypatch)
+
+
+def assert_refused(overrides: str, expected: str, tmp_path, capsys, monkeypatch) -> None:
     head = [] if "+head=" in overrides else ["+head=eagle3"]
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(cache))
