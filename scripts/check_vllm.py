@@ -328,6 +328,9 @@ def main() -> None:
         print(json.dumps(ours_all(export_dirs, a.target, a.prompts, a.max_tokens, a.k, a.prompt_tokens)))
         return
 
+    if not Path(a.main_python).is_file():
+        sys.exit(f"error: --main-python {a.main_python}: no such file (the python of the venv "
+                 "draftsmith is installed in, which runs our side)")
     started = time.perf_counter()
     cmd = [a.main_python, __file__, *export_dirs, "--role", "ours", *sizes]
     cmd += ["--target", a.target] if a.target else []

@@ -69,11 +69,13 @@ EXPORTS = {
 # 3 prompts of 24 random ids and 48 new tokens: every answer runs past the sliding windows (16).
 CHECK_ARGS = ["--prompts", "3", "--prompt-tokens", "24", "--max-tokens", "48", "--max-model-len", "256"]
 # (family, head kind) -> why vLLM 0.32 does not serve it, and what its refusal says.
+# P-EAGLE and DFlash read the same aux hidden states as EAGLE-3, so the same target refuses them.
 UNSERVED = {
-    ("gemma3_text", "eagle3"): (
+    (family, kind): (
         "vLLM 0.32's Gemma3ForCausalLM does not implement SupportsEagle3 (no aux hidden states)",
         "does not support EAGLE3",
-    ),
+    )
+    for family, kind in (("gemma3_text", "eagle3"), ("gemma3_text", "peagle"), ("gemma3_text", "dflash"))
 }
 MATRIX: dict[tuple[str, str], str] = {}  # (family, export) -> the cell, printed after the last family
 
