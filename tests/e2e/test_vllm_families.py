@@ -77,6 +77,13 @@ UNSERVED = {
     )
     for family, kind in (("gemma3_text", "eagle3"), ("gemma3_text", "peagle"), ("gemma3_text", "dflash"))
 }
+# A target mixing sliding and full layers gets one KV cache group per layer kind and size; vLLM
+# 0.32's DFlash proposer then finds its draft layers (2 here, full attention, as exported) spread
+# over groups and stops. EAGLE-3 and P-EAGLE draft with one layer and are served.
+UNSERVED["gpt_oss", "dflash"] = (
+    "vLLM 0.32 spreads a 2-layer DFlash draft over the KV cache groups of a sliding/full target",
+    "All drafting layers should belong to the same kv cache group",
+)
 MATRIX: dict[tuple[str, str], str] = {}  # (family, export) -> the cell, printed after the last family
 
 
