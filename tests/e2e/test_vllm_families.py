@@ -79,7 +79,8 @@ UNSERVED = {
 }
 # A target mixing sliding and full layers gets one KV cache group per layer kind and size; vLLM
 # 0.32's DFlash proposer then finds its draft layers (2 here, full attention, as exported) spread
-# over groups and stops. EAGLE-3 and P-EAGLE draft with one layer and are served.
+# over groups and stops. EAGLE-3 and P-EAGLE draft with one layer and are served (so is a one-layer
+# DFlash head: tried by hand with scripts/check_vllm.py, 2026-12-02).
 UNSERVED["gpt_oss", "dflash"] = (
     "vLLM 0.32 spreads a 2-layer DFlash draft over the KV cache groups of a sliding/full target",
     "All drafting layers should belong to the same kv cache group",
