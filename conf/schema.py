@@ -135,7 +135,7 @@ class RegenerateConfig(_Checked):
     PREFIX: ClassVar[str] = "data.regenerate"
     enabled: bool = True
     max_new_tokens: int = 256
-    batch_size: int = 128  # rows decoded at once (continuous batching keeps them full)
+    batch_size: int = 256  # rows decoded at once (continuous batching keeps them full)
     # Engines decoding side by side (threads), sharing batch_size; 0 = one per 32 rows on a CPU,
     # at most one per torch thread, and 1 on a GPU. Scheduling only: answers do not change.
     workers: int = 0

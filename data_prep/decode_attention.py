@@ -15,7 +15,9 @@ It is a short C function compiled on first use with the system's C compiler (`cc
 into the draftsmith cache (once, under a lock, however many runs start together) and loaded
 through ctypes, which releases the GIL, so the engine's worker threads run it side by side.
 Without a compiler `kernel()` is None and the engine keeps PyTorch's attention: same answers,
-slower. float32 only (what a CPU target decodes in); a GPU never comes here.
+slower. float32 queries and keys (what a CPU target decodes in), values float32 or bf16 (with
+bf16 linears a value leaves its projection as a bf16 number, and the engine stores it so: a
+quarter fewer bytes per step, the same answers); a GPU never comes here.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import hashlib
 import os
 import platform
 import shutil
+import string
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,18 +44,17 @@ from data_prep.linears import cpu_flags
 from data_prep.masks import AttentionLayout, attention_layout
 from data_prep.target import cache_root
 
-_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-
+# One body, instantiated for float32 values and for bf16 ones (`SlotCache(value_dtype=)`): a bf16
+# value is the top half of a float32's bits, so widening it is a shift. The names after `$` are
+# filled in by `string.Template`.
+_BODY = string.Template(r"""
 /* out[r, h*group + j, :] = softmax(scale * q[r, h*group + j] . k[r, h, start[r]:count[r]])
  *                          @ v[r, h, start[r]:count[r]] */
-int decode_attention(const float *restrict q, const float *restrict k, const float *restrict v,
-                     float *restrict out, const int64_t *restrict start,
-                     const int64_t *restrict count, int64_t rows, int64_t kv_heads,
-                     int64_t group, int64_t dim, int64_t q_row, int64_t q_head, int64_t kv_row,
-                     int64_t kv_head, int64_t kv_pos, float scale, int64_t max_count) {
+int $name(const float *restrict q, const float *restrict k, const $elem *restrict v,
+          float *restrict out, const int64_t *restrict start, const int64_t *restrict count,
+          int64_t rows, int64_t kv_heads, int64_t group, int64_t dim, int64_t q_row,
+          int64_t q_head, int64_t kv_row, int64_t kv_head, int64_t kv_pos, float scale,
+          int64_t max_count) {
     float *scores = malloc(sizeof(float) * group * max_count);
     if (!scores) return 1;
     for (int64_t r = 0; r < rows; r++) {
@@ -60,7 +62,7 @@ int decode_attention(const float *restrict q, const float *restrict k, const flo
         for (int64_t h = 0; h < kv_heads; h++) {
             const float *Q = q + r * q_row + h * group * q_head;
             const float *K = k + r * kv_row + h * kv_head + start[r] * kv_pos;
-            const float *V = v + r * kv_row + h * kv_head + start[r] * kv_pos;
+            const $elem *V = v + r * kv_row + h * kv_head + start[r] * kv_pos;
             float *O = out + (r * kv_heads + h) * group * dim;
             for (int64_t w = 0; w < n; w++) {
                 const float *kw = K + w * kv_pos;
@@ -79,11 +81,11 @@ int decode_attention(const float *restrict q, const float *restrict k, const flo
                 for (int64_t d = 0; d < dim; d++) O[j * dim + d] = 0.f;
             }
             for (int64_t w = 0; w < n; w++) {
-                const float *vw = V + w * kv_pos;
+                const $elem *vw = V + w * kv_pos;
                 for (int64_t j = 0; j < group; j++) {
                     const float p = scores[j * n + w];
                     float *o = O + j * dim;
-                    for (int64_t d = 0; d < dim; d++) o[d] += p * vw[d];
+                    for (int64_t d = 0; d < dim; d++) o[d] += p * $load(vw[d]);
                 }
             }
         }
@@ -91,7 +93,27 @@ int decode_attention(const float *restrict q, const float *restrict k, const flo
     free(scores);
     return 0;
 }
+""")
+_SOURCE = (
+    r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float same(float x) { return x; }
+static inline float widen(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 """
+    + _BODY.substitute(name="decode_attention", elem="float", load="same")
+    + _BODY.substitute(name="decode_attention_bf16", elem="uint16_t", load="widen")
+)
+# The kernel per value dtype.
+_NAMES = {torch.float32: "decode_attention", torch.bfloat16: "decode_attention_bf16"}
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared"]
 _I64 = ctypes.c_int64
 
@@ -108,10 +130,11 @@ def _compile(compiler: str, path: Path) -> Path:
 
 
 @functools.cache
-def kernel():
-    """The compiled kernel, or None where no C compiler is found or it fails (PyTorch's attention
-    is used instead). Built once per source, flags and machine, into the draftsmith cache, by one
-    process at a time: runs started together compile it once (`conf.files.build_once`)."""
+def kernel() -> dict[torch.dtype, Callable[..., int]] | None:
+    """The compiled kernels by value dtype, or None where no C compiler is found or it fails
+    (PyTorch's attention is used instead). Built once per source, flags and machine, into the
+    draftsmith cache, by one process at a time: runs started together compile it once
+    (`conf.files.build_once`)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
@@ -123,20 +146,24 @@ def kernel():
         path.parent.mkdir(parents=True, exist_ok=True)
         what, found = f"decode-attention kernel {path}", lambda: path if path.exists() else None
         build_once(lock_path(path), what, found, lambda: _compile(compiler, path))
-        fn = ctypes.CDLL(str(path)).decode_attention
-    except (OSError, subprocess.CalledProcessError):
+        library = ctypes.CDLL(str(path))
+        functions = {dtype: getattr(library, name) for dtype, name in _NAMES.items()}
+    except (OSError, AttributeError, subprocess.CalledProcessError):
         return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [_I64] * 9 + [ctypes.c_float, _I64]
-    return fn
+    for fn in functions.values():
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 6 + [_I64] * 9 + [ctypes.c_float, _I64]
+    return functions
 
 
-def supported(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether the kernel can take this call: float32 on a CPU, the head dimension contiguous."""
+def supported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the kernel can take this call: float32 query and keys on a CPU, float32 or bf16
+    values, the head dimension contiguous."""
     return (
         kernel() is not None
         and query.device.type == "cpu"
         and query.dtype == key.dtype == torch.float32
+        and value.dtype in _NAMES
         and key.stride(-1) == 1
     )
 
@@ -156,9 +183,9 @@ def decode_attention(
     window: int | None = None,
 ) -> torch.Tensor:
     """query [rows, heads, 1, dim]; key, value [rows, kv_heads, >= max(counts), dim] with the same
-    strides (views of a slot cache); counts [rows]: row r attends to its first counts[r] positions,
-    or with a `window` only to the last `window` of them. Returns [rows, 1, heads, dim], the layout
-    a transformers attention function returns."""
+    strides (views of a slot cache; values float32 or bf16); counts [rows]: row r attends to its
+    first counts[r] positions, or with a `window` only to the last `window` of them. Returns
+    [rows, 1, heads, dim], the layout a transformers attention function returns."""
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     if key.stride() != value.stride() or query.stride(-1) != 1:
@@ -169,7 +196,7 @@ def decode_attention(
         raise ValueError(f"decode_attention: counts must lie in 1..{key.shape[2]}")
     starts = window_starts(counts, window).contiguous()
     out = query.new_empty(rows, 1, heads, dim)
-    failed = kernel()(
+    failed = kernel()[value.dtype](
         query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), starts.data_ptr(),
         counts.data_ptr(),
         rows, kv_heads, heads // kv_heads, dim,
@@ -190,10 +217,11 @@ def _dispatching(original: str, layout: AttentionLayout):
 
     def attention(module, query, key, value, attention_mask, scaling=None, slot_counts=None, **kwargs):
         plain = kwargs.get("s_aux") is None and kwargs.get("softcap") is None
-        if slot_counts is not None and plain and query.shape[2] == 1 and supported(query, key):
+        if slot_counts is not None and plain and query.shape[2] == 1 and supported(query, key, value):
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             window = layout.windows[module.layer_idx]
             return decode_attention(query, key, value, slot_counts, scale, window), None
+        value = value.to(query.dtype)  # bf16 values are widened for PyTorch's attention
         return fallback(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     return attention

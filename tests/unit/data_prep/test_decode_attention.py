@@ -44,6 +44,27 @@ def test_kernel_equals_masked_sdpa_over_each_rows_own_positions(kv_heads, group,
             da.decode_attention(query, k, v, bad, scale=0.3)
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_kernel_on_bf16_values_computes_what_it_computes_on_those_values_in_float32(window):
+    """With bf16 linears the engine stores values in bf16: the kernel widens each as it reads
+    it, so its output is the float32 kernel's over the same values (to float rounding: the
+    compiler may order the sums otherwise), and garbage past a row's count is still never read."""
+    if da.kernel() is None:
+        pytest.skip("no C compiler")
+    torch.manual_seed(2)
+    rows, kv_heads, group, dim, max_len = 6, 3, 3, 64, 56
+    keys = torch.randn(rows, kv_heads, max_len, dim)
+    values = torch.randn(rows, kv_heads, max_len, dim).bfloat16()
+    query = torch.randn(rows, 1, kv_heads * group, dim).transpose(1, 2)
+    counts = torch.tensor([1, 9, 48, 30, 2, 17])
+    got = da.decode_attention(query, keys, values, counts, scale=0.125, window=window)
+    want = da.decode_attention(query, keys, values.float(), counts, scale=0.125, window=window)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    keys[:, :, 48:], values[:, :, 48:] = float("nan"), float("nan")  # past every row's count
+    assert torch.equal(da.decode_attention(query, keys, values, counts, scale=0.125, window=window), got)
+
+
 @pytest.mark.parametrize("window", [1, 6, 64])
 def test_kernel_on_a_sliding_layer_reads_only_each_rows_window(window):
     """A sliding layer (Mistral, Gemma 3) sees a row's last `window` positions only, as
