@@ -13,10 +13,11 @@ or on weights packed once (`linears`), and decode attention runs on a kernel tha
 row's cache once, only to its own length (`decode_attention`): a float32 CPU decode step spent
 as long in PyTorch's attention as in all its matmuls. With bf16 matmuls the cached values are
 bf16 (exactly what the projection made), and the objects that exist when the engine starts are
-kept out of Python's garbage collector (`_heap_frozen`). Where a decode step's time goes now
-(2 cores, bf16, 128 rows per engine): ~52% the GEMMs (a fifth of them the lm_head), ~16%
-attention, ~19% PyTorch's small elementwise ops and casts, ~6% Python; prefills take ~13% of
-regeneration.
+kept out of Python's garbage collector (`_heap_frozen`). Where a decode step's time went before
+the bf16 values (2 cores, bf16 GEMMs, 128 rows per engine, perf): ~52% the GEMMs, a fifth of
+them the lm_head; ~16% attention; ~19% PyTorch's small elementwise ops and casts; ~6% Python.
+Prefills took ~13% of regeneration. What is left is mostly arithmetic: a decode token costs the
+lm_head on top of the forward's GEMMs, so regeneration stays below the bare forward's rate.
 
 The model is any Hugging Face causal LM with standard attention: `SlotCache` stands in for its
 KV cache (the model calls only its `update`), and the masks and position ids are passed in, so
