@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from data_prep import decode_attention
+from data_prep import decode_attention, regen_engine
 from data_prep.linears import DataLinears, can_pack, native_bf16, resolve_matmul_dtype
 from data_prep.regen_engine import generate, noise_size, shared_prefix, top_p_filter, two_level_race
 from data_prep.target import load_target
@@ -201,3 +201,30 @@ def test_matmul_dtype_auto_takes_bf16_gemms_only_on_a_float32_cpu_target_with_na
     assert resolve_matmul_dtype("auto", torch.float32, gpu) == torch.float32
     assert resolve_matmul_dtype("target", torch.float32, cpu) == torch.float32
     assert resolve_matmul_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+
+
+def test_bf16_values_in_the_cache_write_the_answers_of_float32_values(chaotic, monkeypatch):
+    """With bf16 linears a value leaves its projection as a bf16 number, so the engine caches
+    values in bf16 (half the bytes its decode steps read on the kernel): the answers are those
+    of a float32 value cache, token for token."""
+    model, tok = chaotic
+    prompts, new = chat(tok, 12, seed=5), 16
+    kwargs = dict(max_new_tokens=new, batch_size=6, eos_token_ids=[], workers=2, matmul_dtype=torch.bfloat16)
+    stored = []
+    original = regen_engine.SlotCache
+
+    class Recorded(original):
+        def __init__(self, slots, max_len, value_dtype=None):
+            stored.append(value_dtype)
+            super().__init__(slots, max_len, value_dtype)
+
+    class Float32Values(original):
+        def __init__(self, slots, max_len, value_dtype=None):
+            super().__init__(slots, max_len, None)
+
+    monkeypatch.setattr(regen_engine, "SlotCache", Recorded)
+    got = generate(model, prompts, **kwargs)
+    bf16 = decode_attention.applies(model)  # the kernel reads bf16 values; PyTorch's keeps float32
+    assert stored == [torch.bfloat16 if bf16 else None] * 2
+    monkeypatch.setattr(regen_engine, "SlotCache", Float32Values)
+    assert generate(model, prompts, **kwargs) == got
