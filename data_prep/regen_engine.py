@@ -40,9 +40,11 @@ import gc
 import inspect
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
@@ -142,6 +144,9 @@ def shared_prefix(prompts: list[list[int]]) -> int:
     for p in prompts[1:]:
         n = next((i for i in range(n) if p[i] != first[i]), n)
     return n
+
+
+PREFILL_TOKENS = 4096  # the padded tokens of one prefill forward, at most (activation memory)
 
 
 def prefill_group(lengths: list[int], budget: int) -> int:
@@ -246,14 +251,47 @@ class _Rows:
     def move(self, src: int, dst: int) -> None:
         for t in (self.tokens, self.positions):
             t[dst] = t[src]
-        for field in (self.owner, self.length, self.made, self.generator):
-            field[dst] = field[src]
+        for column in (self.owner, self.length, self.made, self.generator):
+            column[dst] = column[src]
         self.owner[src], self.made[src], self.generator[src] = None, [], None
 
 
 def _cache_kwarg(model) -> str:
     # transformers 5 renamed `past_key_values` to `cache` (the old name warns).
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@dataclass
+class EngineTimings:
+    """What engines timed while `timed_steps` was open: each decode step as (busy rows, cached
+    tokens the rows attend to, seconds), each prefill as (prompt tokens, seconds). The planner
+    fits the engine's step cost to them (`regen_cost`)."""
+
+    decode: list[tuple[int, int, float]] = field(default_factory=list)
+    prefill: list[tuple[int, float]] = field(default_factory=list)
+
+
+_timings: EngineTimings | None = None  # set while `timed_steps` is open
+
+
+@contextmanager
+def timed_steps() -> Iterator[EngineTimings]:
+    """Within: every engine, in any thread, times its decode steps and prefills into the
+    `EngineTimings` yielded (list appends are atomic, so engines side by side need no lock)."""
+    global _timings
+    _timings = EngineTimings()
+    try:
+        yield _timings
+    finally:
+        _timings = None
+
+
+def engine_shares(prompts: int, batch_size: int, workers: int) -> tuple[list[list[int]], int]:
+    """The prompt indices each engine decodes (every workers-th, at most `batch_size` engines and
+    one per prompt), and the slots of an engine (`batch_size` split evenly)."""
+    workers = min(workers, batch_size, prompts)
+    shares = [list(range(w, prompts, workers)) for w in range(workers)]
+    return shares, min(batch_size // workers, len(shares[0]))
 
 
 def default_workers(model, batch_size: int) -> int:
@@ -302,7 +340,7 @@ def generate(
     top_p: float = 1.0,
     seeds: list[int] | None = None,
     on_finish: Callable[[int, list[int]], None] | None = None,
-    prefill_tokens: int = 4096,
+    prefill_tokens: int = PREFILL_TOKENS,
     workers: int = 1,
     matmul_dtype: torch.dtype | None = None,
 ) -> list[list[int]]:
@@ -334,9 +372,7 @@ def generate(
     layout = attention_layout(model.config)  # refuses a target it cannot mask, before any forward
     if not prompts:
         return []
-    workers = min(workers or default_workers(model, batch_size), batch_size, len(prompts))
-    shares = [list(range(w, len(prompts), workers)) for w in range(workers)]
-    slots = min(batch_size // workers, len(shares[0]))
+    shares, slots = engine_shares(len(prompts), batch_size, workers or default_workers(model, batch_size))
     results: list[list[int]] = [[] for _ in prompts]
     eos = set(eos_token_ids)  # once: an iterator would be spent by the first engine
     lock = threading.Lock()
@@ -366,10 +402,10 @@ def generate(
 
     linears = DataLinears(model, matmul_dtype, rows=slots)  # packed for the decode steps' row count
     with linears, slot_attention(model) as counted, _heap_frozen():
-        if workers == 1:
+        if len(shares) == 1:
             run(shares[0])
         else:
-            with _threads_split(workers), ThreadPoolExecutor(workers) as pool:
+            with _threads_split(len(shares)), ThreadPoolExecutor(len(shares)) as pool:
                 for done in [pool.submit(run, share) for share in shares]:
                     done.result()  # re-raises a worker's error
     return results
@@ -406,6 +442,7 @@ def _decode_all(
     rows = _Rows(slots, device)
     queue = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     cache_kwarg = _cache_kwarg(model)
+    timings = _timings
 
     def forward(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keep, **counts):
         """Each row's logits at its last kept position; `mask`: one per kind of layer (see
@@ -454,6 +491,7 @@ def _decode_all(
             cache.prefill(where, shared, slots)
             positions = torch.arange(shared, width, device=device).expand(group, width - shared)
             mask = prefill_mask(layout, lengths, width, dtype, shared)
+            began = time.perf_counter()
             logits = forward(ids, positions, mask, (lengths - 1 - shared)[:, None])
             for slot, i in zip(chosen, index):
                 rows.owner[slot], rows.length[slot] = i, len(prompts[i])
@@ -463,6 +501,8 @@ def _decode_all(
             rows.tokens[where], rows.positions[where] = new, lengths
             for slot, token in zip(chosen, new.tolist()):
                 record(slot, token)
+            if timings is not None:
+                timings.prefill.append((int(lengths.sum()), time.perf_counter() - began))
 
     def compact() -> None:
         """Move the highest busy rows into the lowest free slots, so busy slots are a prefix."""
@@ -479,6 +519,8 @@ def _decode_all(
 
     def step(n: int) -> None:
         """One decode forward over the busy slots 0..n-1."""
+        began = time.perf_counter()
+        context = sum(rows.length[:n]) + n
         width = max(rows.length[:n]) + 1
         positions = rows.positions[:n]
         cache.decode(positions, width)
@@ -491,6 +533,8 @@ def _decode_all(
         for slot, token in enumerate(new.tolist()):  # the step's one read-back
             rows.length[slot] += 1
             record(slot, token)
+        if timings is not None:
+            timings.decode.append((n, context, time.perf_counter() - began))
 
     if shared:
         prefill_prefix()

@@ -6,7 +6,10 @@ Takes the first N usable prompts of the configured source (default: twice the re
 so finished rows are refilled), regenerates their answers with the configured backend into a
 throw-away cache, then runs the capture's bare forward (no hidden states kept, no lm_head) over
 the resulting conversations in the same process. `ratio` = regeneration's new tokens/s over the
-forward's tokens/s: how close answer writing comes to the speed of reading. Any backend: with
+forward's tokens/s: how close answer writing comes to the speed of reading. With the engine,
+`step_cost` is its decode step fitted to its own timed steps (`data_prep.regen_cost`), and
+`time_explained_by` the share of its time each part of that cost explains: fixed per step, per
+row (GEMMs, lm_head, draw), per context token (attention), prefill. Any backend: with
 `data.regenerate.backend=server data.regenerate.endpoints='["http://127.0.0.1:8000/v1"]'` the
 answers come from running servers (`vllm serve <target folder>`) and the forward still runs here.
 """
@@ -18,6 +21,7 @@ import resource
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -30,7 +34,8 @@ from data_prep.decode_attention import applies
 from data_prep.keys import matmul_dtype
 from data_prep.linears import DataLinears
 from data_prep.prepare import check_source
-from data_prep.regen_engine import default_workers
+from data_prep.regen_cost import StepCost
+from data_prep.regen_engine import default_workers, timed_steps
 from data_prep.rows import sample_rows
 from data_prep.sources import prompt_uid
 from data_prep.stats import PrepStats
@@ -50,8 +55,9 @@ def main(argv: list[str]) -> None:
     target = resolve_target(cfg)
     model = target.model
     stats = PrepStats()
-    with tempfile.TemporaryDirectory() as tmp:  # a throw-away answer cache: every answer is new
+    with tempfile.TemporaryDirectory() as tmp, timed_steps() as timings:  # a throw-away cache: all new
         rows = list(sample_rows(cfg, target, stats, answers=Path(tmp) / "regen.jsonl"))
+    cost = StepCost.fit(timings)  # None: another backend
     regen_s = stats.regenerate_seconds  # the answers' writing alone, as data prep reports it
     items = sorted((t for _, t in rows), key=lambda t: len(t.input_ids))
     shards = [items[i : i + cfg.data.shard_samples] for i in range(0, len(items), cfg.data.shard_samples)]
@@ -82,6 +88,8 @@ def main(argv: list[str]) -> None:
                 "matmul_dtype": str(matmul_dtype(cfg)).removeprefix("torch."),
                 "decode_attention": "kernel" if regen.backend == "hf" and applies(model) else "torch",
                 "threads": torch.get_num_threads(),
+                "step_cost": None if cost is None else asdict(cost),
+                "time_explained_by": None if cost is None else cost.parts(timings),
             }
         )
     )

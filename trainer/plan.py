@@ -6,7 +6,10 @@ runs, before the data stage:
 
 1. regeneration: the first `regenerate.batch_size` conversations are answered by the engine, as
    the data stage would (their answers land in the regeneration cache, so the probe costs nothing
-   the run would not spend anyway);
+   the run would not spend anyway). The engine times its steps, and the plan prices the run's
+   regeneration by replaying the engine's schedule for that many more answers like the probe's
+   (`RegenShape`, `data_prep.regen_cost`): one batch runs at another rate than a batch and a
+   half, whose last half thins. Another backend (vLLM, servers) is priced at the probe's rate;
 2. capture and training: a small data folder of those conversations (at least `PROBE_SAMPLES`,
    enough for `PROBE_STEPS` steps) is captured (the capture rate: the target's bare forward plus
    storage, its one-off set-up apart) and the chosen head trains `PROBE_STEPS` steps on it with
@@ -56,6 +59,7 @@ one pass over more data served it best.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import math
 import shutil
@@ -69,6 +73,8 @@ from conf.schema import OptimConfig, RootConfig, derive
 from conf.sizes import Sizes
 from data_prep.keys import regen_cache_file
 from data_prep.prepare import prepare
+from data_prep.regen_cost import StepCost, generate_seconds
+from data_prep.regen_engine import default_workers, timed_steps
 from data_prep.regenerate import read_cache
 from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target
@@ -110,6 +116,35 @@ class Rates:
     export_s: float
     cached_conversations: int  # answers already in the regeneration cache (free)
     probe_s: float  # the probes' own time, spent before the plan
+    # the regeneration engine's fitted step cost (`regen_cost.StepCost`); None: another backend
+    regenerate_step_cost: dict | None = None
+
+
+@dataclass(frozen=True)
+class RegenShape:
+    """What the regeneration probe answered, as the engine's seconds for any number of
+    conversations (`data_prep.regen_cost`): its fitted step cost, and per round (a
+    conversation's n-th turn) the (prompt tokens, answer tokens) of the cached answers, replayed
+    at the same share per sample (an answered conversation). `scale`: the probe's measured
+    seconds over its replayed ones, the time around the steps the cost leaves out (admissions,
+    the caller's bookkeeping, one engine ending before the other): 3.5% of a probe on SmolLM2."""
+
+    cost: StepCost
+    rounds: list[list[tuple[int, int]]]
+    samples: int
+    batch_size: int
+    workers: int
+    scale: float = 1.0
+
+    def replay(self, rounds: list[list[tuple[int, int]]]) -> float:
+        """The step cost's seconds for these rounds, each ordered as `regenerate` orders them."""
+        return sum(generate_seconds(self.cost, sorted(answers), self.batch_size, self.workers)
+                   for answers in rounds)
+
+    def seconds(self, samples: int) -> float:
+        like = [list(itertools.islice(itertools.cycle(answers), round(len(answers) * samples / self.samples)))
+                for answers in self.rounds]
+        return self.scale * self.replay(like)
 
 
 @dataclass(frozen=True)
@@ -190,17 +225,23 @@ def train_cost(rates: Rates, rows: float, schedule: Schedule) -> tuple[float, in
     return trained / rates.train_tokens_per_s + steps * per_step + last, val_every
 
 
-def make_plan(budget_s: float, spent_s: float, rates: Rates, schedule: Schedule) -> Plan:
+def make_plan(budget_s: float, spent_s: float, rates: Rates, schedule: Schedule,
+              shape: RegenShape | None = None) -> Plan:
     """The most conversations whose stages fit the budget less `MARGIN`, the probes, evaluation
-    and export. Conversations up to `rates.cached_conversations` cost no regeneration."""
+    and export. Conversations up to `rates.cached_conversations` cost no regeneration; the rest
+    cost what `shape` says the engine takes for them, else (another backend) the probe's rate."""
     answers = schedule.answers
-    regen = answers * rates.answer_tokens / rates.regenerate_tokens_per_s
     capture = answers * rates.row_tokens / rates.capture_tokens_per_s
     left = budget_s * (1 - MARGIN) - spent_s - rates.evaluate_s - rates.export_s
 
-    def cost(n: int) -> float:
+    def regen_s(n: int) -> float:
         uncached = max(0, n - rates.cached_conversations)
-        return uncached * regen + n * capture + train_cost(rates, n * answers, schedule)[0]
+        if shape is not None:
+            return shape.seconds(uncached * answers)
+        return uncached * answers * rates.answer_tokens / rates.regenerate_tokens_per_s
+
+    def cost(n: int) -> float:
+        return regen_s(n) + n * capture + train_cost(rates, n * answers, schedule)[0]
 
     lo, hi = 0, 1  # the stage costs grow with n: the largest n that fits, by bisection
     while cost(hi) <= left:
@@ -217,7 +258,7 @@ def make_plan(budget_s: float, spent_s: float, rates: Rates, schedule: Schedule)
         answers=answers,
         epochs=schedule.epochs,
         val_every=val_every,
-        regenerate_s=max(0, n - rates.cached_conversations) * regen,
+        regenerate_s=regen_s(n),
         capture_s=n * capture,
         train_s=train_s,
         evaluate_s=rates.evaluate_s,
@@ -256,19 +297,43 @@ def _probe_config(cfg: RootConfig, samples: int, hidden_states: str, run_dir: Pa
     })
 
 
+def answer_rounds(answered: dict[str, list[dict]]) -> list[list[tuple[int, int]]]:
+    """Per round of `regenerate` (every conversation's n-th turn), the (prompt tokens, answer
+    tokens) of the cached answers (`read_cache`)."""
+    rounds: list[list[tuple[int, int]]] = []
+    for turns in answered.values():
+        for n, turn in enumerate(turns):
+            if n == len(rounds):
+                rounds.append([])
+            rounds[n].append((len(turn["prompt_ids"]), len(turn["answer_ids"])))
+    return rounds
+
+
 def _regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> dict:
     """The first `batch_size` conversations regenerated into the cache (their ids into a
     throwaway online folder): new tokens/s, new and row tokens per conversation, how many
-    conversations the cache holds now (free for the run: the probe's among them), and how many
-    were probed."""
+    conversations the cache holds now (free for the run: the probe's among them), how many
+    were probed, and the engine's `RegenShape` (None: another backend, or nothing to time)."""
     d = cfg.data
-    probed = {"rate": math.inf, "answer_tokens": 0.0, "row_tokens": None, "cached": 0, "samples": 0}
+    probed = {"rate": math.inf, "answer_tokens": 0.0, "row_tokens": None, "cached": 0, "samples": 0,
+              "shape": None}
     if not d.regenerate.enabled:
         return probed
     cache = regen_cache_file(cfg, target.identity, target.chat_template)
     k = max(PROBE_SAMPLES, d.regenerate.batch_size // d.regenerate.num_samples)
-    data = prepare(_probe_config(cfg, k, "online", run_dir), target=target)
-    probed["cached"] = len(read_cache(cache))  # the probe's answers included: the run reuses them
+    before = read_cache(cache).keys()
+    with timed_steps() as timings:
+        data = prepare(_probe_config(cfg, k, "online", run_dir), target=target)
+    answered = read_cache(cache)
+    probed["cached"] = len(answered)  # the probe's answers included: the run reuses them
+    cost = StepCost.fit(timings)
+    if cost is not None:
+        r = d.regenerate
+        shape = RegenShape(cost, answer_rounds(answered), len(answered), r.batch_size,
+                           r.workers or default_workers(target.model, r.batch_size))
+        probed_now = answer_rounds({uid: turns for uid, turns in answered.items() if uid not in before})
+        replayed = shape.replay(probed_now)
+        probed["shape"] = replace(shape, scale=data.stats.regenerate_seconds / replayed if replayed else 1.0)
     probed["row_tokens"], probed["samples"] = data.tokens_per_sample, data.samples
     shutil.rmtree(data.path, ignore_errors=True)
     made = data.stats.regenerated_tokens
@@ -384,9 +449,10 @@ def _within_share(cfg: RootConfig, started: float, after: str) -> None:
         )
 
 
-def measure(cfg: RootConfig, target: Target) -> Rates:
+def measure(cfg: RootConfig, target: Target) -> tuple[Rates, RegenShape | None]:
     """Run the probes on the run's target and its loaded weights (module docstring), each
-    checked against `PROBE_SHARE` of the budget."""
+    checked against `PROBE_SHARE` of the budget: the rates, and the regeneration engine's shape
+    (None: another backend, or nothing was left to answer)."""
     started = time.perf_counter()
     run_dir = Path(cfg.run_dir) / "plan-probe"
     try:
@@ -400,15 +466,17 @@ def measure(cfg: RootConfig, target: Target) -> Rates:
         shutil.rmtree(run_dir, ignore_errors=True)
     formats = len(cfg.export.formats or head_kind(cfg.head.name).formats) if cfg.pipeline.export else 0
     head_bytes = trained.pop("head_bytes")
+    shape = regenerated["shape"]
     return Rates(
         regenerate_tokens_per_s=regenerated["rate"],
+        regenerate_step_cost=None if shape is None else {**asdict(shape.cost), "scale": shape.scale},
         answer_tokens=regenerated["answer_tokens"],
         **trained,
         evaluate_s=evaluate_s,
         export_s=formats * (2 + head_bytes / EXPORT_BYTES_PER_S),
         cached_conversations=regenerated["cached"],
         probe_s=time.perf_counter() - started,
-    )
+    ), shape
 
 
 def schedule(cfg: RootConfig, epochs: int) -> Schedule:
@@ -472,8 +540,9 @@ def plan_run(cfg: RootConfig, target: Target, started: float) -> tuple[Sizes, di
         print(f"plan: {sizes.conversations:,} conversations, {sizes.epochs} epochs, as planned "
               f"before the interruption ({plan_file(cfg)})", flush=True)
         return sizes, record
-    rates = measure(cfg, target)
-    plan = make_plan(cfg.budget_s, time.perf_counter() - started, rates, schedule(cfg, policy_epochs(cfg)))
+    rates, shape = measure(cfg, target)
+    plan = make_plan(cfg.budget_s, time.perf_counter() - started, rates, schedule(cfg, policy_epochs(cfg)),
+                     shape)
     if plan.total_s > plan.budget_s:
         raise UserError(unmet_line(cfg, plan))
     record = {"plan": asdict(plan), "rates": asdict(rates)}

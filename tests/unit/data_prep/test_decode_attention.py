@@ -15,7 +15,7 @@ from data_prep import decode_attention as da
 from data_prep.target import load_target
 
 
-@pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 1, 16), (1, 4, 8)])
+@pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 4, 128), (2, 1, 16), (1, 4, 8)])
 def test_kernel_equals_masked_sdpa_over_each_rows_own_positions(kv_heads, group, dim):
     if da.kernel() is None:
         pytest.skip("no C compiler")
@@ -44,15 +44,15 @@ def test_kernel_equals_masked_sdpa_over_each_rows_own_positions(kv_heads, group,
             da.decode_attention(query, k, v, bad, scale=0.3)
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_kernel_on_bf16_values_computes_what_it_computes_on_those_values_in_float32(window):
+@pytest.mark.parametrize("window,dim", [(None, 64), (6, 64), (6, 128), (None, 16)])  # each copy
+def test_kernel_on_bf16_values_computes_what_it_computes_on_those_values_in_float32(window, dim):
     """With bf16 linears the engine stores values in bf16: the kernel widens each as it reads
     it, so its output is the float32 kernel's over the same values (to float rounding: the
     compiler may order the sums otherwise), and garbage past a row's count is still never read."""
     if da.kernel() is None:
         pytest.skip("no C compiler")
     torch.manual_seed(2)
-    rows, kv_heads, group, dim, max_len = 6, 3, 3, 64, 56
+    rows, kv_heads, group, max_len = 6, 3, 3, 56
     keys = torch.randn(rows, kv_heads, max_len, dim)
     values = torch.randn(rows, kv_heads, max_len, dim).bfloat16()
     query = torch.randn(rows, 1, kv_heads * group, dim).transpose(1, 2)

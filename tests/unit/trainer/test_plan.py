@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from data_prep.regen_cost import StepCost
 from trainer.plan import (
     MARGIN,
     MAX_EPOCHS,
     MIN_CONVERSATIONS,
     Rates,
+    RegenShape,
     Schedule,
     fit_steps,
     make_plan,
@@ -48,6 +50,25 @@ def test_cached_answers_are_free():
     assert warm.regenerate_s == pytest.approx(2 * (warm.conversations - 200))
     everything = plan(cached_conversations=10**6)
     assert everything.regenerate_s == 0 and everything.conversations == int((1200 * (1 - MARGIN) - 130) / 1.5)
+
+
+def test_the_engines_regeneration_is_priced_by_its_schedule_not_the_probes_rate():
+    """The probe answered one batch of 4 (one answer of 201 tokens, three of 11) on 4 slots in
+    200 steps and one prefill, mostly on one busy row; a long run keeps its slots full, so it
+    writes about 4 tokens a step, where the probe's rate says 1.15. A batch and a half of equal
+    answers takes as long as two."""
+    cost = StepCost(per_step=0.01, per_row=0.0, per_context=0.0, per_prompt_token=0.0)
+    assert RegenShape(cost, [[(50, 201)] * 4], 4, 4, 1).seconds(6) == pytest.approx((2 * 200 + 2) * 0.01)
+    shape = RegenShape(cost, [[(50, 201), (50, 11), (50, 11), (50, 11)]], samples=4, batch_size=4, workers=1)
+    assert shape.seconds(4) == pytest.approx(2.01)
+    probe = dict(regenerate_tokens_per_s=234 / 2.01, answer_tokens=234 / 4, cached_conversations=4,
+                 capture_tokens_per_s=1e9, train_tokens_per_s=1e9)
+    by_rate = plan(**probe)
+    by_shape = make_plan(1200, 60, rates(**probe), Schedule(2, 1, 1.0, 50, 50), shape)
+    assert by_shape.regenerate_s == shape.seconds(by_shape.conversations - 4)
+    assert by_shape.conversations > 3 * by_rate.conversations
+    left = 1200 * (1 - MARGIN) - 60 - 60 - 10
+    assert by_shape.total_s <= 1200 * (1 - MARGIN) and shape.seconds(by_shape.conversations - 3) > left - 1
 
 
 def test_slower_rates_buy_fewer_conversations_and_a_tiny_budget_keeps_a_minimum():
