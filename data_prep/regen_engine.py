@@ -16,8 +16,14 @@ bf16 (exactly what the projection made), and the objects that exist when the eng
 kept out of Python's garbage collector (`_heap_frozen`). Where a decode step's time went before
 the bf16 values (2 cores, bf16 GEMMs, 128 rows per engine, perf): ~52% the GEMMs, a fifth of
 them the lm_head; ~16% attention; ~19% PyTorch's small elementwise ops and casts; ~6% Python.
-Prefills took ~13% of regeneration. What is left is mostly arithmetic: a decode token costs the
-lm_head on top of the forward's GEMMs, so regeneration stays below the bare forward's rate.
+Prefills took ~13% of regeneration. What is left is mostly memory: on a Xeon with AMX (2 cores,
+2 engines x 128 rows, `bench_regen`'s fitted cost) 35% of the time is reading the cache (~35 KB
+a context position over 30 layers, float32 keys and bf16 values, at ~8 GB/s a core), 29% is per
+step (each engine streams the weights and pays PyTorch's per-op cost once a step), 29% per row,
+7% prefill. The cache read alone costs a new token ~0.85 ms a core, near the ~1 ms the bare
+forward spends on a whole token, so one-token steps stay near 0.4 of the forward there; what would
+close it is reading the cache once for several tokens (drafted tokens verified in one step), or
+fewer bytes a position (bf16 keys, which changed answers: see `generate`).
 
 The model is any Hugging Face causal LM with standard attention: `SlotCache` stands in for its
 KV cache (the model calls only its `update`), and the masks and position ids are passed in, so
