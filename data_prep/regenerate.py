@@ -225,8 +225,8 @@ def regenerate(
                 def answered(i: int, new: list[int], pending=pending, todo=todo) -> None:
                     nonlocal new_tokens
                     context, p = pending[i]
-                    answer = answer_text(tpl.tok, new, tpl.stop_ids)
-                    p.turns.append({"prompt_ids": context, "answer_ids": new, "answer": answer})
+                    text = answer_text(tpl.tok, new, tpl.stop_ids)
+                    p.turns.append({"prompt_ids": context, "answer_ids": new, "answer": text})
                     new_tokens += len(new)
                     stats.answers_cut_at_max_new_tokens += new[-1] not in tpl.stop_ids
                     if len(p.turns) < len(p.users):

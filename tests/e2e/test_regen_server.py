@@ -44,8 +44,9 @@ prompts, cache, name = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 t = resolve_target(RootConfig(target=TargetConfig(name_or_path=name, dtype="float32")))
 cfg = RegenerateConfig(max_new_tokens=48, backend="vllm")
 samples = [Sample(str(i), [{"role": "user", "content": p}]) for i, p in enumerate(prompts)]
+bar = lambda **kw: __import__("tqdm").tqdm(file=sys.stderr, mininterval=0, **kw)  # as a user sees it
 regenerate(samples, lambda: VllmAnswerer(t.path, torch.float32, cfg), t.chat_template, cfg, 512,
-           __import__("pathlib").Path(cache), PrepStats())
+           __import__("pathlib").Path(cache), PrepStats(), bar)
 """
 
 pytestmark = [
@@ -121,6 +122,7 @@ def test_server_answers_equal_the_offline_backend_and_both_servers_are_used(serv
     code = subprocess.run([str(VLLM_PYTHON), "-c", OFFLINE, json.dumps(PROMPTS), str(offline), TARGET],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert code.returncode == 0, code.stderr[-3000:]
+    assert f"{len(PROMPTS)}/{len(PROMPTS)}" in code.stderr  # the bar drew every answer
 
     a, b = servers
     for name, urls in (("one", [a.url]), ("two", [a.url, b.url])):

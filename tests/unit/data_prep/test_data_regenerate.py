@@ -121,3 +121,33 @@ def test_n_answers_per_prompt_are_samples_seeded_by_uid_and_split_by_prompt(tiny
 def test_num_samples_above_one_needs_sampling():
     with pytest.raises(UserError, match="data.regenerate.num_samples=2: greedy answers are all the same"):
         RegenerateConfig(num_samples=2)
+
+
+@pytest.mark.parametrize("backend", ["hf", "server"])
+def test_the_progress_bar_draws_every_answer_for_every_backend(tiny, tmp_path, backend):
+    """The bar's path (`logging.progress=true`, what a user gets) answers as the quiet path does:
+    it once died at the first answer, and only bar-less runs had been tested. The vLLM backend
+    draws the same bar in tests/e2e/test_regen_server.py."""
+    import io
+
+    from tqdm import tqdm
+
+    from data_prep.regen_server import ServerAnswerer
+    from tests.support.openai_server import Server
+
+    model, tpl = tiny
+    cfg = RegenerateConfig(max_new_tokens=4, batch_size=2)
+    quiet = regenerate(SAMPLES, engine(model, cfg), tpl, cfg, 512, tmp_path / "quiet.jsonl", PrepStats())
+    screen = io.StringIO()
+    bar = lambda **kw: tqdm(file=screen, mininterval=0, **kw)  # noqa: E731
+    if backend == "hf":
+        drawn = regenerate(SAMPLES, engine(model, cfg), tpl, cfg, 512, tmp_path / "b.jsonl", PrepStats(), bar)
+    else:
+        with Server(model, tpl.tok) as s:
+            served = RegenerateConfig(max_new_tokens=4, backend="server", endpoints=[s.url])
+            answerer = lambda: ServerAnswerer(served, "tiny", "", tpl.tok)  # noqa: E731
+            drawn = regenerate(SAMPLES, answerer, tpl, served, 512, tmp_path / "b.jsonl", PrepStats(), bar)
+    assert drawn == quiet
+    shown = screen.getvalue()
+    assert "regenerate: 100%" in shown and "5/5" in shown and "tok_s=" in shown
+    assert backend == "hf" or "ep0=" in shown
