@@ -34,9 +34,14 @@ def checkpoint_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
+def checkpoint_step(path: Path) -> int:
+    """The training step a checkpoint folder (`step-0000123`) was saved at."""
+    return int(path.name.split("-")[1])
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     done = [p for p in checkpoint_root(run_dir).glob("step-*") if (p / STATE_FILE).exists()]
-    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+    return max(done, key=checkpoint_step, default=None)
 
 
 def save_checkpoint(accelerator, run_dir: Path, state: TrainState) -> Path:

@@ -1,6 +1,7 @@
 """The main job: `python -m trainer.train +head=eagle3` (or `+head=medusa`).
 
-prepare data (if its cache is missing) -> train -> evaluate -> export, then say where all went.
+prepare data (if its cache is missing) -> train -> evaluate -> export, then say in five lines
+where all went (`trainer.closing`; summary.json holds the record, training.png its curves).
 Every rank runs this file and holds its own target (online it computes the hidden states of the
 rank's batches); the ranks prepare data together (each its share, `data_prep.ranks`), rank 0
 evaluates, exports and prints. Several nodes work alike, over a shared file system or each with
@@ -37,12 +38,14 @@ from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target, resolve_target
 from heads.export.write import export_head, formats_for
 from heads.kinds import check_export_formats, head_kind
-from trainer.checkpoint import latest_checkpoint
+from trainer.checkpoint import checkpoint_step, latest_checkpoint
+from trainer.closing import closing_lines
 from trainer.distributed import build_accelerator
 from trainer.evaluate.run import evaluate
 from trainer.kind_builders import build_trainee
-from trainer.loop import fit
+from trainer.loop import fit, read_history
 from trainer.plan import note_stop, plan_run, recheck
+from trainer.training_plot import plot_training
 from trainer.val_decode import build_val_decoder
 
 
@@ -112,6 +115,7 @@ def export_all(cfg: RootConfig, head_dir: Path, run_dir: Path, target: Target) -
             out_root / fmt,
             target_model=target.model,
             eval_json=eval_json if eval_json.exists() else None,
+            push_to_hub=cfg.export.push_to_hub,
             dtype=cfg.export.dtype,
             num_speculative_tokens=cfg.eval.num_speculative_tokens,
             license=cfg.export.license,
@@ -120,17 +124,56 @@ def export_all(cfg: RootConfig, head_dir: Path, run_dir: Path, target: Target) -
     ]
 
 
+def check_run_dir(cfg: RootConfig) -> None:
+    """One run_dir holds one run. A second run started into it with `resume=false` would mix the
+    two (the old run's later checkpoints outlive pruning and a later `resume=true` picks them up;
+    its head, plan and summary are overwritten), so it is refused before anything is written, and
+    `resume=true` needs a checkpoint to go on from."""
+    run_dir = Path(cfg.run_dir)
+    last = latest_checkpoint(run_dir)
+    if cfg.resume:
+        if last is None:
+            raise UserError(
+                f"resume=true: no checkpoint under {run_dir}/checkpoints to resume from "
+                "(drop resume=true to start afresh, or point run_dir at the interrupted run)"
+            )
+        return
+    if last is not None:
+        raise UserError(
+            f"run_dir={run_dir} holds a run to step {checkpoint_step(last)}: add resume=true to "
+            "continue it, or choose another run_dir"
+        )
+    kept = [name for name in ("head", "summary.json") if (run_dir / name).exists()]
+    if kept:
+        held = " and ".join(kept)
+        raise UserError(f"run_dir={run_dir} holds an earlier run's {held}: choose another run_dir")
+
+
+def check_push(cfg: RootConfig) -> None:
+    """`export.push_to_hub`: one Hub repo holds one export format, as `heads.export` requires."""
+    repo = cfg.export.push_to_hub
+    if repo and cfg.head is not None:
+        formats = cfg.export.formats or list(head_kind(cfg.head.name).formats)
+        if len(formats) != 1:
+            raise UserError(
+                f"export.push_to_hub={repo}: one repo holds one format; add export.formats=[<one of "
+                f"{', '.join(formats)}>]"
+            )
+
+
+def check_main_job(cfg: RootConfig) -> None:
+    """What the main job refuses from its config alone, before Hydra writes into run_dir."""
+    check_export_formats(cfg)
+    check_push(cfg)
+    check_run_dir(cfg)
+
+
 def run(cfg: RootConfig) -> dict:
     """The main job on `cfg` (left as it is: the sizes decided here go on in a derived config,
     which config.json records)."""
     started = time.perf_counter()
-    check_export_formats(cfg)
+    check_main_job(cfg)
     run_dir = Path(cfg.run_dir)
-    if cfg.resume and latest_checkpoint(run_dir) is None:
-        raise UserError(
-            f"resume=true: no checkpoint under {run_dir}/checkpoints to resume from "
-            "(drop resume=true to start afresh, or point run_dir at the interrupted run)"
-        )
     check_source(cfg)
     torch.manual_seed(cfg.seed)
     acc = build_accelerator(cfg.dist, cfg.optim, str(run_dir))
@@ -167,6 +210,8 @@ def run(cfg: RootConfig) -> dict:
         **result.summary(),
     }
     if acc.is_main_process:
+        report = None
+        plot_training(read_history(run_dir, result.steps), run_dir / "training.png")
         if cfg.pipeline.evaluate:
             report = evaluate(cfg, result.head_dir, run_dir / "eval", target=target)
             summary["eval_dir"] = str(run_dir / "eval")
@@ -183,7 +228,7 @@ def run(cfg: RootConfig) -> dict:
         summary["wall_time_s"] = round(time.perf_counter() - started, 1)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-        print(json.dumps(summary, indent=2))
+        print("\n".join(closing_lines(summary, report)))
     acc.end_training()
     return summary
 
@@ -195,4 +240,4 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    hydra_main(main, check_export_formats)
+    hydra_main(main, check_main_job)

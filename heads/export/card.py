@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 # Aliases of the project's embedded targets -> their Hub ids (for base_model and serve commands).
 HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
+# The evaluation's per-position acceptance picture: beside eval.md, which shows it, and copied
+# beside every card that shows the same evaluation's table.
+PICTURE = "acceptance.png"
+
 # Data sources of data_prep -> Hub dataset ids, for the `datasets` metadata.
 DATASET_IDS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
 
@@ -44,6 +48,7 @@ class CardFacts:
     license: str
     layer_ids: dict[str, list[int]] = field(default_factory=dict)  # engine -> aux ids (eagle3)
     eval_report: dict | None = None  # eval.json
+    picture: str | None = None  # the evaluation's acceptance.png, copied beside the card
     data: dict | None = None  # the run's `data` config
     training: dict | None = None  # the run's `head` and `optim` configs
     notes: list[str] = field(default_factory=list)
@@ -70,7 +75,9 @@ def _num(value) -> str:
     return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def acceptance_section(report: dict | None) -> str:
+def acceptance_section(report: dict | None, picture: str | None = None) -> str:
+    """The evaluation's table, how many prompts stand behind it, and its picture (`picture`: the
+    file name of the evaluation's acceptance.png copied beside the card)."""
     if not report:
         return "## Measured acceptance\n\nNo eval.json was given at export time: not measured.\n"
     s = report.get("settings", {})
@@ -94,18 +101,21 @@ def acceptance_section(report: dict | None) -> str:
         f"{_num(m.get('speedup_vs_greedy'))} |"
         for name, m in rows
     ]
+    prompts = report.get("overall", {}).get("prompts")
+    sample = f" on {prompts} prompts in all: read differences below ~0.05 as noise" if prompts else ""
     return "\n".join(
         [
             "## Measured acceptance",
             "",
             "Mean acceptance length = tokens per target forward, counting the bonus token (vLLM's "
-            f"`1 + accepted / drafts`), measured by draftsmith's evaluator ({how}). Speedup is "
-            "wall-clock on the machine that ran the evaluation.",
+            f"`1 + accepted / drafts`), measured by draftsmith's evaluator ({how}){sample}. Speedup "
+            "is wall-clock on the machine that ran the evaluation.",
             "",
             *table,
             "",
             f"Greedy speculative output identical to plain greedy decoding: "
             f"{report.get('lossless')}.",
+            *(["", f"![Per-position acceptance]({picture})"] if picture else []),
         ]
     )
 
@@ -205,7 +215,7 @@ def render(f: CardFacts, kind: HeadKind) -> str:
         front_matter(f, kind.formats[f.fmt].library),
         f"# {title} for {hub_id(f.target_name) or f.target_name}",
         intro,
-        acceptance_section(f.eval_report),
+        acceptance_section(f.eval_report, f.picture),
         serve_section(kind.serve_lines(f)),
         layer_ids_section(f),
         data_section(f.data),

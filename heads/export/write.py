@@ -11,6 +11,7 @@ with `push_to_hub=<repo_id>`, the folder is uploaded.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ from conf.errors import UserError
 from conf.files import disk_full_is_one_line, read_json, staged_dir
 from conf.schema import EXPORT_DTYPES
 from heads import kinds
-from heads.export.card import CardFacts, hub_id, render
+from heads.export.card import PICTURE, CardFacts, hub_id, render
 from heads.export.check import verify_export
 from heads.export.core import ExportContext, Layout, Tensors
 from heads.folder import TargetSpec, load_head, run_config
@@ -85,6 +86,7 @@ def export_head(
     ctx = ExportContext(dtype, num_speculative_tokens, verifier, arch)
     config = layout.config(src_cfg, ctx)
     report = read_json(Path(eval_json), "eval") if eval_json else None
+    picture = Path(eval_json).with_name(PICTURE) if eval_json else None
     run = run_config(head_path)
 
     full = "free space and export again (nothing was written under it)"
@@ -102,11 +104,14 @@ def export_head(
             num_speculative_tokens=num_speculative_tokens,
             license=license,
             eval_report=report,
+            picture=PICTURE if picture and picture.exists() else None,
             data=run.get("data"),
             training={k: run[k] for k in ("head", "optim") if k in run},
             speculative_keys=kind.speculative_keys(fmt),
             **kind.card_facts(src_cfg, fmt),
         )
+        if facts.picture:
+            shutil.copyfile(picture, tmp / PICTURE)
         (tmp / "README.md").write_text(render(facts, kind))
     result = {"format": fmt, "out": str(out), **check}
     if push_to_hub:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conf.files import atomic_write, atomic_write_text
+from heads.export.card import PICTURE
 from heads.kinds import head_kind
 from trainer.decoding import DecodeStats
 from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
@@ -183,6 +184,7 @@ def markdown(result: dict) -> str:
             cells += [m.get("prompt_lookup_tokens_per_s"), m.get("speedup_vs_prompt_lookup")]
         cells += [m["lossless"]]
         lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
+    lines += ["", f"![Per-position acceptance]({PICTURE})"]
     return "\n".join(lines) + "\n"
 
 
@@ -218,10 +220,11 @@ def write_outputs(outputs: list[dict], out_dir: str | Path) -> Path:
 
 
 def write_report(result: dict, out_dir: str | Path) -> Path:
-    """eval.json, eval.md and acceptance.png under out_dir, each written to a temp name first."""
+    """eval.json, eval.md and acceptance.png (shown in eval.md) under out_dir, each written to a
+    temp name first."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "eval.json", lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
     atomic_write(out / "eval.md", lambda p: p.write_text(markdown(result)))
-    atomic_write(out / "acceptance.png", lambda p: plot(result, p))
+    atomic_write(out / PICTURE, lambda p: plot(result, p))
     return out

@@ -208,7 +208,7 @@ def test_every_format_belongs_to_one_kind_and_every_kind_to_the_schema():
 
 EVAL = {
     "settings": {"mode": "chain", "num_speculative_tokens": 3, "temperature": 0.0},
-    "overall": {"mean_acceptance_length": 2.5, "acceptance_per_position": [0.7, 0.5, 0.3]},
+    "overall": {"mean_acceptance_length": 2.5, "acceptance_per_position": [0.7, 0.5, 0.3], "prompts": 6},
     "tasks": {
         "mtbench": {"mean_acceptance_length": 2.25},
         "gsm8k": {"mean_acceptance_length": 2.75},
@@ -241,8 +241,9 @@ def test_model_card_states_metadata_acceptance_serving_and_data():
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in head
     assert "library_name: vllm" in head and "license: apache-2.0" in head and "- eagle3" in head
     assert "| mtbench | - | 2.250 |" in body and "| gsm8k | - | 2.750 |" in body
-    assert "| overall | - | 2.500 | 0.700, 0.500, 0.300 | - |" in body
+    assert "| overall | 6 | 2.500 | 0.700, 0.500, 0.300 | - |" in body
     assert "chain drafting with 3 speculative tokens, temperature 0.0" in body
+    assert "evaluator (chain drafting" in body and ") on 6 prompts in all: read differences" in body
     assert '"method": "eagle3", "model": "me/smol-eagle3"' in body
     assert "--speculative-draft-model-path me/smol-eagle3" in body
     assert "eagle3_layers_to_capture: [1, 14, 26]" in body and "| [2, 15, 27] |" in body
@@ -271,6 +272,13 @@ def test_export_card_reads_eval_json_and_run_config(head_dir, tmp_path):
     assert "- EAGLE-3 norms on: `norm_output`" in card
     assert "3 epochs, lr 0.001, 1024 tokens per batch; the kept checkpoint is the best by decoded" in card
     assert f"vllm serve {out.resolve()}" in card
+    assert "![" not in card and not (out / "acceptance.png").exists()  # no picture beside eval.json
+
+    # The evaluation's picture travels with the export and the card shows it.
+    (run / "eval" / "acceptance.png").write_bytes(b"\x89PNG picture")
+    again, _ = export_head(head, "eagle3", run / "export-2", eval_json=run / "eval" / "eval.json")
+    assert (again / "acceptance.png").read_bytes() == b"\x89PNG picture"
+    assert "![Per-position acceptance](acceptance.png)" in (again / "README.md").read_text()
 
 
 def test_cli_bad_format_exits_2_with_one_line(head_dir, capsys):

@@ -137,3 +137,28 @@ def test_cli_push_failure_is_one_line_and_keeps_the_export(
     assert not list(tmp_path.glob(".out.tmp-*"))
     if token is None:
         assert hub.requests == []  # refused without a round trip to the Hub
+
+
+def test_the_main_job_pushes_its_export_and_refuses_two_formats_before_work(
+    sharp_target, chat_file, tmp_path, fake_hub
+):
+    """`export.push_to_hub` in the main job does what `heads.export push_to_hub=` does; with more
+    than one format (one repo holds one) it is refused before anything runs."""
+    from pathlib import Path
+
+    from tests.support.runs import tiny_run_config, user_error_line
+    from trainer.train import run
+
+    hub = fake_hub(FakeHub(), FAKE_TOKEN)
+    push = ("pipeline.export=true", "export.push_to_hub=me/smol-eagle3", "optim.max_steps=2")
+    both = tiny_run_config("eagle3", sharp_target, chat_file, tmp_path / "both", *push)
+    line = user_error_line(lambda: run(both))
+    assert line.startswith("error: export.push_to_hub=me/smol-eagle3: one repo holds one format; add export.")
+    assert not (tmp_path / "both").exists() and hub.requests == []
+
+    speculators = "export.formats=[speculators]"
+    one = tiny_run_config("eagle3", sharp_target, chat_file, tmp_path / "one", *push, speculators)
+    (out,) = run(one)["exports"]
+    assert set(hub.files) == {"README.md", "config.json", "model.safetensors"}
+    assert hub.files["config.json"] == (Path(out) / "config.json").read_bytes()
+    assert out == str(tmp_path / "one" / "export" / "speculators")

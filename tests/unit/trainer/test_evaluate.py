@@ -67,6 +67,7 @@ def test_evaluate_writes_the_report(tiny, tiny_llama_dir, eagle_dir, tmp_path):
     assert {"prompt_lookup_tokens_per_s", "speedup_vs_prompt_lookup"} <= o.keys()
     md = (out / "eval.md").read_text()
     assert "| overall | 3 |" in md and "| mine | 1 |" in md
+    assert md.rstrip().endswith("![Per-position acceptance](acceptance.png)")  # eval.md shows it
     assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -1,0 +1,90 @@
+"""One run_dir holds one run, and a run ends speaking to a person.
+
+A second run into a run_dir that holds checkpoints is refused before any work with one line
+naming the step and the two ways on; nothing of the old run changes; `resume=true` continues it.
+The end of a run is a few plain lines (the record stays in summary.json), and training.png
+shows its curves."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from conf.compose import check_command_line
+from tests.support.cli import error_lines, run_cli
+from tests.support.runs import tiny_run_args, tiny_run_config, user_error_line
+from trainer.closing import closing_lines
+from trainer.train import run
+
+STEPS = ("optim.max_steps=4", "optim.save_every=2", "optim.val_every=2")
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_reused_run_dir_is_refused_and_resume_continues_it(sharp_target, chat_file, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    first = run(tiny_run_config("eagle3", sharp_target, chat_file, run_dir, *STEPS))
+    assert first["steps"] == 4
+    shown = capsys.readouterr().out.strip().splitlines()
+    assert shown[-3:] == [
+        shown[-3],
+        f"head: {run_dir / 'head'}",
+        f"details: {run_dir / 'summary.json'}, {run_dir / 'training.png'}",
+    ] and shown[-3].startswith("done in ") and shown[-3].endswith(" min: not evaluated")
+    assert (run_dir / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    before = files(run_dir)
+
+    again = tiny_run_args("eagle3", sharp_target, chat_file, run_dir, *STEPS)
+    want = (f"error: run_dir={run_dir} holds a run to step 4: add resume=true to continue it, or "
+            "choose another run_dir")
+    assert user_error_line(lambda: run(check_command_line(again))) == want
+    # As typed: refused before Hydra writes its run_dir/hydra folder.
+    code, _, err = run_cli("trainer.train", again, tmp_path)
+    assert code == 2 and error_lines(err) == [want]
+    assert files(run_dir) == before
+
+    more = run(tiny_run_config("eagle3", sharp_target, chat_file, run_dir, *STEPS, "optim.max_steps=6",
+                               "resume=true"))
+    assert more["steps"] == 6
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000004", "step-0000006"]
+
+    # A finished run whose checkpoints were cleared still holds its head and summary.
+    shutil.rmtree(run_dir / "checkpoints")
+    line = user_error_line(lambda: run(tiny_run_config("eagle3", sharp_target, chat_file, run_dir)))
+    held = "holds an earlier run's head and summary.json: choose another run_dir"
+    assert line == f"error: run_dir={run_dir} {held}"
+
+
+REPORT = {
+    "lossless": True,
+    "mismatches": [],
+    "overall": {"mean_acceptance_length": 1.4361, "prompts": 9, "checked_against_generate": 3},
+    "tasks": {
+        "mtbench": {"mean_acceptance_length": 1.452, "prompts": 3},
+        "humaneval": {"mean_acceptance_length": 1.37, "prompts": 3},
+        "gsm8k": {"mean_acceptance_length": None, "prompts": 3},
+    },
+}
+
+
+def test_the_closing_lines_say_tau_lossless_where_and_how_to_serve(tmp_path):
+    export = tmp_path / "export" / "speculators"
+    export.mkdir(parents=True)
+    (export / "README.md").write_text(
+        "```bash\nvllm serve /x/speculators\n```\n```bash\nvllm serve base --speculative-config '{}'\n```\n"
+    )
+    summary = {"run_dir": str(tmp_path), "wall_time_s": 1122.0, "eval_dir": str(tmp_path / "eval"),
+               "head_dir": str(tmp_path / "head"), "exports": [str(export)]}
+    assert closing_lines(summary, REPORT) == [
+        "done in 18.7 min: τ 1.436 overall (mtbench 1.452, humaneval 1.370, gsm8k -; 3 prompts per task)",
+        f"lossless: yes, every speculative output equal to greedy decoding (3 also to the target's "
+        f"generate): {tmp_path / 'eval' / 'eval.md'}",
+        f"head: {tmp_path / 'head'}; exports: {export}",
+        "serve: vllm serve /x/speculators",
+        f"details: {tmp_path / 'summary.json'}, {tmp_path / 'training.png'}",
+    ]
+    broken = {**REPORT, "lossless": False, "mismatches": [{"task": "gsm8k", "prompt": 2, "against": "x"}]}
+    eval_md = tmp_path / "eval" / "eval.md"
+    assert closing_lines(summary, broken)[1] == f"lossless: NO, outputs differ on gsm8k #2: {eval_md}"

@@ -1,0 +1,45 @@
+"""training.png beside summary.json: the training loss and the validation acceptance against step,
+drawn from history.json, for the person who would rather look than read JSON.
+
+Validation acceptance is the simulated chain acceptance length the head is kept by (and the
+decoded one where `optim.val_decode_prompts` measured it): the curve that says whether more steps
+or more data would have helped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conf.files import atomic_write
+from trainer.selection import DECODED
+
+ACCEPTANCE = {"sim_acceptance_length": "simulated", DECODED: "decoded"}
+
+
+def plot_training(history: list[dict], path: Path) -> Path:
+    """Two panels against step: train and validation loss; validation acceptance length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    val = [(h["step"], h["val"]) for h in history if "val" in h]
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    if train:
+        loss_ax.plot(*zip(*train), label="train")
+    if val:
+        loss_ax.plot([s for s, _ in val], [m.get("loss") for _, m in val], marker="o", label="validation")
+    loss_ax.set(xlabel="step", ylabel="loss", title="Loss")
+    loss_ax.legend()
+    for key, label in ACCEPTANCE.items():
+        points = [(s, m[key]) for s, m in val if m.get(key) is not None]
+        if points:
+            acc_ax.plot(*zip(*points), marker="o", label=label)
+    acc_ax.set(xlabel="step", ylabel="acceptance length (τ)", title="Validation acceptance")
+    if acc_ax.lines:
+        acc_ax.legend()
+    fig.tight_layout()
+    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
+    plt.close(fig)
+    return path
