@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -42,3 +43,20 @@ def first_line(err: BaseException) -> str:
     """The first line of an exception's message (library errors run to pages), or its type."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def no_such_key(key: str, known: Iterable[str]) -> UserError:
+    """`key: no such key; closest: ...`: a typo (`optim.lrr`) or a key under the wrong group
+    (`lr=`) names what was meant, where Hydra says only "Could not override". Close spellings of
+    the whole key first, else keys whose last part is spelled alike (`tempreature`)."""
+    known = list(known)
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.75)
+    if not close:
+        last = key.rpartition(".")[2]
+        by_last: dict[str, list[str]] = {}
+        for k in known:
+            by_last.setdefault(k.rpartition(".")[2], []).append(k)
+        near = difflib.get_close_matches(last, list(by_last), n=3, cutoff=0.75)
+        close = [k for name in near for k in by_last[name]][:4]
+    hint = f"closest: {', '.join(close)}" if close else "--help lists the keys"
+    return UserError(f"{key}: no such key; {hint}")

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from conf.errors import UserError, first_line
+from conf.errors import UserError, first_line, no_such_key
 
 TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
 STORAGE_DTYPES = ("bfloat16", "fp8")
@@ -301,7 +301,7 @@ class OptimConfig(_Checked):
 class DistConfig(_Checked):
     PREFIX: ClassVar[str] = "dist"
     strategy: str = "none"  # none | ddp | deepspeed
-    zero_stage: int = 0
+    zero_stage: int = 0  # DeepSpeed's ZeRO stage, 1 to 3 (dist=zero1..zero3); 0 without it
     mixed_precision: str = "auto"  # auto | no | bf16 | fp16
 
     def check(self) -> None:
@@ -318,6 +318,9 @@ class LoggingConfig(_Checked):
     PREFIX: ClassVar[str] = "logging"
     wandb: str = "disabled"  # disabled | offline | online
     wandb_project: str = "draftsmith"
+    # The run's name in wandb (and TensorBoard's Text tab); null: the run_dir's name, with the
+    # head kind where that name lacks it.
+    run_name: str | None = None
     tensorboard: bool = True
     log_every: int = 10
     progress: bool = True
@@ -414,10 +417,15 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class ObjectiveConfig(_Checked):
-    """The objective knobs both head kinds share (`trainer/objective.py`); each head's config
-    inherits them, so they are `head.*` overrides."""
+    """The objective knobs both head kinds share (`trainer/objective.py`), and where training
+    starts (`init_from`); each head's config inherits them, so they are `head.*` overrides."""
 
     PREFIX: ClassVar[str] = "head"
+    # A head folder to start from instead of a fresh head (two-stage fine-tuning): draftsmith's
+    # own, or an engine's (a speculators or native EAGLE-3 export, Medusa's) as `heads.formats`
+    # reads it. Its kind, target and architecture (aux layers, norm flags, sizes) must be this
+    # run's: a mismatch is refused in one line naming the field. null: a fresh head.
+    init_from: str | None = None
     # Which rows train: 0 = the answer tokens only; w > 0 adds every other real position (prompt,
     # system and template tokens) at weight w against the answers' 1 (1 = every position alike).
     # Capture keeps hidden states at every position, so the data folder serves any w as it is.
@@ -431,6 +439,7 @@ class ObjectiveConfig(_Checked):
     lk_eta: float = 3.0
 
     def check(self) -> None:
+        self._require("init_from", lambda v: v is None or bool(str(v).strip()), "null or a head folder")
         self._require(
             "prompt_loss_weight",
             lambda v: 0 <= v <= 1,
@@ -468,7 +477,9 @@ class Eagle3Config(ObjectiveConfig):
     # (see README, Measured: rows "original EAGLE-3" and "the three `head.norm_*` on"). fc_norm in
     # place of norm_before_fc scored lower there (vLLM τ 1.253 vs 1.262, row "EAGLE 3.1"), so it
     # is off. A head folder saved without them still reads as all off (`heads.eagle3.norm_flags`).
-    norm_before_fc: bool = True
+    # norm_before_fc null (the default): on, unless fc_norm is, so that EAGLE 3.1 is one override
+    # (`head.fc_norm=true`, or `+head=eagle3.1`); resolved to a bool when the config is built.
+    norm_before_fc: bool | None = None
     fc_norm: bool = False
     norm_before_residual: bool = True
     norm_output: bool = True
@@ -480,6 +491,11 @@ class Eagle3Config(ObjectiveConfig):
     # more draft tokens wants as many steps.
     ttt_length: int = 3
     step_weight: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.norm_before_fc is None:  # fc_norm (EAGLE 3.1) takes the fused norm's place
+            object.__setattr__(self, "norm_before_fc", not self.fc_norm)
+        super().__post_init__()
 
     def check(self) -> None:
         super().check()
@@ -493,7 +509,7 @@ class Eagle3Config(ObjectiveConfig):
             "fc_norm",
             lambda v: not (v and self.norm_before_fc),
             f"false with {self._key('norm_before_fc')}=true (one norm before fc or the other: "
-            f"add {self._key('norm_before_fc')}=false)",
+            f"drop {self._key('norm_before_fc')}=true, or set it false)",
         )
         self._require("step_weight", _probability, "a value in (0, 1]")
         self.check_steps()
@@ -746,6 +762,30 @@ def _user_error_inside(err: BaseException) -> UserError | None:
     return None
 
 
+def leaf_fields(cls: type, prefix: str = "") -> dict[str, tuple[type, str]]:
+    """Every key a user can set under the config class `cls`, dotted as typed
+    (`data.regenerate.top_p`), with the class and field name that hold it: what `--help` lists
+    (`conf.usage`) and what an unknown key is matched against (`schema_keys`)."""
+    out: dict[str, tuple[type, str]] = {}
+    for f in dataclasses.fields(cls):
+        factory = f.default_factory
+        if isinstance(factory, type) and dataclasses.is_dataclass(factory):
+            out |= leaf_fields(factory, f"{prefix}{f.name}.")
+        else:
+            out[f"{prefix}{f.name}"] = (cls, f.name)
+    return out
+
+
+def schema_keys(head: str | None = None) -> list[str]:
+    """The dotted keys of the root config with `head`'s fields under `head.` (every kind's where
+    `head` names none): the candidates an unknown key's closest matches come from."""
+    heads = [HEAD_CONFIGS[head]] if head in HEAD_CONFIGS else list(HEAD_CONFIGS.values())
+    keys = dict.fromkeys(k for k in leaf_fields(RootConfig) if k != "head")
+    for cls in heads:
+        keys |= dict.fromkeys(leaf_fields(cls, "head."))
+    return list(keys)
+
+
 def to_root_config(cfg: DictConfig) -> RootConfig:
     """Hydra's composed config -> a typed, checked `RootConfig`, or a one-line `UserError`."""
     head = cfg.get("head")
@@ -754,11 +794,16 @@ def to_root_config(cfg: DictConfig) -> RootConfig:
     name = head.get("name")
     if name not in HEAD_CONFIGS:
         raise UserError(f"head.name={name!r}: expected one of {', '.join(HEAD_CONFIGS)}")
+    under = ""  # the head merges on its own, so its errors' keys lack the `head.` a user types
     try:
         root = OmegaConf.merge(_writable(OmegaConf.structured(RootConfig)), cfg)
+        under = "head."
         root.head = OmegaConf.merge(_writable(OmegaConf.structured(HEAD_CONFIGS[name])), head)
+        under = ""
         return OmegaConf.to_object(root)
     except OmegaConfBaseException as err:
         ours = _user_error_inside(err)
+        if ours is None and isinstance(err, ConfigKeyError) and getattr(err, "full_key", None):
+            ours = no_such_key(under + err.full_key, schema_keys(name))  # a `+key=` Hydra appended
         raise (ours or UserError(_one_line(err))) from None
 

@@ -120,4 +120,5 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    hydra_main(main, check_export_formats)
+    # --help lists the keys data prep reads (the head: which layers it captures).
+    hydra_main(main, check_export_formats, shows=("target", "data", "head", "logging.progress"))

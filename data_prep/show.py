@@ -18,15 +18,21 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from conf.compose import split_args
-from conf.errors import UserError, exit_on_user_error
+from conf.compose import print_help, split_args
+from conf.errors import UserError, exit_on_user_error, no_such_key
 from conf.schema import RootConfig, TargetConfig
+from conf.usage import wants_help
 from data_prep.sources import ANSWER_SEP, ROW_SEP
 from data_prep.store import MANIFEST, load_manifest, shard_uids
 from data_prep.target import resolve_target
 
 FORMATS = ("text", "json")
 USAGE = "python -m data_prep.show <data folder or run_dir> [index=N] [format=text|json]"
+OWN_HELP = (
+    ("<data folder or run_dir>", "", "a folder data_prep.prepare wrote, or a run_dir that names one"),
+    ("index", "0", "the N-th sample, in the folder's order (train split, then validation)"),
+    ("format", "text", "text: each row decoded, the supervised tokens marked | json: one object per row"),
+)
 
 
 def data_folder(path: str) -> Path:
@@ -103,9 +109,14 @@ def render_row(tok, uid: str, ids: list[int], mask: list[bool], fmt: str, colour
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print_help(USAGE, __doc__.split("\n\n")[0], shows=(), own=OWN_HELP)
+        return
     paths = [a for a in argv if "=" not in a]
     own, rest = split_args([a for a in argv if "=" in a], ("index", "format"))
-    if len(paths) != 1 or rest:
+    if rest:
+        raise no_such_key(rest[0].partition("=")[0], ("index", "format"))
+    if len(paths) != 1:
         raise UserError(f"usage: {USAGE}")
     fmt = own.get("format", "text")
     if fmt not in FORMATS:

@@ -306,20 +306,32 @@ def vllm_report(ref: dict, export: dict, plain: list | str, a: argparse.Namespac
     }
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each option's default beside its meaning; the description's lines as written."""
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("export_dirs", nargs="+", metavar="export_dir")
+    # --help needs argparse alone (vllm and torch load later), so it answers from any venv.
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] + "\n\nRun it with the vLLM venv's python "
+        "(scripts/setup_vllm_venv.sh).",
+        formatter_class=_HelpFormatter,
+    )
+    ap.add_argument("export_dirs", nargs="+", metavar="export_dir",
+                    help="folders heads.export wrote (eagle3, speculators, medusa-vllm, peagle, dflash, ...)")
     ap.add_argument("--target", default=None,
-                    help="target alias, Hub id or folder (default: the one the export names, "
+                    help="target alias, Hub id or folder (None: the one the export names, "
                          "else the project's default target)")
-    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--prompts", type=int, default=6, help="prompts, generated without and with each export")
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="> 0: random prompts of this many token ids instead of the task prompts")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (greedy)")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="vLLM's max_model_len")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens (EAGLE-3; others pin their own)")
-    ap.add_argument("--main-python", default=str(ROOT / ".venv" / "bin" / "python"))
-    ap.add_argument("--role", choices=["vllm", "ours"], default="vllm")
+    ap.add_argument("--main-python", default=str(ROOT / ".venv" / "bin" / "python"),
+                    help="the python of the venv draftsmith is installed in, which runs our side")
+    ap.add_argument("--role", choices=["vllm", "ours"], default="vllm",
+                    help="vllm: the comparison; ours: our side's figures as JSON (the vllm role runs it)")
     a = ap.parse_args()
     export_dirs = [str(Path(d).resolve()) for d in a.export_dirs]
     sizes = ["--prompts", str(a.prompts), "--prompt-tokens", str(a.prompt_tokens),

@@ -4,6 +4,12 @@ behind them live in tests/support/), and each test's tier marker, taken from its
 
 Real transformers models and real tokenizers, built from a config in seconds; the weights are
 seeded so every test sees the same model.
+
+The rule for tests that stand for a user's command: keep the defaults a user gets.
+`logging.progress=false` only where the bar is beside the point and a bar-drawing test covers the
+same path: tests/e2e/test_readme_commands.py runs the README's commands as typed, under a
+terminal; tests/unit/data_prep/test_data_regenerate.py draws regeneration's bar on every backend.
+(The README's main job once died on the bar's path while every test turned the bar off.)
 """
 
 from __future__ import annotations

@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conf.errors import UserError
 from data_prep.capture import TOP
 from heads.eagle3 import Branches, Eagle3Head
+from heads.formats import read_init_head
 from trainer.decoding import Eagle3Drafter
 from trainer.decoding.drafters import Shape
 from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean
@@ -253,11 +255,31 @@ class Eagle3Trainee(HeadTrainee, nn.Module):
         return Eagle3Drafter(self.head), target
 
 
+def init_vocab(cfg, target) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of `head.init_from`'s head: its lm_head's rows are those ids, so a run that starts
+    from it keeps them (the data's own vocabulary is not used). The teacher maps target ids to
+    draft ids by counting `t2d` (`Eagle3Trainee`), so the draft ids must be ascending target ids
+    and `t2d` exactly those: draftsmith's and speculators' are; another is refused."""
+    read = read_init_head(cfg, target.config)
+    d2t, t2d = read.tensors["d2t"].long(), read.tensors["t2d"].bool()
+    ids = torch.arange(len(d2t)) + d2t
+    marked = torch.zeros_like(t2d).index_fill_(0, ids.clamp(0, len(t2d) - 1), True)
+    if not (bool((ids[1:] > ids[:-1]).all()) and torch.equal(marked, t2d)):
+        raise UserError(
+            f"{read.where}: its draft vocabulary is not ascending target ids with t2d marking exactly "
+            "them (d2t, t2d), which training over it needs"
+        )
+    return d2t, t2d
+
+
 def draft_vocab(cfg, target, data_dir: Path | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) of a fresh head: the draft vocabulary built with the data (no data folder: the
-    lowest ids, which cost a step what any vocabulary of that size costs)."""
+    lowest ids, which cost a step what any vocabulary of that size costs); with `head.init_from`,
+    that head's (`init_vocab`)."""
     from data_prep.vocab import build_draft_vocab, load_draft_vocab
 
+    if cfg.head.init_from:
+        return init_vocab(cfg, target)
     if data_dir is None:
         vocab = target.config.get_text_config().vocab_size
         counts = torch.zeros(vocab, dtype=torch.long)

@@ -14,6 +14,7 @@ from pathlib import Path
 from torch import nn
 
 from conf.schema import RootConfig
+from heads.formats import init_trainee_head
 from heads.kinds import HeadKind, head_kind
 from trainer.decoding.drafters import Shape
 
@@ -26,8 +27,13 @@ def named_function(path: str) -> Callable:
 
 def build_trainee(cfg: RootConfig, target, data_dir: Path | None) -> nn.Module:
     """A fresh trainee of the configured kind for `target`, over the data folder `data_dir`
-    (None: no folder; a kind with a draft vocabulary then takes its lowest ids, for benchmarks)."""
-    return named_function(head_kind(cfg.head.name).trainee)(cfg, target, data_dir)
+    (None: no folder; a kind with a draft vocabulary then takes its lowest ids, for benchmarks).
+    With `head.init_from`, its head starts from that folder's weights (`heads.formats`): every
+    caller (the run, the planner's probes, the benchmarks) trains what the run will."""
+    trainee = named_function(head_kind(cfg.head.name).trainee)(cfg, target, data_dir)
+    if cfg.head.init_from:
+        init_trainee_head(cfg, trainee.head, target)
+    return trainee
 
 
 def build_drafter(kind: HeadKind, head: nn.Module, target, shapes: Sequence[Shape] = ()):

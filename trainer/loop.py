@@ -51,6 +51,7 @@ from trainer.deadline import deadline_stop
 from trainer.health import NonFiniteGuard, NonFiniteWatch, describe, sample_at
 from trainer.logger import RunLogger
 from trainer.selection import DECODED, keeps, kept_head_dir, save_best, selection_score
+from trainer.tally import Tally
 from trainer.trainee import Batch, BatchIndex
 
 HISTORY = "history.json"  # per-step train loss and validation metrics
@@ -105,24 +106,21 @@ def validation_metrics(
 ) -> dict[str, float]:
     model = accelerator.unwrap_model(trainee)
     trainee.eval()
-    sums: dict[str, torch.Tensor] = {}
+    tally = Tally()
     flags: list[torch.Tensor] = []
     batches = rank_batches(
         val_ds, cfg.optim, cfg.seed, 0, accelerator.process_index, accelerator.num_processes
     )
     for batch in _loader(val_ds, batches, cfg.optim, accelerator.device, model.batch_index):
         moved, flag = checked_device_batch(batch, accelerator.device, capture)
-        out = trainee(moved)
+        tally.add(trainee(moved))
         flags += [] if flag is None else [flag]
-        for k, v in out.items():
-            v = v.detach().float().reshape(-1)
-            sums[k] = sums[k] + v if k in sums else v
     trainee.train()
     if flags:
         check_validation_capture(accelerator, flags, val_ds, cfg)
-    if not sums:
+    reduced = tally.reduced(accelerator)
+    if not reduced:
         return {}
-    reduced = {k: accelerator.reduce(v, reduction="sum") for k, v in sums.items()}
     metrics = model.summarize(reduced)
     metrics["loss"] = (reduced["loss"] / max(1, len(batches) * accelerator.num_processes)).item()
     return metrics
@@ -181,10 +179,12 @@ def train_step(
     batch: Batch,
     capture: Capture | None = None,
     watch: NonFiniteWatch | None = None,
+    tally: Tally | None = None,
 ) -> torch.Tensor:
     """One micro-batch from the loader: to the device (through `capture` online), forward,
     backward and, at the end of an accumulation, clip and step. `watch` records on the device
-    whether the loss, the gradient norm and the captured hidden states were finite. Returns the
+    whether the loss, the gradient norm and the captured hidden states were finite; `tally` adds
+    up the trainee's metrics and the gradient norm there, for the tracker's next read. Returns the
     loss as a device tensor, for logging steps to read: nothing here reads the device
     (tests/unit/trainer/test_sync_free.py and test_online.py count), not even the gradient norm, unless
     `optim.skip_nonfinite` asks for it (`NonFiniteWatch`)."""
@@ -194,6 +194,10 @@ def train_step(
         loss = out["loss"].detach()
         accelerator.backward(out["loss"])
         norm = accelerator.clip_grad_norm_(params, grad_clip) if accelerator.sync_gradients else None
+        if tally is not None:
+            tally.add(out)
+            if norm is not None:
+                tally.add_norm(norm)
         if watch is None or watch.observe(loss, norm, hidden, accelerator.sync_gradients):
             opt.step()
         opt.zero_grad()
@@ -241,8 +245,10 @@ class Run:
     logger: RunLogger
     bar: tqdm
     collapse: CollapseWatch
+    owns_logger: bool  # opened by this fit (closed by it), else its caller's (flushed, left open)
     costs: BetweenStepsClock = field(default_factory=BetweenStepsClock)
     pace: Throughput = field(default_factory=Throughput)
+    tally: Tally = field(default_factory=Tally)  # the trainee's metrics since the last logging step
 
     def say(self, line: str | None) -> None:
         """Print `line` (None: nothing) once, from rank 0, above the progress bar."""
@@ -260,12 +266,15 @@ def fit(
     capture: Capture | None = None,
     val_decode: ValDecode | None = None,
     deadline: float | None = None,
+    logger: RunLogger | None = None,
 ) -> FitReport:
     """Train, validating every `val_every` steps; the best head (by `selection_score`) goes to
     run_dir/head. `capture`: online mode's per-batch target forward (None: the data holds the
     hidden states). `val_decode`: decoded validation (`trainer.val_decode`; None: off).
     `deadline`: a `time.perf_counter()` value; the step that ends past it is the last, validated
-    and saved as the last step is (`trainer.deadline`; None: train the planned steps)."""
+    and saved as the last step is (`trainer.deadline`; None: train the planned steps).
+    `logger`: the main job's tracker, left open for what it logs after training (the
+    evaluation, the stage times); None: one of this fit's own, closed when it ends."""
     optim, world = cfg.optim, accelerator.num_processes
     per_epoch = steps_per_epoch(train_ds, optim, cfg.seed, world)
     if per_epoch == 0:
@@ -276,7 +285,9 @@ def fit(
     sizes = Sizes.of(cfg)  # the run's, or the defaults of sizes left unset
     total = sizes.max_steps or sizes.epochs * per_epoch
     trainee, opt, sched, params, state = prepare_training(cfg, accelerator, trainee, run_dir, total)
-    run = start(cfg, accelerator, trainee, train_ds, val_ds, run_dir, capture, val_decode, state, total)
+    run = start(
+        cfg, accelerator, trainee, train_ds, val_ds, run_dir, capture, val_decode, state, total, logger
+    )
     first_step = state.step
     for loss in optimizer_steps(run, train_ds, opt, params, total):
         run.say(run.guard.skip_line())
@@ -296,7 +307,10 @@ def fit(
         if last:
             break
     run.bar.close()
-    run.logger.close()
+    if run.owns_logger:
+        run.logger.close()
+    else:
+        run.logger.flush()  # on disk now, should what the caller does next fail
     run.say(run.collapse.ended(run.history, state.best_step))
     return report(run, first_step)
 
@@ -332,9 +346,10 @@ def prepare_training(cfg: RootConfig, accelerator, trainee, run_dir: Path, total
 
 def start(
     cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path, capture, val_decode,
-    state: TrainState, total: int,
+    state: TrainState, total: int, logger: RunLogger | None = None,
 ) -> Run:
-    """The `Run` of a fit about to take its first step (`state.step`: a resumed run's next)."""
+    """The `Run` of a fit about to take its first step (`state.step`: a resumed run's next),
+    logging to `logger` (None: a `RunLogger` of its own)."""
     shown = cfg.logging.progress and accelerator.is_main_process
     # Resumed runs keep the curve of the steps they restore (history.json is written with every
     # checkpoint, so a killed run leaves it as far as its last checkpoint).
@@ -344,9 +359,10 @@ def start(
         cfg, accelerator, trainee, val_ds, run_dir, capture, val_decode, state,
         guard=NonFiniteGuard(accelerator, state, train_ds, cfg.optim, cfg.seed, run_dir),
         history=history,
-        logger=RunLogger(cfg.logging, run_dir, accelerator.is_main_process, {}),
+        logger=logger or RunLogger(cfg, run_dir, accelerator.is_main_process),
         bar=tqdm(total=total, initial=state.step, desc="train", disable=not shown),
         collapse=CollapseWatch(cfg.optim),
+        owns_logger=logger is None,
     )
 
 
@@ -365,7 +381,9 @@ def optimizer_steps(
         for batch in run.pace.waiting(loader):
             run.pace.tokens += int(batch["attention_mask"].sum()) * world  # still on the CPU: no sync
             watch.places.append((state.step + 1, state.epoch, state.batch_in_epoch))
-            loss = train_step(acc, run.trainee, opt, params, cfg.optim.grad_clip, batch, run.capture, watch)
+            loss = train_step(
+                acc, run.trainee, opt, params, cfg.optim.grad_clip, batch, run.capture, watch, run.tally
+            )
             state.batch_in_epoch += 1
             if acc.sync_gradients:
                 yield loss
@@ -375,11 +393,14 @@ def optimizer_steps(
 
 
 def log(run: Run, loss: torch.Tensor, lr: float) -> None:
-    """A logging step: the mean loss over ranks (a device read, the watch's first)."""
+    """A logging step: the mean loss over ranks (a device read, the watch's first), the rate,
+    and what the tally summed since the last one (per-position acceptance, the gradient norm)."""
     run.guard.check()
     value = run.accelerator.reduce(loss, reduction="mean").item()
-    run.bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{run.pace.tokens_per_s():.0f}")
-    run.logger.log(run.state.step, {"loss": value, "lr": lr}, "train")
+    rate = run.pace.tokens_per_s()
+    run.bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{rate:.0f}")
+    window = run.tally.read(run.accelerator, run.accelerator.unwrap_model(run.trainee).summarize)
+    run.logger.log(run.state.step, {**window, "loss": value, "lr": lr, "tokens_per_s": rate}, "train")
     run.history.append({"step": run.state.step, "loss": value})
 
 

@@ -58,7 +58,9 @@ one pass over more data served it best.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import itertools
 import json
 import math
@@ -283,13 +285,15 @@ def fit_steps(left_s: float, step_s: float, last_s: float, steps_per_epoch: int,
 # ---- the probes -------------------------------------------------------------------------------
 
 
-def _probe_config(cfg: RootConfig, samples: int, hidden_states: str, run_dir: Path) -> RootConfig:
-    """The run's config for a quiet probe of `samples` conversations in `run_dir`."""
+def _probe_config(cfg: RootConfig, samples: int, hidden_states: str, run_dir: Path,
+                  progress: bool = False) -> RootConfig:
+    """The run's config for a quiet probe of `samples` conversations in `run_dir` (`progress`:
+    its bars drawn)."""
     return derive(cfg, {
         "data.max_samples": samples,
         "data.hidden_states": hidden_states,
         "run_dir": str(run_dir),
-        "logging.progress": False,
+        "logging.progress": progress,
         "logging.tensorboard": False,
         "logging.wandb": "disabled",
         "optim.val_decode_prompts": 0,
@@ -323,7 +327,9 @@ def _regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> dict:
     k = max(PROBE_SAMPLES, d.regenerate.batch_size // d.regenerate.num_samples)
     before = read_cache(cache).keys()
     with timed_steps() as timings:
-        data = prepare(_probe_config(cfg, k, "online", run_dir), target=target)
+        # The first long wait of a run, and often all its regeneration (a small budget's plan
+        # reuses the probe's answers): its bar draws as the run's would.
+        data = prepare(_probe_config(cfg, k, "online", run_dir, cfg.logging.progress), target=target)
     answered = read_cache(cache)
     probed["cached"] = len(answered)  # the probe's answers included: the run reuses them
     cost = StepCost.fit(timings)
@@ -365,7 +371,9 @@ def _train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int) -
     trainee = build_trainee(probe, target.model, data.path)
     head_bytes = sum(p.numel() for p in trainee.parameters() if p.requires_grad) * 2
     val_ds = CapturedDataset(data.path, "validation")
-    result = fit(probe, acc, trainee, train_ds, val_ds, run_dir, online_capture(data.manifest, target.model))
+    capture = online_capture(data.manifest, target.model)
+    with contextlib.redirect_stdout(io.StringIO()):  # a few steps' validation lines are not the run's
+        result = fit(probe, acc, trainee, train_ds, val_ds, run_dir, capture)
     del acc, trainee
     gc.collect()
     shutil.rmtree(data.path, ignore_errors=True)

@@ -37,12 +37,14 @@ from data_prep.ranks import Ranks
 from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target, resolve_target
 from heads.export.write import export_head, formats_for
+from heads.formats import check_init_from
 from heads.kinds import check_export_formats, head_kind
 from trainer.checkpoint import checkpoint_step, latest_checkpoint
 from trainer.closing import closing_lines
 from trainer.distributed import build_accelerator
 from trainer.evaluate.run import evaluate
 from trainer.kind_builders import build_trainee
+from trainer.logger import RunLogger
 from trainer.loop import fit, read_history
 from trainer.plan import note_stop, plan_run, recheck
 from trainer.training_plot import plot_training
@@ -181,6 +183,7 @@ def run(cfg: RootConfig) -> dict:
     if decodes_on_static_caches(cfg):
         attention_layout(target.config)  # refused before any weights load
     head_kind(cfg.head.name).check_target(cfg.head, target.config)
+    check_init_from(cfg, target.config)  # head.init_from: refused before any data stage
     model = target.model
     stages = Stages(started)
     sizes, budget = decide_sizes(cfg, acc, target, started)
@@ -197,7 +200,8 @@ def run(cfg: RootConfig) -> dict:
     trainee = build_trainee(cfg, model, data.path)
     val_decode = build_val_decoder(cfg, trainee, (model, target.tokenizer), val_ds)
     capture = online_capture(data.manifest, model)
-    result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode, sizes.deadline)
+    tracker = RunLogger(cfg, run_dir, acc.is_main_process, plan=budget)  # finished after evaluation
+    result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode, sizes.deadline, tracker)
     if budget is not None:
         note_stop(cfg, budget, result.steps)
     stages.done("train")
@@ -221,6 +225,7 @@ def run(cfg: RootConfig) -> dict:
             summary["exports"] = export_all(cfg, result.head_dir, run_dir, target)
             stages.done("export")
         summary["stages_s"] = stages.seconds
+        tracker.finish(result.steps, stages.seconds, report)
         # not the deadline: a clock reading of this process, meaningless in a file
         summary["sizes"] = {k: v for k, v in dataclasses.asdict(sizes).items() if k != "deadline"}
         if budget is not None:

@@ -6,18 +6,35 @@ import json
 import sys
 from pathlib import Path
 
-from conf.compose import split_args
+from conf.compose import print_help, split_args
 from conf.errors import UserError, exit_on_user_error
+from conf.usage import wants_help
 from heads.export.write import export_head, formats_for
 from heads.folder import compose_for_head
 from heads.kinds import check_export_formats, head_kind
 
 OWN_KEYS = ("head", "format", "out", "eval", "push_to_hub")
+USAGE = "python -m heads.export head=<path> [format=<fmt>] [out=<dir>] [eval=<json>] [push_to_hub=<repo>]"
+# --help: each own key's default and meaning, and the config keys export reads.
+OWN_HELP = (
+    ("head", "<path>", "the head folder: a run's <run_dir>/head (required)"),
+    ("format", "<export.formats>", "one format of the head's kind (eagle3, speculators, medusa-vllm, ...)"),
+    ("out", "<export.out_dir>", "where the exports go (null: <run_dir>/export), a folder per format"),
+    ("eval", "<run_dir>/eval/eval.json", "the evaluation the model card reports (where it exists)"),
+    ("push_to_hub", "<export.push_to_hub>", "a Hub repo id to upload one format's export to"),
+)
+SHOWS = ("export", "eval.num_speculative_tokens")
 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    own, overrides = split_args(sys.argv[1:] if argv is None else argv, OWN_KEYS)
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        overrides = [a for a in argv if a.partition("=")[0] not in OWN_KEYS]
+        print_help(USAGE, "Write a trained head in its kind's engine formats, each checked.", overrides,
+                   SHOWS, OWN_HELP)
+        return
+    own, overrides = split_args(argv, OWN_KEYS)
     head = own.get("head", "")
     cfg = compose_for_head(head, overrides)
     check_export_formats(cfg)

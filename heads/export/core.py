@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,10 +43,14 @@ class Layout:
 
     weights_file: str
     config: Callable[[dict, ExportContext], dict]
-    read: Callable[[Path], tuple[dict, Tensors]]  # our strict loader for the format
+    read: Callable[..., tuple[dict, Tensors]]  # our strict loader for the format: (folder) -> ...
     matches: Callable[[dict], bool]  # whether a config.json is this format's (`detect_format`)
     library: str  # the engine library the model card names (Hub `library_name`)
     tensors: Callable[[Tensors, dict, torch.dtype], Tensors] = _cast  # our names -> the format's
+    # A folder written elsewhere, completed as the engine reads it where its config.json leaves a
+    # key out (`heads.formats`): (config.json, tensors, the target's text config, where) -> both,
+    # then read by `read(folder, loaded=...)`. None: such folders are read as our exports are.
+    defaults: Callable[[dict, Tensors, Any, str], tuple[dict, Tensors]] | None = None
 
 
 def read_folder(folder: Path, weights: str) -> tuple[dict, Tensors]:

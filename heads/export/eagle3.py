@@ -32,7 +32,7 @@ from conf.errors import UserError
 from heads.eagle3 import NORM_FLAGS, Eagle3Head, norm_flags
 from heads.export.card import CardFacts, hub_id
 from heads.export.check import KindOps
-from heads.export.core import Layout, cast_weights, check_layout, read_folder
+from heads.export.core import Layout, Tensors, cast_weights, check_layout, read_folder
 from heads.folder import TargetSpec
 
 WEIGHTS_FILE = "model.safetensors"
@@ -287,10 +287,11 @@ Extra = Callable[[dict, dict, str], tuple[dict, dict[str, tuple[int, ...]]]]
 
 
 def read_native(
-    folder: Path, extra: Extra = _no_extra, fmt: str = "eagle3"
+    folder: Path, extra: Extra = _no_extra, fmt: str = "eagle3", loaded: tuple[dict, Tensors] | None = None
 ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Our loader for the native layout: (draft config kwargs, tensors in our names)."""
-    top, tensors = read_folder(folder, WEIGHTS_FILE)
+    """Our loader for the native layout: (draft config kwargs, tensors in our names). `loaded`:
+    the folder's (config.json, tensors) already read and completed (`native_as_vllm_reads`)."""
+    top, tensors = loaded or read_folder(folder, WEIGHTS_FILE)
     where = f"{fmt} export {folder}"
     ids = top["eagle_aux_hidden_state_layer_ids"]
     sglang = top.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
@@ -311,10 +312,14 @@ def read_native(
 
 
 def read_speculators(
-    folder: Path, extra: Extra = _no_extra, model_type: str = "eagle3"
+    folder: Path,
+    extra: Extra = _no_extra,
+    model_type: str = "eagle3",
+    loaded: tuple[dict, Tensors] | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Our loader for the speculators layout: (draft config kwargs, tensors in our names)."""
-    top, tensors = read_folder(folder, WEIGHTS_FILE)
+    """Our loader for the speculators layout: (draft config kwargs, tensors in our names).
+    `loaded`: as `read_native`'s (`speculators_as_vllm_reads`)."""
+    top, tensors = loaded or read_folder(folder, WEIGHTS_FILE)
     where = f"speculators export {folder}"
     if top.get("speculators_model_type") != model_type:
         raise UserError(f"{where}: speculators_model_type is not {model_type}")
@@ -330,6 +335,108 @@ def read_speculators(
     cfg |= more
     check_tensor_names(tensors, cfg, where, shapes)
     return cfg, with_d2t(tensors, cfg)
+
+
+# ---- folders written elsewhere, read as vLLM reads them ----------------------------------------
+# Our exports write every key; a folder from speculators, SpecForge or the EAGLE authors may leave
+# some out, and vLLM 0.32 fills them in (`llama_eagle3.py`, the model runner's aux-layer lookup,
+# `speculators/algos.update_eagle3`). `heads.formats` completes such a config.json with vLLM's
+# values before the strict readers above read it, so what is evaluated or trained from is what
+# vLLM would serve.
+LAYER_INPUT_KEYS = (
+    "hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim rms_norm_eps "
+    "max_position_embeddings vocab_size rope_theta rope_scaling rope_parameters"
+).split()
+LAYER_SIZE_KEYS = LAYER_INPUT_KEYS[:8]
+
+
+def vllm_layer_fields(layer: dict) -> dict:
+    """The draft layer's fields as transformers' LlamaConfig (and so vLLM) reads `layer`: its
+    defaults where a key is missing (head_dim from the heads), either rope spelling, the rope
+    given back as the legacy pair our readers take."""
+    c = LlamaConfig(**{k: layer[k] for k in LAYER_INPUT_KEYS if k in layer})
+    theta, scaling = legacy_rope(c.rope_parameters)
+    return {k: getattr(c, k) for k in LAYER_SIZE_KEYS} | {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def vllm_aux_layer_ids(ids: list[int] | None, target_layers: int) -> list[int]:
+    """The target layers vLLM captures for a config naming `ids`: those, or its Llama default
+    (2, N//2, N-3) where the config names none."""
+    return sorted(ids) if ids else [2, target_layers // 2, target_layers - 3]
+
+
+def _one_layer(layer: dict, where: str) -> None:
+    n = layer.get("num_hidden_layers", 1)
+    if n != 1:
+        raise UserError(f"{where}: num_hidden_layers={n}: draftsmith's EAGLE-3 head has one decoder layer")
+
+
+def vllm_vocab(tensors: Tensors, draft_vocab: int, vocab: int, where: str) -> Tensors:
+    """`d2t` and `t2d` as vLLM reads a folder from elsewhere: without `d2t`, zero offsets (its
+    parameter's initial value); `t2d`, which vLLM skips, rebuilt from `d2t` where it is absent."""
+    out = dict(tensors)
+    if "d2t" not in out and draft_vocab != vocab:
+        out["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
+    if "t2d" not in out:
+        d2t = out.get("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        ids = torch.arange(draft_vocab) + d2t.long() if tuple(d2t.shape) == (draft_vocab,) else None
+        if ids is None or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise UserError(f"{where}: d2t must map each of the {draft_vocab} draft ids to one of {vocab}")
+        out["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)
+    return out
+
+
+def native_as_vllm_reads(top: dict, tensors: Tensors, target_config, where: str) -> tuple[dict, Tensors]:
+    """A native config.json from elsewhere completed as vLLM reads it: the aux-layer ids from the
+    top level, else `eagle_config`, else vLLM's default for the target; `norm_before_fc` from
+    `eagle_config` first; any other flag false where absent; `target_hidden_size` the draft's
+    width where absent."""
+    eagle = dict(top.get("eagle_config") or {})
+    if eagle.get("use_aux_hidden_state", True) is not True:
+        raise UserError(f"{where}: eagle_config.use_aux_hidden_state is not true: an EAGLE-1/2 head")
+    _one_layer(top, where)
+    layer = vllm_layer_fields(top)
+    named = top.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
+    ids = vllm_aux_layer_ids(named, target_config.num_hidden_layers)
+    flags = {k: top.get(k, False) for k in NORM_FLAGS}
+    flags["norm_before_fc"] = eagle.get("norm_before_fc", flags["norm_before_fc"])
+    sglang = engine_layer_ids(ids)["sglang"]
+    nested = {"eagle_aux_hidden_state_layer_ids": sglang, "use_aux_hidden_state": True}
+    filled = {
+        **top,
+        **layer,
+        **flags,
+        "target_hidden_size": top.get("target_hidden_size") or layer["hidden_size"],
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "eagle_config": {**eagle, **nested, "norm_before_fc": flags["norm_before_fc"]},
+    }
+    return filled, vllm_vocab(tensors, filled["draft_vocab_size"], layer["vocab_size"], where)
+
+
+def speculators_as_vllm_reads(
+    top: dict, tensors: Tensors, target_config, where: str
+) -> tuple[dict, Tensors]:
+    """A speculators config.json from elsewhere completed as vLLM reads it (`update_eagle3`): the
+    layer's LlamaConfig defaults; `norm_before_residual` true where absent (vLLM's default, not
+    speculators' own), the other flags false; `target_hidden_size` the draft's width where null;
+    `draft_vocab_size` the target's vocabulary and the aux-layer ids vLLM's default where absent."""
+    layer = top.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise UserError(f"{where}: config.json has no transformer_layer_config object (vLLM needs it)")
+    _one_layer(layer, where)
+    layer = {**layer, **vllm_layer_fields(layer)}
+    flags = {k: top.get(k, False) for k in NORM_FLAGS}
+    flags["norm_before_residual"] = top.get("norm_before_residual", True)
+    named = top.get("eagle_aux_hidden_state_layer_ids")
+    filled = {
+        **top,
+        **flags,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": top.get("draft_vocab_size") or layer["vocab_size"],
+        "target_hidden_size": top.get("target_hidden_size") or layer["hidden_size"],
+        "eagle_aux_hidden_state_layer_ids": vllm_aux_layer_ids(named, target_config.num_hidden_layers),
+    }
+    return filled, vllm_vocab(tensors, filled["draft_vocab_size"], layer["vocab_size"], where)
 
 
 def build_head(
@@ -463,6 +570,7 @@ FORMATS = {
         and not PARALLEL_DRAFTING_KEYS & set(top),
         "vllm",
         native_tensors,
+        native_as_vllm_reads,
     ),
     "speculators": Layout(
         WEIGHTS_FILE,
@@ -473,5 +581,6 @@ FORMATS = {
         lambda top: top.get("speculators_model_type") == "eagle3",
         "vllm",
         speculators_tensors,
+        speculators_as_vllm_reads,
     ),
 }

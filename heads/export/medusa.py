@@ -110,9 +110,10 @@ def _head_config(top: dict, heads: str, layers: str) -> dict:
     }
 
 
-def read_vllm(folder: Path) -> tuple[dict, Tensors]:
-    """Our strict loader for the medusa-vllm layout."""
-    top, tensors = read_folder(folder, VLLM_WEIGHTS)
+def read_vllm(folder: Path, loaded: tuple[dict, Tensors] | None = None) -> tuple[dict, Tensors]:
+    """Our strict loader for the medusa-vllm layout (`loaded`: the folder's config.json and
+    tensors already read and completed, `vllm_as_read`)."""
+    top, tensors = loaded or read_folder(folder, VLLM_WEIGHTS)
     where = f"medusa-vllm export {folder}"
     counted = [k for k in top if "num" in k and ("heads" in k or "layers" in k)]
     if sorted(counted) != ["num_heads", "num_hidden_layers"]:
@@ -122,9 +123,10 @@ def read_vllm(folder: Path) -> tuple[dict, Tensors]:
     return cfg, tensors
 
 
-def read_tgi(folder: Path) -> tuple[dict, Tensors]:
-    """Our strict loader for the medusa-tgi layout (back to our names)."""
-    top, raw = read_folder(folder, TGI_WEIGHTS)
+def read_tgi(folder: Path, loaded: tuple[dict, Tensors] | None = None) -> tuple[dict, Tensors]:
+    """Our strict loader for the medusa-tgi layout (back to our names; `loaded`: as `read_vllm`'s,
+    `tgi_as_read`)."""
+    top, raw = loaded or read_folder(folder, TGI_WEIGHTS)
     where = f"medusa-tgi export {folder}"
     if "architectures" in top:
         raise UserError(f"{where}: TGI takes a config with `architectures` for another speculator")
@@ -145,6 +147,23 @@ def read_tgi(folder: Path) -> tuple[dict, Tensors]:
             tensors[name] = value  # reported as unknown below
     check_tensor_names(tensors, cfg, where)
     return cfg, tensors
+
+
+def _target_sizes(top: dict, target_config) -> dict:
+    return {"hidden_size": target_config.hidden_size, "vocab_size": target_config.vocab_size, **top}
+
+
+def vllm_as_read(top: dict, tensors: Tensors, target_config, where: str) -> tuple[dict, Tensors]:
+    """A vLLM Medusa config.json from elsewhere completed as vLLM reads it: the target's hidden
+    size and vocabulary where absent (vLLM takes the target's vocabulary)."""
+    return _target_sizes(top, target_config), tensors
+
+
+def tgi_as_read(top: dict, tensors: Tensors, target_config, where: str) -> tuple[dict, Tensors]:
+    """A TGI Medusa config.json from elsewhere (FasterDecoding's keeps to the head counts and the
+    base model) completed as TGI reads it: the target's sizes, and `medusa_fc_bias` true where
+    absent (TGI always loads the biases, so a head trained for it has them)."""
+    return {"medusa_fc_bias": True, **_target_sizes(top, target_config)}, tensors
 
 
 def head_outputs(head, seed: int = 0) -> Tensors:
@@ -204,6 +223,7 @@ FORMATS = {
         read_vllm,
         lambda top: top.get("model_type") == "medusa",
         "vllm",
+        defaults=vllm_as_read,
     ),
     "medusa-tgi": Layout(
         TGI_WEIGHTS,
@@ -212,5 +232,6 @@ FORMATS = {
         lambda top: "medusa_num_heads" in top,
         "text-generation-inference",
         tgi_tensors,
+        tgi_as_read,
     ),
 }

@@ -1,13 +1,18 @@
 """Running draftsmith's command lines as users do, for the e2e tests: one at a time, several at
-once, killed with SIGKILL mid-run, on a small file system."""
+once, killed with SIGKILL mid-run, on a small file system, under a terminal."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pty
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +50,36 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]
 
 def run_cli(module: str, args: list[str], cwd: Path, **env: str) -> tuple[int, str, str]:
     return finish(start_cli(module, args, cwd, **env))
+
+
+def run_in_terminal(argv: list[str], cwd: Path, timeout: float) -> tuple[int, str]:
+    """`argv` in `cwd` under a pseudo-terminal of 120 x 40, in this environment, as a person runs
+    it: progress bars draw as they do on a screen (the evaluator draws one only where it sees a
+    terminal). Its exit code and everything it wrote, stdout and stderr interleaved."""
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, "TERM": "xterm"}, stdin=child, stdout=child,
+                            stderr=child, start_new_session=True)
+    os.close(child)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.killpg(proc.pid, signal.SIGKILL)
+                tail = b"".join(chunks)[-3000:].decode(errors="replace")
+                raise AssertionError(f"{argv} ran past {timeout} s: {tail}")
+            if select.select([main], [], [], min(left, 5))[0]:
+                try:
+                    data = os.read(main, 1 << 16)
+                except OSError:  # EIO: every writer closed the terminal
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+    finally:
+        os.close(main)
+    return proc.wait(), b"".join(chunks).decode(errors="replace")
 
 
 def error_lines(stderr: str) -> list[str]:

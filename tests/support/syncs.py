@@ -23,6 +23,7 @@ from trainer.health import NonFiniteWatch
 from trainer.loop import lr_lambda, train_step
 from trainer.medusa_trainee import JointMedusaTrainee, MedusaTrainee
 from trainer.peagle_trainee import PEagleTrainee
+from trainer.tally import Tally
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -168,7 +169,7 @@ def assert_steps_never_sync(
 ):
     """Two rounds of `train_step` (+ the LR schedule) over one loader batch of `items`, the way
     `fit` runs them (`capture`: online mode's target forward; `packed`: two samples a row), with
-    the loop's non-finite watch, counting syncs."""
+    the loop's non-finite watch and the tracker's tally, counting syncs."""
     order = [[[0, 1], [2, 3]]] if packed else [[0, 1, 2, 3]]
     batches = list(batch_loader(items, order, 0, False, trainee.batch_index, packed))
     optim = OptimConfig()
@@ -184,10 +185,13 @@ def assert_steps_never_sync(
         return [s["step"] for s in opt.state.values() if "step" in s]
 
     watch = NonFiniteWatch(acc.device, 0, check_grad_norm=True)  # the loop's non-finite record
+    tally = Tally()  # what the tracker reads at logging steps
     with counting_syncs(step_counters) as syncs:
         for batch in batches * 2:
-            loss = train_step(acc, trainee, opt, params, optim.grad_clip, batch, capture, watch)
+            loss = train_step(acc, trainee, opt, params, optim.grad_clip, batch, capture, watch, tally)
             sched.step()
     assert not syncs, "\n".join(f"{n} x {where}" for where, n in sorted(Counter(syncs).items()))
     assert torch.isfinite(loss)  # read back as a logging step would
     assert watch.read(acc) is None and watch.step.item() == 3
+    logged = tally.read(acc, acc.unwrap_model(trainee).summarize)  # as a logging step reads it
+    assert logged["grad_norm"] > 0 and "score" in logged, logged

@@ -19,7 +19,8 @@ import torch
 from conf.schema import EvalConfig, RootConfig
 from data_prep.masks import attention_layout
 from data_prep.target import Target, eos_token_ids, resolve_target
-from heads.kinds import head_kind, saved_head_kind
+from heads.formats import folder_kind, load_for_decoding
+from heads.kinds import head_kind
 from trainer.decoding import (
     GREEDY,
     Chain,
@@ -66,12 +67,13 @@ def eval_sampling(cfg: RootConfig) -> Sampling:
 
 
 def load_drafter(head_path: str | Path, model, target_name: str, shapes: list[Shape]):
-    """-> (drafter, the model that verifies). Refuses a head built for another target (vocab,
-    hidden size, layer count, aux layer ids) or unable to draft `shapes`, with the mismatch
-    named, before any decoding. A jointly trained Medusa-2 head verifies with its own target."""
-    kind = saved_head_kind(head_path)
+    """-> (drafter, the model that verifies). `head_path`: a head folder of any format draftsmith
+    reads (`heads.formats`: its own, or an engine's export). Refuses a head built for another
+    target (vocab, hidden size, layer count, aux layer ids) or unable to draft `shapes`, with the
+    mismatch named, before any decoding. A jointly trained Medusa-2 head verifies with its own
+    target."""
     device = model.get_input_embeddings().weight.device
-    head, verifier = kind.load_for_decoding(head_path, model, target_name)
+    kind, head, verifier = load_for_decoding(head_path, model, target_name)
     return build_drafter(kind, head.to(device).eval(), model, shapes), verifier
 
 
@@ -136,7 +138,8 @@ def greedy_verdict(model, prompt: torch.Tensor, plain: list[int], spec: list[int
 def evaluate(
     cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target: Target | None = None
 ) -> dict:
-    """Evaluate the head at `head_path`; write eval.json/eval.md/acceptance.png to `out_dir`.
+    """Evaluate the head at `head_path` (a head folder of any format draftsmith reads); write
+    eval.json/eval.md/acceptance.png to `out_dir`.
 
     target: the run's resolved `cfg.target` (`data_prep.target.resolve_target`) when the caller
     holds it; None resolves it here. Its weights load after the attention check that needs the
@@ -148,7 +151,7 @@ def evaluate(
     attention_layout(target.config)  # refused before any weights load
     model = target.model
     tokenizer = target.tokenizer
-    kind = saved_head_kind(head_path)
+    kind = folder_kind(head_path)
     mode = resolve_mode(ev.mode, kind.name)
     shape = draft_shape(ev, mode)
     drafter, verifier = load_drafter(head_path, model, target.name, [shape])

@@ -13,6 +13,7 @@ import conf
 from conf.compose import compose_root
 from conf.errors import UserError
 from conf.schema import (
+    HEAD_CONFIGS,
     DataConfig,
     Eagle3Config,
     MedusaConfig,
@@ -22,6 +23,7 @@ from conf.schema import (
     duration_seconds,
 )
 from conf.sizes import Sizes
+from heads.kinds import KINDS
 
 CONF = Path(conf.__file__).parent
 ROOT_FIELDS = RootConfig.__dataclass_fields__
@@ -37,8 +39,6 @@ ROOT_FIELDS = RootConfig.__dataclass_fields__
         ("logging/default", ROOT_FIELDS["logging"].default_factory),
         ("eval/default", ROOT_FIELDS["eval"].default_factory),
         ("export/default", ROOT_FIELDS["export"].default_factory),
-        ("head/eagle3", Eagle3Config),
-        ("head/medusa", MedusaConfig),
     ],
 )
 def test_yaml_group_mirrors_its_dataclass(group, schema):
@@ -47,6 +47,42 @@ def test_yaml_group_mirrors_its_dataclass(group, schema):
         assert duration_seconds(yaml.pop("budget")) is not None
         yaml = yaml.pop("target")
     assert yaml == OmegaConf.to_container(OmegaConf.structured(schema))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_head_kind_has_a_yaml_group_mirroring_its_config(kind):
+    """Every kind in the catalog, none skipped: a field its class has and its YAML lacks (P-EAGLE's
+    fc_norm was one) is a key that `+head=<kind> head.<key>=...` refuses."""
+    yaml = OmegaConf.to_container(OmegaConf.load(CONF / "head" / f"{kind}.yaml"))
+    assert yaml == OmegaConf.to_container(OmegaConf.structured(KINDS[kind].config))
+    assert HEAD_CONFIGS[kind] is KINDS[kind].config
+
+
+@pytest.mark.parametrize("group", sorted(p.stem for p in (CONF / "head").glob("*.yaml")))
+def test_every_head_group_is_a_kind_or_a_recipe_of_one(group):
+    """A head group that is not a kind's own (`eagle3.1`) is a published recipe: that kind's group
+    plus the keys that make it, composing to a valid head of the kind."""
+    head = compose_root([f"+head={group}"]).head
+    assert head.name in KINDS
+    if group not in KINDS:
+        defaults = OmegaConf.load(CONF / "head" / f"{group}.yaml").defaults
+        assert defaults == [head.name, "_self_"]
+
+
+def test_eagle3_1_is_one_override():
+    """EAGLE 3.1 (one RMSNorm per aux layer before fc, in place of the fused one) is
+    `head.fc_norm=true` or `+head=eagle3.1`: `norm_before_fc` left unset follows fc_norm."""
+    one = compose_root(["+head=eagle3", "head.fc_norm=true"]).head
+    assert (one.fc_norm, one.norm_before_fc) == (True, False)
+    assert compose_root(["+head=eagle3.1"]).head == one
+    assert compose_root(["+head=eagle3"]).head.norm_before_fc is True
+    assert compose_root(["+head=peagle", "head.fc_norm=true"]).head.norm_before_fc is False
+    assert Eagle3Config(fc_norm=True).norm_before_fc is False and Eagle3Config().norm_before_fc is True
+    # both, asked for by name, stay one or the other (speculators refuses both)
+    with pytest.raises(UserError, match=r"^head.fc_norm=True: .*drop head.norm_before_fc=true"):
+        compose_root(["+head=eagle3", "head.fc_norm=true", "head.norm_before_fc=true"])
+    back = compose_root(["+head=eagle3.1", "head.fc_norm=false", "head.norm_before_fc=true"]).head
+    assert back == compose_root(["+head=eagle3"]).head
 
 
 @pytest.mark.parametrize("group", sorted(p.stem for p in (CONF / "target").glob("*.yaml")))

@@ -335,11 +335,12 @@ def test_norm_flags_refuse_non_bool_before_anything_loads():
 
     assert compose_root(["+head=eagle3", "head.norm_output=true"]).head.norm_output is True
     # The two fc-input norms are one or the other (speculators refuses both, TensorRT-LLM would
-    # apply only fc_norm): the override that fixes it is named.
-    with pytest.raises(UserError, match=r"^head.fc_norm=True: .*add head.norm_before_fc=false\)$"):
-        compose_root(["+head=eagle3", "head.fc_norm=true"])
+    # apply only fc_norm): fc_norm turns norm_before_fc off unless both are asked for, which is
+    # refused naming the override that fixes it.
+    with pytest.raises(UserError, match=r"^head.fc_norm=True: .*drop head.norm_before_fc=true, or set it"):
+        compose_root(["+head=eagle3", "head.fc_norm=true", "head.norm_before_fc=true"])
     both = ["+head=eagle3", "head.fc_norm=true", "head.norm_before_fc=false"]
-    assert compose_root(both).head.fc_norm is True
+    assert compose_root(both).head == compose_root(["+head=eagle3", "head.fc_norm=true"]).head
     for flag in ALL_OFF:
         with pytest.raises(UserError, match=f"{flag}: Value 'maybe' is not a valid bool"):
             compose_root(["+head=eagle3", f"head.{flag}=maybe"])
