@@ -109,7 +109,8 @@ class TargetConfig(_Checked):
     name_or_path: str = "smollm2-135m-instruct"
     revision: str | None = None
     # "auto": bfloat16 on a GPU, float32 on a CPU: bf16 norms, softmax and attention are slow on a
-    # CPU (see README, Measured: "all-bf16 target"), and the evaluator's lossless check wants
+    # CPU (an all-bf16 SmolLM2 regenerated at 0.75x float32's speed, 2026-12-01), and the
+    # evaluator's lossless check wants
     # float32. Data prep's matmuls: `data.matmul_dtype`.
     dtype: str = "auto"
     # "auto": cuda if available, else cpu.
@@ -194,8 +195,8 @@ class DataConfig(_Checked):
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     storage_dtype: str = "bfloat16"  # bfloat16 | fp8 (e4m3 with a scale per token and layer)
     # The target's linear layers while it writes data (regeneration, capture, online capture):
-    # auto = bf16 GEMMs for a float32 target on a CPU with native bf16 (AVX512-BF16/AMX; see
-    # README, Measured: `data.matmul_dtype=bfloat16`), else the target's dtype; target =
+    # auto = bf16 GEMMs for a float32 target on a CPU with native bf16 (AVX512-BF16/AMX: a
+    # linear ~2.5x faster than float32's, 2026-12-01), else the target's dtype; target =
     # target.dtype; bfloat16 = bf16 GEMMs.
     matmul_dtype: str = "auto"
     # Where the head's hidden states come from. offline: captured once into the data folder,
@@ -255,7 +256,8 @@ class OptimConfig(_Checked):
     max_batch_size: int = 16
     # Several samples per row (trainer/batching.py `packed_batches`), kept apart by per-sample
     # position ids and attention, instead of one right-padded sample per row. Off by default:
-    # the default data pads little (see README, Measured: `scripts/bench_packing.py`), and packed
+    # the default data pads little (`scripts/bench_packing.py`: 3.8% of tokens padded, 0.7%
+    # packed, 2026-12-01), and packed
     # rows, as long as the longest sample, spend more on attention than that saves.
     packing: bool = False
     # None: the head's own default (`DEFAULT_EPOCHS`), set when the root config is built.
@@ -456,8 +458,8 @@ class Eagle3Config(ObjectiveConfig):
 
     PREFIX: ClassVar[str] = "head"
     # optim.epochs when it is null: the field's 2-3 passes over regenerated data. On the embedded
-    # default 2 epochs over 560 conversations beat 5 over 192 and 1 over 600 (see README,
-    # Measured: `+head=eagle3 budget=null` and the two rows after it).
+    # default 2 epochs over 560 conversations beat 5 over 192 and 1 over 600 (τ 1.322 vs 1.307
+    # and 1.268, 2026-12-01).
     DEFAULT_EPOCHS: ClassVar[int] = 2
     name: str = "eagle3"
     # Architecture. HF `hidden_states` indices (k = residual stream after k decoder layers).
@@ -473,9 +475,9 @@ class Eagle3Config(ObjectiveConfig):
     # per aux layer before fc (`fc_norm`, EAGLE 3.1's; speculators refuses both on, TensorRT-LLM
     # would apply only fc_norm, so they are exclusive here); the residual taken after hidden_norm;
     # the post-norm hidden fed back between draft steps (EAGLE 3.1).
-    # On by default: on the embedded default's data and steps they raised vLLM's acceptance length
-    # (see README, Measured: rows "original EAGLE-3" and "the three `head.norm_*` on"). fc_norm in
-    # place of norm_before_fc scored lower there (vLLM τ 1.253 vs 1.262, row "EAGLE 3.1"), so it
+    # On by default: on the embedded default's data and steps (192 conversations, 117 steps)
+    # they raised vLLM's acceptance length on 40 prompts from 1.179 to 1.197 (2026-11-30). fc_norm
+    # in place of norm_before_fc scored lower there (vLLM τ 1.253 vs 1.262, 2026-12-02), so it
     # is off. A head folder saved without them still reads as all off (`heads.eagle3.norm_flags`).
     # norm_before_fc null (the default): on, unless fc_norm is, so that EAGLE 3.1 is one override
     # (`head.fc_norm=true`, or `+head=eagle3.1`); resolved to a bool when the config is built.
@@ -487,7 +489,8 @@ class Eagle3Config(ObjectiveConfig):
     prompt_loss_weight: float = 1.0
     # Objective: the test-time-training unroll length and the weight of step k (step_weight**k).
     # 3 = the tokens the evaluator and the serve commands draft: on the embedded default it beat 7
-    # and tied 4 at the lowest cost (see README, Measured: "then `head.ttt_length=3`"). Serving
+    # and tied 4 at the lowest cost (vLLM τ on 40 prompts: 1.242 at 3, 1.241 at 4, 1.220 at 7;
+    # 2026-11-30). Serving
     # more draft tokens wants as many steps.
     ttt_length: int = 3
     step_weight: float = 0.8
@@ -562,8 +565,9 @@ class MedusaConfig(ObjectiveConfig):
 
     PREFIX: ClassVar[str] = "head"
     # optim.epochs when it is null: one pass over the default 560 conversations. Medusa's four
-    # full-vocabulary heads are slow to train on a CPU (see README, Measured: `bench_train.py
-    # +head=medusa`), so a second pass would not fit the 20-minute main job (3 passes over 192
+    # full-vocabulary heads are slow to train on a CPU (`bench_train.py +head=medusa`: ~160-200
+    # tokens/s against EAGLE-3's ~1,000, 2026-12-02), so a second pass would not fit the
+    # 20-minute main job (3 passes over 192
     # conversations were the old default).
     DEFAULT_EPOCHS: ClassVar[int] = 1
     name: str = "medusa"

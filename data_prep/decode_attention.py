@@ -6,7 +6,8 @@ KV head and row): it reads the cache at a fraction of the speed one core streams
 every row to the batch's longest width, so about half of what it reads is masked out.
 Regeneration spent about as long in attention as in all its matmuls. This kernel reads each
 row's keys and values once, only up to the row's own length, each key and value for all the
-queries that share its KV head (README, Measured: the two "decode attention" rows). On a
+queries that share its KV head (64 rows to width 300: 1.5 ms against PyTorch's 3.9; one engine
+1.5x faster, 2026-12-01). On a
 sliding-window layer (Mistral, Gemma 3, ...) a row reads only the last `window` positions, as
 transformers' mask lets it; attention with more than a softmax over scores (gpt-oss sinks,
 soft-capping) stays PyTorch's.

@@ -37,7 +37,7 @@ rows on a CPU, one on a GPU). The linears follow `data.matmul_dtype` as all of d
 GEMMs on a CPU with native bf16, else float32 weights packed once. The attention kernel is built
 once with the system's `cc` into the cache; without a compiler the engine keeps PyTorch's
 attention, with the same answers, slower. `python scripts/bench_regen.py` measures the engine's
-new tokens/s against the bare capture forward on the same conversations (README, Measured).
+new tokens/s against the bare capture forward on the same conversations.
 """
 
 from __future__ import annotations

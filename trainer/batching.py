@@ -4,7 +4,7 @@
 A packed row keeps its samples apart with per-sample position ids and causal attention (offline,
 online and Medusa-2 alike), so each sample gets the loss it gets alone (tests/unit/trainer/test_packing.py).
 Packing is off by default because a packed row spans the longest sample, and the attention that
-costs outweighs the padding saved on the default data (README, Measured:
+costs outweighs the padding saved on the default data (3.8% of tokens padded, 0.7% packed:
 `scripts/bench_packing.py`, which prints both padding shares for any config).
 """
 

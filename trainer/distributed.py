@@ -57,15 +57,15 @@ from data_prep.linears import native_bf16
 
 def mixed_precision(cfg: DistConfig) -> str:
     """`dist.mixed_precision`; auto = bf16 autocast on a GPU and on a CPU with native bf16 (faster
-    there: README, Measured: `bench_train.py dist.mixed_precision=bf16`), else none."""
+    there: `bench_train.py dist.mixed_precision=bf16`), else none."""
     if cfg.mixed_precision != "auto":
         return cfg.mixed_precision
     return "bf16" if torch.cuda.is_available() or native_bf16() else "no"
 
 
 def _skip_deepspeed_shm_build() -> None:
-    """DeepSpeed compiles a shared-memory comm helper at init (minutes on 2 cores: README,
-    Measured: "DeepSpeed's shared-memory helper") that gloo never uses; replace its builder.
+    """DeepSpeed compiles a shared-memory comm helper at init (~4 minutes on 2 cores) that gloo
+    never uses; replace its builder.
     Reached through sys.modules because `import deepspeed.comm.torch` binds the name `torch`,
     not the module."""
     import deepspeed.comm.torch  # noqa: F401

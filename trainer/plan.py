@@ -43,15 +43,15 @@ settings that would fit (`unmet_line`: a larger `budget`, fewer `eval.max_prompt
 one frozen `conf.sizes.Sizes`; the run goes on with `Sizes.apply(cfg)`, a derived config, and the
 user's config is never written.
 
-The policy was measured on the embedded default (evaluator, 3 prompts per task; the README's
-"Measured" table holds every run, and the rows named here are its rows): at equal time more
-conversations beat more epochs (`+head=eagle3 budget=null` against the two rows after it), so two
-epochs before more data; longer budgets went to conversations (`budget=10m`, `+head=eagle3`,
-`budget=40m`). Offline capture beat online on a CPU, since online runs the target in every epoch
-and buys fewer conversations for the same time (`budget=10m data.hidden_states=online`), so
+The policy was measured on the embedded default (evaluator, 3 prompts per task, 2026-12-01): at
+equal time more conversations beat more epochs (560 conversations x 2 epochs τ 1.322, 192 x 5
+1.307, 600 x 1 1.268), so two epochs before more data; longer budgets went to conversations
+(`budget=10m` 408 conversations τ 1.304, 20m 872 1.403, 40m 1,860 1.494). Offline capture beat
+online on a CPU, since online runs the target in every epoch and buys fewer conversations for the
+same time (`budget=10m data.hidden_states=online`: 333 conversations, τ 1.296), so
 `data.hidden_states=auto` keeps offline while the disk holds it. The answers per prompt are the
 user's `data.regenerate.num_samples`: two sampled answers scored above one greedy answer at 10
-minutes (`data.regenerate.num_samples=2` and the 10-prompt row after it), one budget on one
+minutes (10 prompts per task: 1.311 vs 1.289, higher on all three tasks), one budget on one
 target, not yet a default. Medusa's four full-vocabulary heads are slow to train on a CPU, and
 one pass over more data served it best.
 """
