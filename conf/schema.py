@@ -28,6 +28,7 @@ STORAGE_DTYPES = ("bfloat16", "fp8")
 MATMUL_DTYPES = ("auto", "target", "bfloat16")
 HIDDEN_STATES = ("offline", "online", "auto")
 REGEN_BACKENDS = ("hf", "vllm", "server")
+CAPTURE_BACKENDS = REGEN_BACKENDS
 _ENDPOINT = re.compile(r"https?://[^\s/]+(/\S*)?")
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
 STRATEGIES = ("none", "ddp", "deepspeed")
@@ -75,6 +76,17 @@ class _Checked:
     def _optional_positive(self, *names: str) -> None:
         for name in names:
             self._require(name, lambda v: v is None or v >= 1, "null or an integer >= 1")
+
+
+def _check_endpoints(cfg: RegenerateConfig | CaptureConfig) -> None:
+    """`endpoints`: server URLs, given with `backend=server` only (with none, every answer or
+    state may still be cached; the backend refuses an empty list when it has work)."""
+    served = cfg.backend == "server"
+    cfg._require(
+        "endpoints",
+        lambda v: (not v or served) and all(_ENDPOINT.fullmatch(str(u)) for u in v),
+        f"a list of http(s)://host:port/v1 URLs, given with {cfg.PREFIX}.backend=server only",
+    )
 
 
 def _probability(v: float) -> bool:
@@ -164,11 +176,7 @@ class RegenerateConfig(_Checked):
         self._one_of("backend", REGEN_BACKENDS)
         # backend=server with no endpoints may still find every answer cached (a training run
         # after the regeneration run); `data_prep.regen_server.connect` refuses it when not.
-        self._require(
-            "endpoints",
-            lambda v: (not v or self.backend == "server") and all(_ENDPOINT.fullmatch(str(u)) for u in v),
-            "a list of http(s)://host:port/v1 URLs, given with data.regenerate.backend=server only",
-        )
+        _check_endpoints(self)
         self._require("api_key_env", lambda v: v is None or re.fullmatch(r"[A-Za-z_]\w*", v),
                       "null or the name of an environment variable")
         if self.num_samples > 1 and self.temperature == 0:
@@ -176,6 +184,32 @@ class RegenerateConfig(_Checked):
                 f"data.regenerate.num_samples={self.num_samples}: greedy answers are all the same; "
                 "set data.regenerate.temperature > 0 (e.g. 0.7) or num_samples=1"
             )
+
+
+@dataclass(frozen=True)
+class CaptureConfig(_Checked):
+    """Where the hidden states come from: the transformers target in this process, or the serving
+    engine (`data_prep.capture_engine`), which holds a target too large for one process."""
+
+    PREFIX: ClassVar[str] = "data.capture"
+    # hf (the transformers target here) | vllm (vLLM's offline LLM in this process) | server
+    # (running vLLM servers started by scripts/serve_vllm.py: `endpoints`)
+    backend: str = "hf"
+    # backend=server: base URLs ending in /v1; requests go as data.regenerate's (in_flight,
+    # retries, timeout_s, api_key_env).
+    endpoints: list[str] = field(default_factory=list)
+    # The folder the engine writes one file per request into, shared by the servers and data
+    # prep (files are read, then deleted); null: a folder beside the data folder (vllm), or
+    # wherever the servers write (server: their paths must be readable here).
+    dir: str | None = None
+    tensor_parallel_size: int = 1  # backend=vllm: GPUs the target is split over
+    pipeline_parallel_size: int = 1
+
+    def check(self) -> None:
+        self._one_of("backend", CAPTURE_BACKENDS)
+        _check_endpoints(self)
+        self._require("dir", lambda v: v is None or bool(v), "null or a folder")
+        self._at_least(1, "tensor_parallel_size", "pipeline_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -193,6 +227,7 @@ class DataConfig(_Checked):
     val_fraction: float = 0.1
     seed: int = 0
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
     storage_dtype: str = "bfloat16"  # bfloat16 | fp8 (e4m3 with a scale per token and layer)
     # The target's linear layers while it writes data (regeneration, capture, online capture):
     # auto = bf16 GEMMs for a float32 target on a CPU with native bf16 (AVX512-BF16/AMX: a

@@ -18,7 +18,7 @@ import torch
 from conf.errors import UserError
 from conf.files import free_bytes, human_bytes
 from conf.schema import RootConfig
-from data_prep.capture import LAYER_CONVENTION, TOKEN_BYTES, CaptureSpec, capture_shard
+from data_prep.capture import LAYER_CONVENTION, TOKEN_BYTES, Capturer, CaptureSpec, HfCapturer, capture_shard
 from data_prep.folder import DataFolder
 from data_prep.keys import FolderKey, data_base, matmul_dtype
 from data_prep.linears import DataLinears
@@ -37,6 +37,7 @@ from data_prep.store import (
     open_partial,
     write_split,
 )
+from data_prep.target import Target
 from data_prep.template import Tokenized
 from data_prep.vocab import (
     VOCAB_FILE,
@@ -127,7 +128,8 @@ class ShardWriter:
         self.vocab, self.vocab_size = key.vocab, key.target.identity["vocab_size"]
         self.counts = torch.zeros(self.vocab_size, dtype=torch.int64)
         self.tokens, self.seconds = 0, 0.0
-        self._linears: DataLinears | None = None
+        self._capture: Capturer | None = None
+        self._context: contextlib.AbstractContextManager = contextlib.nullcontext()
 
     def write(self, partial: Path, progress: Callable | None, ranks: Ranks = SINGLE) -> dict[str, dict]:
         """Each split's manifest record: its sizes and its shards' (with several `ranks`, only the
@@ -158,14 +160,13 @@ class ShardWriter:
             yield chunk
 
     def _shard(self, chunk: list[Tokenized]) -> dict[str, torch.Tensor]:
-        # Loading the target and converting its linear layers happen once, before the first
-        # shard's clock starts.
-        if self.stored.needs_forward and self._linears is None:
-            self._linears = DataLinears(self.target.model, matmul_dtype(self.cfg))
+        # The backend starts once (loading the target and converting its linear layers, or
+        # starting vLLM, or checking the servers), before the first shard's clock starts.
+        if self.stored.needs_forward and self._capture is None:
+            self._capture, self._context = capture_backend(self.cfg, self.target, self.stored)
         start = time.perf_counter()
-        with self._linears or contextlib.nullcontext():
-            model = self.target.model if self.stored.needs_forward else None
-            tensors = capture_shard(model, chunk, self.stored, self.cfg.data.capture_batch_tokens)
+        with self._context:
+            tensors = capture_shard(self._capture, chunk, self.stored)
         self.seconds += time.perf_counter() - start
         self.tokens += sum(len(t.input_ids) for t in chunk)
         return tensors
@@ -175,6 +176,20 @@ class ShardWriter:
             self.bar.update(record["tokens"])
             if self.seconds:
                 self.bar.set_postfix(tok_s=f"{self.tokens_per_s():.0f}")
+
+
+def capture_backend(
+    cfg: RootConfig, target: Target, spec: CaptureSpec
+) -> tuple[Capturer, contextlib.AbstractContextManager]:
+    """The configured capture backend (`data.capture.backend`) and the context each shard is
+    captured in: the transformers target with its linear layers at `data.matmul_dtype`, or the
+    serving engine's (`data_prep.capture_engine`), where the target never loads here."""
+    if cfg.data.capture.backend == "hf":
+        model = target.model
+        return HfCapturer(model, spec, cfg.data.capture_batch_tokens), DataLinears(model, matmul_dtype(cfg))
+    from data_prep.capture_engine import engine_capturer
+
+    return engine_capturer(cfg, target, spec), contextlib.nullcontext()
 
 
 def write_draft_vocab(partial: Path, counts: torch.Tensor, size: int) -> dict:

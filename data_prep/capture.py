@@ -52,8 +52,9 @@ it reads the device anyway (`trainer.health`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -345,13 +346,38 @@ def sample_name(sample: Tokenized, index: int) -> str:
     return f"sample {uid!r}" if uid else f"sample {index} of the shard being captured"
 
 
-def capture_shard(
-    model, samples: list[Tokenized], spec: CaptureSpec, batch_tokens: int
-) -> dict[str, torch.Tensor]:
-    """The tensors of one shard: samples concatenated along tokens, `offsets` [n+1] delimits them.
+class Capturer(Protocol):
+    """A capture backend (`data.capture.backend`): the kept fields of every sample of a shard, in
+    order, float32 [L, G*H] on the CPU (`TOP` int32 [L] where kept), as `forward_hidden` gives
+    them. `names` name the samples in an error. The `hf` one is `HfCapturer`; the serving
+    engine's are in `data_prep.capture_engine`."""
 
-    Deterministic for a given sample list (batches depend only on it), which is what lets a
-    resumed run reproduce the shards of an uninterrupted one byte for byte.
+    def __call__(self, samples: list[list[int]], names: list[str]) -> Iterable[dict[str, torch.Tensor]]: ...
+
+
+@dataclass
+class HfCapturer:
+    """`data.capture.backend=hf`: the transformers target in this process, one right-padded forward
+    per length-grouped batch of at most `batch_tokens` padded tokens."""
+
+    model: Any
+    spec: CaptureSpec
+    batch_tokens: int
+
+    def __call__(self, samples: list[list[int]], names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+        for idx in length_batches([len(s) for s in samples], self.batch_tokens):
+            batch, named = [samples[i] for i in idx], [names[i] for i in idx]
+            yield from forward_hidden(self.model, batch, self.spec, named)
+
+
+def capture_shard(
+    capture: Capturer | None, samples: list[Tokenized], spec: CaptureSpec
+) -> dict[str, torch.Tensor]:
+    """The tensors of one shard: samples concatenated along tokens, `offsets` [n+1] delimits them;
+    `capture` gives what `spec` keeps (None when it keeps tokens only).
+
+    Deterministic for a given sample list (the `hf` batches depend only on it), which is what
+    lets a resumed run reproduce the shards of an uninterrupted one byte for byte.
     """
     lengths = [len(s.input_ids) for s in samples]
     offsets = torch.tensor([0] + lengths).cumsum(0)
@@ -364,14 +390,13 @@ def capture_shard(
         return tensors
     # Encoded per sample so a shard never holds more than one batch in float32.
     parts: dict[str, list[torch.Tensor]] = {}
-    for idx in length_batches(lengths, batch_tokens):
-        names = [sample_name(samples[i], i) for i in idx]
-        for item in forward_hidden(model, [samples[i].input_ids for i in idx], spec, names):
-            for name, value in item.items():
-                groups = spec.groups(name)
-                as_stored = {TOP: value} if name == TOP else encode(name, value, groups, spec.storage_dtype)
-                for k, v in as_stored.items():
-                    parts.setdefault(k, []).append(v)
+    names = [sample_name(s, i) for i, s in enumerate(samples)]
+    for item in capture([s.input_ids for s in samples], names):
+        for name, value in item.items():
+            groups = spec.groups(name)
+            as_stored = {TOP: value} if name == TOP else encode(name, value, groups, spec.storage_dtype)
+            for k, v in as_stored.items():
+                parts.setdefault(k, []).append(v)
     return tensors | {k: torch.cat(v) for k, v in parts.items()}
 
 

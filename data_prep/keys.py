@@ -11,6 +11,10 @@ no key until it is named here. Settings absent from both keys, and why they may 
   answer and how requests reach them. The backend (`server`) is keyed, and every endpoint is
   checked to serve the target before a request (`data_prep.regen_server.connect`), so the servers
   are interchangeable: which one answered a prompt is scheduling, as a batch is.
+- `data.capture.endpoints`, `dir`, `tensor_parallel_size`, `pipeline_parallel_size`: where the
+  serving engine runs and where it writes. The backend is keyed (`CAPTURE_FIELDS`: vLLM's kernels
+  are not transformers'); a tensor-parallel split changes a reduction's order as a batch's
+  padding does in bf16, within the same noise, and every server is checked to serve the target.
 - `data.matmul_dtype`, `target.dtype`: keyed as the precision they resolve to (`precision`), so
   `auto` and the dtype it picks share a key.
 - `data.chat_template*`: keyed as the digest of the template as it renders (`ChatTemplate`).
@@ -48,6 +52,8 @@ REGEN_FORMAT = 3
 # `data.regenerate` fields that change an answer: its length, its sampling, how many per prompt
 # and the engine that decodes it (vLLM's kernels round otherwise than draftsmith's engine).
 ANSWER_FIELDS = ("max_new_tokens", "temperature", "top_p", "num_samples", "backend")
+# `data.capture` fields that change a folder's states: the engine that computes them.
+CAPTURE_FIELDS = ("backend",)
 # `data` fields that change a folder's rows or shards: which conversations (max_samples, and
 # max_turns/max_length shape them), the validation split (val_fraction, seed), the stored bytes
 # (storage_dtype), the shard layout (shard_samples) and the capture batches, whose padding can
@@ -127,7 +133,7 @@ def folder_key(
         "chat_template": tpl.digest,
         "data": {k: getattr(d, k) for k in FOLDER_FIELDS} | {"max_samples": Sizes.of(cfg).conversations},
         "regenerate": _answer_settings(d) if d.regenerate.enabled else None,
-        "capture": dataclasses.asdict(spec),
+        "capture": dataclasses.asdict(spec) | {k: getattr(d.capture, k) for k in CAPTURE_FIELDS},
         "draft_vocab_size": vocab,
     }
 

@@ -30,12 +30,13 @@ from conf.files import build_lock, build_once, disk_full_is_one_line
 from conf.schema import RootConfig, to_root_config
 from data_prep.build import build_folder, built_folder
 from data_prep.capture import CaptureSpec
+from data_prep.capture_engine import check_capture_backend
 from data_prep.folder import DataFolder
 from data_prep.keys import FolderKey, data_base
 from data_prep.ranks import SINGLE, Ranks
-from data_prep.regen_vllm import check_vllm_installed
 from data_prep.sources import check_source_exists
 from data_prep.target import Target, resolve_target
+from data_prep.vllm_engine import check_vllm_installed
 from heads.kinds import check_export_formats, head_kind
 
 
@@ -54,14 +55,15 @@ def draft_vocab_size(cfg: RootConfig, vocab_size: int) -> int | None:
 
 def check_source(cfg: RootConfig) -> None:
     """The data checks that need the outside world (the schema did the rest), before any model is
-    loaded: a missing local source file or chat template, and vLLM missing for
-    `data.regenerate.backend=vllm`."""
+    loaded: a missing local source file or chat template, vLLM missing for a vllm backend, and
+    the capture backends' endpoints and folder."""
     check_source_exists(cfg.data)
     template = cfg.data.chat_template
     if template and not Path(template).expanduser().is_file():
         raise UserError(f"data.chat_template={template!r}: no such file (expected a .jinja chat template)")
     if cfg.data.regenerate.enabled and cfg.data.regenerate.backend == "vllm":
-        check_vllm_installed()
+        check_vllm_installed("data.regenerate.backend=vllm")
+    check_capture_backend(cfg.data.capture)
 
 
 # What a full disk during data prep leaves and how to go on.

@@ -106,12 +106,13 @@ def served_names(target_name: str, target_path: str) -> set[str]:
     return names | {Path(n).name for n in names if n}
 
 
-def connect(cfg: RegenerateConfig, target_name: str, target_path: str, tokenizer) -> list[Endpoint]:
+def connect(cfg: RegenerateConfig, target_name: str, target_path: str, tokenizer,
+            what: str = "data.regenerate.endpoints") -> list[Endpoint]:
     """Every endpoint, each checked to serve the target, or one line naming the first that does
-    not; no prompt is sent before all are checked."""
+    not (and `what`, the override that lists them); no prompt is sent before all are checked."""
     if not cfg.endpoints:
-        raise UserError("data.regenerate.endpoints=[]: some answers are not cached yet; list the servers "
-                        "that answer them (data.regenerate.backend=server)")
+        raise UserError(f"{what}=[]: some answers or states are not cached yet; list the servers "
+                        f"that give them ({what.rpartition('.')[0]}.backend=server)")
     key, names = api_key(cfg), served_names(target_name, target_path)
     expected = tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
     endpoints = []
@@ -120,12 +121,12 @@ def connect(cfg: RegenerateConfig, target_name: str, target_path: str, tokenizer
         try:
             models = call(f"{ep.url}/models", None, key, min(cfg.timeout_s, 30))["data"]
         except (RequestFailed, KeyError, TypeError) as err:
-            raise UserError(f"data.regenerate.endpoints: {ep.url}/models did not answer ({err})") from None
+            raise UserError(f"{what}: {ep.url}/models did not answer ({err})") from None
         listed = [m.get("id", "") for m in models]
         ep.model = next((m["id"] for m in models if {m.get("id"), m.get("root")} & names), "")
         if not ep.model:
             raise UserError(
-                f"data.regenerate.endpoints: {ep.url} serves {listed}, not the target {target_name!r} "
+                f"{what}: {ep.url} serves {listed}, not the target {target_name!r} "
                 f"(serve it as `vllm serve {target_path}` or with --served-model-name {target_name})"
             )
         try:
@@ -135,7 +136,7 @@ def connect(cfg: RegenerateConfig, target_name: str, target_path: str, tokenizer
             probe = None  # a server without /tokenize (the OpenAI API has none): the name must do
         if probe is not None and probe.get("tokens") != expected:
             raise UserError(
-                f"data.regenerate.endpoints: {ep.url} ({ep.model}) tokenizes text otherwise than the target "
+                f"{what}: {ep.url} ({ep.model}) tokenizes text otherwise than the target "
                 f"{target_name!r}: it serves another model"
             )
         endpoints.append(ep)

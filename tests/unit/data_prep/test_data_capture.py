@@ -9,6 +9,7 @@ from conf.errors import UserError
 from conf.schema import DataConfig
 from data_prep.capture import (
     CaptureSpec,
+    HfCapturer,
     capture_shard,
     decode,
     dequantize_fp8,
@@ -55,7 +56,7 @@ def test_shard_holds_each_samples_own_hidden_states(tiny, storage):
     aux_ids, n = (2, 4, 5), tiny.config.num_hidden_layers
     spec = CaptureSpec(aux_ids, n, storage)
     batch = samples([5, 9, 9, 17, 30])
-    shard = capture_shard(tiny, batch, spec, batch_tokens=40)  # several padded batches
+    shard = capture_shard(HfCapturer(tiny, spec, batch_tokens=40), batch, spec)  # several padded batches
     offsets = shard["offsets"].tolist()
     assert offsets == [0, 5, 14, 23, 40, 70]
     assert shard["input_ids"].dtype == torch.int32 and shard["loss_mask"].dtype == torch.bool
@@ -77,10 +78,11 @@ def test_shard_holds_each_samples_own_hidden_states(tiny, storage):
 
 def test_medusa_final_only_and_joint_tokens_only(tiny):
     batch = samples([4, 6])
-    final_only = capture_shard(tiny, batch, CaptureSpec((), 8), 4096)
+    final = CaptureSpec((), 8)
+    final_only = capture_shard(HfCapturer(tiny, final, 4096), batch, final)
     assert set(final_only) == {"input_ids", "loss_mask", "offsets", "final_hidden"}
     assert final_only["final_hidden"].shape == (10, 64)
-    tokens = capture_shard(None, batch, CaptureSpec((), None), 4096)
+    tokens = capture_shard(None, batch, CaptureSpec((), None))
     assert set(tokens) == {"input_ids", "loss_mask", "offsets"}
 
 

@@ -9,6 +9,7 @@ import json
 
 from conf.schema import (
     TEMPLATE_FIELDS,
+    CaptureConfig,
     DataConfig,
     Eagle3Config,
     LoggingConfig,
@@ -18,6 +19,7 @@ from conf.schema import (
 )
 from data_prep.keys import (
     ANSWER_FIELDS,
+    CAPTURE_FIELDS,
     FOLDER_FIELDS,
     SOURCE_FIELDS,
     answer_key,
@@ -95,15 +97,27 @@ def test_keys_name_what_changes_contents_and_nothing_else(tiny_llama_dir, tmp_pa
                 regen(base, enabled=False)):
         new_folder, new_answers = keys(cfg)
         assert new_folder != folder and new_answers == answers  # growing the set reuses answers
+    # States from vLLM's kernels are not transformers' bit for bit, so the capture backend is
+    # keyed; where the engine runs (endpoints, the shared folder, its parallelism) is not.
+    def capture(cfg: RootConfig, **changes) -> RootConfig:
+        return data(cfg, capture=dataclasses.replace(cfg.data.capture, **changes))
+
+    served = capture(base, backend="server", endpoints=["http://127.0.0.1:8000/v1"])
+    assert keys(served)[0] != folder and keys(served)[1] == answers
+    assert keys(capture(served, endpoints=["http://10.0.0.2:9000/v1"], dir=str(tmp_path))) == keys(served)
+    assert keys(capture(base, backend="vllm", tensor_parallel_size=8)) == keys(capture(base, backend="vllm"))
 
 
 def test_every_data_setting_is_keyed_or_named_scheduling():
     """A new data setting fails here until it joins a key or the list of those that do not change
     contents (each justified in `data_prep.keys`)."""
-    not_keyed = {"cache_dir", "hidden_states", "matmul_dtype", "draft_vocab_size", "regenerate",
-                 *TEMPLATE_FIELDS}  # keyed as what they resolve to, or (regenerate) field by field
+    not_keyed = {"cache_dir", "hidden_states", "matmul_dtype", "draft_vocab_size", "regenerate", "capture",
+                 *TEMPLATE_FIELDS}  # keyed as what they resolve to, or field by field
     data = {f.name for f in dataclasses.fields(DataConfig)}
     assert data == {*SOURCE_FIELDS, *FOLDER_FIELDS, *not_keyed}
     regen = {f.name for f in dataclasses.fields(RegenerateConfig)}
     transport = {"endpoints", "in_flight", "retries", "timeout_s", "api_key_env"}
     assert regen == {*ANSWER_FIELDS, "enabled", "batch_size", "workers", *transport}
+    capture = {f.name for f in dataclasses.fields(CaptureConfig)}
+    assert capture == {*CAPTURE_FIELDS, "endpoints", "dir", "tensor_parallel_size", "pipeline_parallel_size"}
+

@@ -131,4 +131,4 @@ def test_no_endpoints_is_refused_only_when_an_answer_is_missing(tiny, tmp_path):
     cached = RegenerateConfig(max_new_tokens=5, backend="server")
     assert len(through(cached, tiny, tmp_path / "r.jsonl", SAMPLES[:2])) == 2  # no server needed
     line = user_error_line(lambda: through(cached, tiny, tmp_path / "r.jsonl", SAMPLES[:3]))
-    assert line.startswith("error: data.regenerate.endpoints=[]: some answers are not cached yet")
+    assert line.startswith("error: data.regenerate.endpoints=[]: some answers or states are not cached yet")

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 
 from conf.errors import UserError
-from data_prep.regen_vllm import check_vllm_installed
+from data_prep.vllm_engine import check_vllm_installed
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -17,6 +17,6 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
 def test_missing_vllm_is_one_line_naming_the_install():
     with pytest.raises(UserError, match="backend=vllm needs vLLM .*pip install vllm"):
-        check_vllm_installed()
+        check_vllm_installed("data.regenerate.backend=vllm")
 
 
