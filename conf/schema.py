@@ -43,6 +43,9 @@ SELECT_BY = ("simulated", "decoded")
 # The data fields that decide how prompts and rows render (`data_prep.template.ChatTemplate`).
 TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "template_date")
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+# transformers' `device_map` strategies (accelerate spreads the layers over the visible GPUs).
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+_MAPPED_DEVICE = re.compile(r"cpu|cuda:\d+|\d+")
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
 
 
@@ -130,12 +133,41 @@ class TargetConfig(_Checked):
     # 0 leaves torch's default; CPU runs pin it so that benchmarks are repeatable.
     num_threads: int = 0
     trust_remote_code: bool = False
+    # One process's target split over the GPUs of its node, for a target no single GPU holds
+    # without vLLM: one of DEVICE_MAPS, or {module name: cpu | cuda:N | N} as transformers'
+    # `from_pretrained(device_map=...)` takes it. null: the whole target on `device`. Typed Any:
+    # OmegaConf has no union of a string and a dict. Capture and online training run on it
+    # (`data_prep.target.input_device`); what decodes needs one device (`one_device`).
+    device_map: Any = None
 
     def check(self) -> None:
         self._require("name_or_path", bool, "a Hub id, a folder, a .gguf file or an alias")
         self._one_of("dtype", TARGET_DTYPES)
         self._require("device", lambda v: _DEVICE.fullmatch(v) is not None, "auto, cpu, cuda[:N] or mps")
         self._at_least(0, "num_threads")
+        self._require("device_map", _device_map, f"null, one of {', '.join(DEVICE_MAPS)}, or a "
+                      "non-empty {module name: cpu | cuda:N | N} map")
+
+    def one_device(self, stage: str, way_out: str) -> None:
+        """Refuse `target.device_map` for a stage that needs the whole target on one device
+        (the decoders: regeneration's engine, decoded validation, the evaluator; Medusa-2's
+        trainable target), in one line naming the stage and `way_out`, before any weights load."""
+        if self.device_map is not None:
+            raise UserError(
+                f"target.device_map={self.device_map}: {stage} runs the whole target on one device; "
+                f"{way_out}, or drop target.device_map (capture and online training shard it)"
+            )
+
+
+def _device_map(value: Any) -> bool:
+    """A `target.device_map` transformers takes: a strategy name, or module names -> a device
+    (the CPU, a CUDA index, or cuda:N; disk offload and other devices are not offered)."""
+    if value is None or value in DEVICE_MAPS:
+        return True
+    return isinstance(value, dict) and bool(value) and all(
+        isinstance(k, str) and k and _MAPPED_DEVICE.fullmatch(str(v)) is not None and not isinstance(v, bool)
+        for k, v in value.items()
+    )
 
 
 # ---- data -----------------------------------------------------------------------------------
@@ -750,6 +782,11 @@ class RootConfig:
                 f"optim.val_decode_prompts={self.optim.val_decode_prompts}: rank 0 decodes with "
                 "the whole head, which ZeRO-3 partitions; use dist=zero2 or dist=ddp"
             )
+        if self.optim.val_decode_prompts:
+            self.target.one_device(f"decoded validation (optim.val_decode_prompts="
+                                   f"{self.optim.val_decode_prompts})", "set optim.val_decode_prompts=0")
+        if getattr(self.head, "joint", False):
+            self.target.one_device("Medusa-2 joint training (head.joint=true)", "set head.joint=false")
         if self.optim.skip_nonfinite and self.dist.strategy == "deepspeed":
             raise UserError(
                 f"optim.skip_nonfinite={self.optim.skip_nonfinite}: DeepSpeed takes the optimizer "

@@ -48,6 +48,13 @@ Both check every layer's hidden states for values that overflowed (fp16 targets 
 capture refuses the shard in one line naming the layer and the sample; online capture hands the
 loop where it happened as a device tensor (`checked_capture`), which the loop reads only where
 it reads the device anyway (`trainer.health`).
+
+A target split over devices (`target.device_map`) captures alike: the ids go to its embedding's
+device (`data_prep.target.input_device`), and the kept layers, which come out of the forward on
+the devices of the layers that computed them, are moved to the caller's device (where its ids
+or mask are: the CPU-bound shard writer, the training loop's device) before they are
+concatenated. There each kept layer crosses devices once; gathering them on the lm_head's
+device first would move them twice online.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ import torch
 
 from conf.errors import UserError
 from data_prep.masks import attention_layout
+from data_prep.target import input_device
 from data_prep.template import Tokenized
 
 LAYER_CONVENTION = "hf_hidden_states"
@@ -221,13 +229,20 @@ def _all_layers(model, ids: torch.Tensor, position_ids: torch.Tensor | None) -> 
     ).hidden_states
 
 
-def _kept(hs: tuple[torch.Tensor, ...], spec: CaptureSpec) -> dict[str, torch.Tensor]:
+def _kept(hs: tuple[torch.Tensor, ...], spec: CaptureSpec, device: torch.device) -> dict[str, torch.Tensor]:
+    """The layers `spec` keeps, on `device` (a split target's layers sit on several)."""
     out = {}
     if spec.aux_layer_ids:
-        out["aux_hidden"] = torch.cat([hs[i] for i in spec.aux_layer_ids], dim=-1)
+        out["aux_hidden"] = torch.cat([hs[i].to(device) for i in spec.aux_layer_ids], dim=-1)
     if spec.final_layer_id is not None:
-        out["final_hidden"] = hs[spec.final_layer_id]
+        out["final_hidden"] = hs[spec.final_layer_id].to(device)
     return out
+
+
+def _forward(model, ids: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """`_all_layers` with the inputs moved to the target's input device first."""
+    at = input_device(model)
+    return _all_layers(model, ids.to(at), None if position_ids is None else position_ids.to(at))
 
 
 @torch.inference_mode()
@@ -235,9 +250,9 @@ def hidden_states(
     model, ids: torch.Tensor, spec: CaptureSpec, position_ids: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
     """The fields `spec` keeps for right-padded ids [B, T] (packed rows if `position_ids` are
-    given), in the model's dtype on its device: `aux_hidden` [B, T, 3H] and/or `final_hidden`
-    [B, T, H]."""
-    return _kept(_all_layers(model, ids, position_ids), spec)
+    given), in the model's dtype on the device of `ids`: `aux_hidden` [B, T, 3H] and/or
+    `final_hidden` [B, T, H]."""
+    return _kept(_forward(model, ids, position_ids), spec, ids.device)
 
 
 # Logits one lm_head call of `greedy_ids` computes: ~256 MB in float32 whatever the vocabulary.
@@ -248,20 +263,21 @@ LOGIT_ELEMENTS = 1 << 26
 def greedy_ids(lm_head: torch.nn.Module, final: torch.Tensor) -> torch.Tensor:
     """Int32 [...]: the target's top-1 id for each row of final hidden states `final` [..., H],
     the argmax of its `lm_head` (the module, so that it computes as the target's linears do in
-    data prep; a final logit softcap or scale is monotonic and changes no argmax). Chunked so
-    that full-vocabulary logits never all sit in memory."""
+    data prep; a final logit softcap or scale is monotonic and changes no argmax), on the device
+    of `final`. Chunked so that full-vocabulary logits never all sit in memory."""
     weight = lm_head.weight
-    flat = final.reshape(-1, final.shape[-1]).to(weight.dtype)
+    flat = final.reshape(-1, final.shape[-1]).to(weight.device, weight.dtype)
     rows = max(1, LOGIT_ELEMENTS // weight.shape[0])
     tops = [lm_head(part).argmax(-1).int() for part in flat.split(rows)]
-    return torch.cat(tops).reshape(final.shape[:-1])
+    return torch.cat(tops).reshape(final.shape[:-1]).to(final.device)
 
 
 def first_nonfinite(layers: Sequence[torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
-    """Int64 [3] on the layers' device: (layer id, row, position) of the first non-finite hidden
+    """Int64 [3] on `keep`'s device: (layer id, row, position) of the first non-finite hidden
     state at a position `keep` [B, T] marks (lowest layer first: the one that overflowed, as every
-    later layer inherits it), or -1s. Computed without reading the device back."""
-    bad = torch.stack([~torch.isfinite(h).all(-1) for h in layers]) & keep  # [L+1, B, T]
+    later layer inherits it), or -1s. Computed without reading the device back; of a split
+    target's layers only the [B, T] verdicts cross devices."""
+    bad = torch.stack([(~torch.isfinite(h).all(-1)).to(keep.device) for h in layers]) & keep  # [L+1, B, T]
     _, b, t = bad.shape
     first = bad.flatten().long().argmax()  # the first True (argmax returns the first maximum)
     where = torch.stack([first // (b * t), first // t % b, first % t])
@@ -273,9 +289,9 @@ def checked_hidden_states(
     model, ids: torch.Tensor, spec: CaptureSpec, keep: torch.Tensor, position_ids: torch.Tensor | None = None
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """`hidden_states` and `first_nonfinite` over every layer of the same forward (not only the
-    kept ones: the layer to name is the first that overflows)."""
-    hs = _all_layers(model, ids, position_ids)
-    return _kept(hs, spec), first_nonfinite(hs, keep)
+    kept ones: the layer to name is the first that overflows), both on `keep`'s device."""
+    hs = _forward(model, ids, position_ids)
+    return _kept(hs, spec, keep.device), first_nonfinite(hs, keep)
 
 
 def overflow_message(layer: int, position: int, sample: str) -> str:
@@ -293,7 +309,7 @@ def forward_hidden(
     """One right-padded forward; per sample its fields [L, G*H] in float32 on the CPU (`TOP`
     [L] int32, where kept). Refuses a batch whose hidden states are not finite, naming the
     layer and the sample (`names`)."""
-    ids = pad_batch(batch, model.device)
+    ids = pad_batch(batch, input_device(model))
     lengths = torch.tensor([len(s) for s in batch], device=ids.device)
     keep = torch.arange(ids.shape[1], device=ids.device)[None] < lengths[:, None]
     fields, where = checked_hidden_states(model, ids, spec, keep)
@@ -330,7 +346,7 @@ def checked_capture(model, spec: CaptureSpec, batch: dict[str, torch.Tensor]) ->
 
 
 def capture_batch(model, spec: CaptureSpec, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Online mode's capture: the hidden-state fields of a collated batch on the model's device,
+    """Online mode's capture: the hidden-state fields of a collated batch on the batch's device,
     exactly as the offline path hands them to the objective (stored through `storage_dtype`,
     widened to float32, zero on padding as collate pads; packed rows as their documents alone).
     The forward runs in inference mode; the rounding outside it, so that the results are
@@ -409,7 +425,7 @@ def bare_forward(model, shards: list[list[Tokenized]], batch_tokens: int, full_l
     for shard in shards:
         lengths = [len(t.input_ids) for t in shard]
         for idx in length_batches(lengths, batch_tokens):
-            ids = pad_batch([shard[i].input_ids for i in idx], model.device)
+            ids = pad_batch([shard[i].input_ids for i in idx], input_device(model))
             extra = {} if full_logits else {"logits_to_keep": 1}
             mask = causal_mask(ids.shape[1], ids.device)
             model(input_ids=ids, attention_mask=mask, use_cache=False, **extra)

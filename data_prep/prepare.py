@@ -55,9 +55,17 @@ def draft_vocab_size(cfg: RootConfig, vocab_size: int) -> int | None:
 
 def check_source(cfg: RootConfig) -> None:
     """The data checks that need the outside world (the schema did the rest), before any model is
-    loaded: a missing local source file or chat template, vLLM missing for a vllm backend, and
-    the capture backends' endpoints and folder."""
+    loaded: a missing local source file or chat template, vLLM missing for a vllm backend, the
+    capture backends' folder, and `target.device_map` with the `hf` engine.
+
+    The engine is refused with a split target rather than taught to run on one: its slot caches
+    are indexed with tensors on the input device and it samples where the logits land, so every
+    step would cross devices, on a path no test here can run (no node with several GPUs); a
+    target too large for one GPU regenerates faster in a server anyway (backend=server)."""
     check_source_exists(cfg.data)
+    if cfg.data.regenerate.enabled and cfg.data.regenerate.backend == "hf":
+        cfg.target.one_device("regeneration's hf engine (data.regenerate.backend=hf)",
+                              "use data.regenerate.backend=server or vllm, or data.regenerate.enabled=false")
     template = cfg.data.chat_template
     if template and not Path(template).expanduser().is_file():
         raise UserError(f"data.chat_template={template!r}: no such file (expected a .jinja chat template)")

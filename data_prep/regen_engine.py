@@ -57,6 +57,7 @@ import torch
 from data_prep.decode_attention import slot_attention
 from data_prep.linears import DataLinears
 from data_prep.masks import AttentionLayout, attention_layout
+from data_prep.target import input_device
 
 
 def prefill_mask(
@@ -304,7 +305,7 @@ def default_workers(model, batch_size: int) -> int:
     """Engines decoding side by side in one process, for `workers=0`. On a CPU, one thread per
     engine beats all threads on one engine (2 cores: +11% new tokens/s at 128 rows in all), as
     long as each keeps >= 32 rows for its matmuls; a GPU runs one engine."""
-    if model.get_input_embeddings().weight.device.type != "cpu":
+    if input_device(model).type != "cpu":
         return 1
     return max(1, min(torch.get_num_threads(), batch_size // 32))
 
@@ -439,7 +440,7 @@ def _decode_all(
     `layout`: which positions each layer sees (`masks.attention_layout`). `value_dtype`: the cached
     values' (None: the model's)."""
     sampling = temperature > 0
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     dtype = model.dtype
     # The prefix every prompt shares is prefilled once, into one spare slot past the busy ones,
     # and copied into each slot at admission (a quarter of a short chat prompt is its header).

@@ -82,6 +82,19 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def input_device(model) -> torch.device:
+    """Where a target takes its token ids: its embedding layer's device. The one notion of "the
+    target's device" for inputs: with `target.device_map` the layers sit on several devices and
+    `model.device` is merely its first parameter's; without it, the device it was moved to."""
+    return model.get_input_embeddings().weight.device
+
+
+def output_device(model) -> torch.device:
+    """Where a target's lm_head (its last layer) computes: hidden states gathered from layers on
+    several devices (`target.device_map`) are moved here before they are concatenated."""
+    return model.get_output_embeddings().weight.device
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -264,6 +277,9 @@ class Target:
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
     num_threads: int = 0
+    # target.device_map: the target split over devices by transformers (`device` then decides the
+    # dtype only); None: the whole target on `device`.
+    device_map: str | dict[str, str | int] | None = None
     # data.chat_template, data.chat_template_kwargs, data.template_date: how this run renders.
     template_file: str | None = None
     template_kwargs: dict | None = None
@@ -334,32 +350,74 @@ class Target:
         return self.load_model()
 
     def load_model(self) -> PreTrainedModel:
-        """A fresh copy of the weights, in eval mode with gradients off, in `dtype` on `device`
-        (`model` keeps the run's one copy; a caller that changes weights loads its own)."""
+        """A fresh copy of the weights, in eval mode with gradients off, in `dtype` on `device`,
+        or placed by transformers as `device_map` says (and then left where it put each layer:
+        its hooks move activations between devices; inputs go to `input_device`). `model` keeps
+        the run's one copy; a caller that changes weights loads its own."""
         from transformers import AutoModelForCausalLM
 
         if self.num_threads > 0:
             torch.set_num_threads(self.num_threads)
+        self.check_device_map()
+        placed = {} if self.device_map is None else {"device_map": self.device_map}
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                self.path, revision=self.revision, dtype=self.dtype, trust_remote_code=self.trust_remote_code
+                self.path, revision=self.revision, dtype=self.dtype, trust_remote_code=self.trust_remote_code,
+                **placed,
             )
         except OSError as err:
             raise UserError(
                 f"target.name_or_path={self.name!r}: cannot load a model ({first_line(err)}); "
                 + _EXPECTED
             ) from None
-        return model.to(self.device).eval().requires_grad_(False)
+        if not placed:
+            model = model.to(self.device)
+        return model.eval().requires_grad_(False)
+
+
+    def check_device_map(self) -> None:
+        """Refuse, in one line and before any weights load, a `target.device_map` dict that names
+        a GPU this machine lacks, a module the target lacks, or leaves parameters unplaced:
+        transformers takes the last two without a word and puts what no entry names on the CPU,
+        where a GPU run would crawl. Checked on the target's skeleton (meta tensors, no memory)."""
+        placed = self.device_map
+        if not isinstance(placed, dict):
+            return
+        from transformers import AutoModelForCausalLM
+
+        shown, gpus = f"target.device_map={placed}", torch.cuda.device_count()
+        for module, device in placed.items():
+            if str(device) != "cpu" and int(str(device).removeprefix("cuda:")) >= gpus:
+                raise UserError(f"{shown}: {module!r} is put on {device}, and this machine has {gpus} GPU(s)")
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(self.config, trust_remote_code=self.trust_remote_code)
+        modules = dict(skeleton.named_modules())
+        unknown = [m for m in placed if m not in modules]
+        if unknown:
+            top = ", ".join(name for name, _ in skeleton.named_children())
+            raise UserError(f"{shown}: the target has no module {unknown[0]!r} (top modules: {top})")
+        prefixes = tuple(f"{m}." for m in placed)
+        unplaced = [n for n, _ in skeleton.named_parameters() if not n.startswith(prefixes)]
+        if unplaced and "" not in placed:
+            raise UserError(f"{shown}: no device for {unplaced[0]} and {len(unplaced) - 1} more parameters; "
+                            "name every module (e.g. each model.layers.N) or use auto")
 
 
 def resolve_target(cfg: RootConfig, device: str | torch.device | None = None) -> Target:
     """The `Target` of `cfg` (`target.*`, and `data.chat_template*` for its template): the name
     mapped to a path (an alias's or a GGUF's conversion done once, under a lock) and the config
     read. `device`: where the run's accelerator placed this process (None: `target.device`).
-    Raises one line when either fails; loads no weights."""
+    Raises one line when either fails, or for `target.device_map` under several processes
+    (each would place a whole target over the same GPUs); loads no weights."""
     from transformers import AutoConfig
 
     t, d = cfg.target, cfg.data
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if t.device_map is not None and world > 1:
+        raise UserError(
+            f"target.device_map={t.device_map}: one process splits the target over its node's GPUs, "
+            f"and {world} processes were started; run one process (python, not torchrun) or drop it"
+        )
     path = resolve_target_path(t.name_or_path)
     try:
         config = AutoConfig.from_pretrained(path, revision=t.revision, trust_remote_code=t.trust_remote_code)
@@ -371,7 +429,7 @@ def resolve_target(cfg: RootConfig, device: str | torch.device | None = None) ->
     dev = resolve_device(t.device if device is None else str(device))
     return Target(
         t.name_or_path, path, t.revision, t.trust_remote_code, config,
-        dev, resolve_dtype(t.dtype, dev), t.num_threads,
+        dev, resolve_dtype(t.dtype, dev), t.num_threads, t.device_map,
         d.chat_template, d.chat_template_kwargs, d.template_date,
     )
 

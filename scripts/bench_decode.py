@@ -23,7 +23,7 @@ import torch
 
 from conf.compose import split_args
 from conf.errors import UserError, exit_on_user_error
-from data_prep.target import eos_token_ids, resolve_target
+from data_prep.target import eos_token_ids, input_device, resolve_target
 from heads.folder import compose_for_head
 from trainer.decoding import greedy_generate, prompt_lookup_generate, speculative_generate
 from trainer.decoding.graphs import graphs_enabled
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> None:
         "max_new_tokens": n,
         "reps": reps,
         "threads": torch.get_num_threads(),
-        "cuda_graphs": graphs_enabled(model.get_input_embeddings().weight.device),
+        "cuda_graphs": graphs_enabled(input_device(model)),
         "temperature": ev.temperature,
         "num_speculative_tokens": ev.num_speculative_tokens,
         "tree": {"total_tokens": ev.tree.total_tokens, "depth": ev.tree.depth,

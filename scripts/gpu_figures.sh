@@ -10,6 +10,8 @@
 #   5. regeneration throughput against the bare forward (scripts/bench_regen.py, batch 256);
 #   6. (only when STAGES names "budget") the main job planned for BUDGET (default 3m) by
 #      trainer/plan.py: the plan line it prints and its summary.json's rates and stage times.
+#   7. (only on a node with 2+ GPUs) target.device_map=balanced: a tiny target split over the
+#      GPUs captures what it captures on one, offline and online (tests/unit/data_prep/test_device_map.py).
 # STAGES picks some of them (default "main decode train specforge regen"); the run ends with one table.
 # Every stage has its own time limit (together 230 + 2x60 + 2x35 + 60 + 60 = 540 s, the 9 minutes), so a slow stage costs its own figure, not the others'; the
 # main job keeps its best head so far, which stage 2 measures even if training was cut short.
@@ -85,5 +87,8 @@ if wants regen; then
     stage bench_regen 60 "$PY" scripts/bench_regen.py "${common[@]}" prompts=1024 \
         data.max_length=1024 data.regenerate.max_new_tokens=256 data.regenerate.batch_size=256 \
         data.capture_batch_tokens=65536
+fi
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    stage devmap 60 "$PY" -m pytest tests/unit/data_prep/test_device_map.py -q -p no:cacheprovider
 fi
 "$PY" scripts/gpu_table.py "$OUT"

@@ -167,6 +167,8 @@ def check_main_job(cfg: RootConfig) -> None:
     """What the main job refuses from its config alone, before Hydra writes into run_dir."""
     check_export_formats(cfg)
     check_push(cfg)
+    if cfg.pipeline.evaluate:
+        cfg.target.one_device("the evaluator's speculative decoder", "set pipeline.evaluate=false")
     check_run_dir(cfg)
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from data_prep.masks import additive_mask, attention_layout
+from data_prep.target import input_device
 from trainer.decoding.graphs import StepGraphs
 from trainer.decoding.tree import tree_attention_mask, tree_position_ids, with_prefix
 
@@ -138,7 +139,7 @@ class TargetKV:
     def __init__(self, model, hidden_layers: list[int], room: int = 0):
         self.model = model
         self.hidden_layers = tuple(hidden_layers)
-        self.device = model.get_input_embeddings().weight.device
+        self.device = input_device(model)
         self.layout = attention_layout(model.config)  # refuses a target it cannot mask
         self.cache, self.graphs = _cache_and_graphs(model, self.device)
         self.cache.owner = self._token = object()

@@ -18,7 +18,7 @@ import torch
 
 from conf.schema import EvalConfig, RootConfig
 from data_prep.masks import attention_layout
-from data_prep.target import Target, eos_token_ids, resolve_target
+from data_prep.target import Target, eos_token_ids, input_device, resolve_target
 from heads.formats import folder_kind, load_for_decoding
 from heads.kinds import head_kind
 from trainer.decoding import (
@@ -72,7 +72,7 @@ def load_drafter(head_path: str | Path, model, target_name: str, shapes: list[Sh
     target (vocab, hidden size, layer count, aux layer ids) or unable to draft `shapes`, with the
     mismatch named, before any decoding. A jointly trained Medusa-2 head verifies with its own
     target."""
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     kind, head, verifier = load_for_decoding(head_path, model, target_name)
     return build_drafter(kind, head.to(device).eval(), model, shapes), verifier
 
@@ -127,7 +127,7 @@ def greedy_verdict(model, prompt: torch.Tensor, plain: list[int], spec: list[int
     i = next((j for j, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
     if i is None:  # one stopped earlier at the same tokens: a real difference
         return "mismatch"
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     seq = torch.cat([prompt.reshape(-1), torch.tensor(plain[:i], dtype=torch.long)]).to(device)
     logits = model(seq[None], logits_to_keep=1).logits[0, -1].float()
     top = float(logits.max())
@@ -145,6 +145,7 @@ def evaluate(
     holds it; None resolves it here. Its weights load after the attention check that needs the
     config alone. Returns the eval.json object.
     """
+    cfg.target.one_device("the evaluator's speculative decoder", "evaluate where one device holds it")
     ev = cfg.eval
     prompts = load_prompts(ev)
     target = resolve_target(cfg) if target is None else target
