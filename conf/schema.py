@@ -197,12 +197,16 @@ class RegenerateConfig(_Checked):
     in_flight: int = 32  # requests open per endpoint (the server batches them)
     retries: int = 4  # failures in a row before an endpoint is dropped (backoff doubles each time)
     timeout_s: float = 600.0  # one request
+    # No byte from an endpoint for this long drops the request as failed; when none of the
+    # endpoint's requests had one either, the endpoint is dropped (its prompts go to the others).
+    silence_s: float = 60.0
     # The name of the environment variable holding the servers' API key (never the key itself:
     # the config is written to config.json); null = no key.
     api_key_env: str | None = None
 
     def check(self) -> None:
-        self._at_least(1, "max_new_tokens", "batch_size", "num_samples", "in_flight", "timeout_s")
+        self._at_least(1, "max_new_tokens", "batch_size", "num_samples", "in_flight", "timeout_s",
+                       "silence_s")
         self._at_least(0, "temperature", "workers", "retries")
         self._require("top_p", _probability, "a value in (0, 1]")
         self._one_of("backend", REGEN_BACKENDS)

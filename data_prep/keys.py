@@ -7,10 +7,11 @@ no key until it is named here. Settings absent from both keys, and why they may 
   once. Answers do not depend on them (tests/unit/data_prep/test_regen_engine.py), and a data
   folder's rows are read from the answer cache, which one run at a time extends, so a folder
   holds the cached answer whichever batch wrote it (tests/unit/data_prep/test_data_keys.py).
-- `data.regenerate.endpoints`, `in_flight`, `retries`, `timeout_s`, `api_key_env`: which servers
-  answer and how requests reach them. The backend (`server`) is keyed, and every endpoint is
-  checked to serve the target before a request (`data_prep.regen_server.connect`), so the servers
-  are interchangeable: which one answered a prompt is scheduling, as a batch is.
+- `data.regenerate.endpoints`, `in_flight`, `retries`, `timeout_s`, `silence_s`, `api_key_env`:
+  which servers answer, how requests reach them and when one is given up. The backend (`server`)
+  is keyed, and every endpoint is checked to serve the target before a request
+  (`data_prep.regen_server.connect`), so the servers are interchangeable: which one answered a
+  prompt is scheduling, as a batch is.
 - `data.capture.endpoints`, `dir`, `tensor_parallel_size`, `pipeline_parallel_size`: where the
   serving engine runs and where it writes. The backend is keyed (`CAPTURE_FIELDS`: vLLM's kernels
   are not transformers'); a tensor-parallel split changes a reduction's order as a batch's

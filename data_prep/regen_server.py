@@ -18,6 +18,16 @@ prep is unchanged:
   arrive, on the caller's thread, and the caller appends each to the regeneration cache, so a
   killed run or a dead server loses nothing that was answered and the next run asks only for
   the rest.
+- Answers are streamed (`"stream": true`: one `data:` event per few tokens, each carrying its
+  delta's `token_ids`, then `data: [DONE]`), so a server that stops answering is seen without
+  waiting out `timeout_s`: a server shutting down or hung may stop generating yet hold its
+  connections open (seen with a vLLM sent SIGTERM), and a blocking request waited there for
+  `timeout_s` (600 s) on each of its retries. Each read
+  waits at most `silence_s`; a request silent that long fails, and when no request of its
+  endpoint has had a byte in that time either, the endpoint is dropped at once, with no retries
+  (a server silent on every connection is not busy), and every prompt it held goes back to the
+  others: the endpoint is gone in about one `silence_s`. One stalled request beside others that
+  flow (a request queued or preempted in the server) is an ordinary failure, retried.
 - The API key is read from the environment variable `api_key_env` names and goes only into the
   Authorization header: never into a message, the config, the cache or the model card.
 """
@@ -32,8 +42,10 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from http.client import HTTPResponse
 from pathlib import Path
 
 from conf.errors import UserError, first_line
@@ -50,6 +62,15 @@ class RequestFailed(Exception):
     """A request that may succeed if sent again (connection, timeout, 5xx, 408/429)."""
 
 
+class Silent(RequestFailed):
+    """No byte came within the socket's timeout (`silence_s` while streaming)."""
+
+
+class EndpointSilent(RequestFailed):
+    """Neither this request nor any other of its endpoint had a byte for `silence_s`: the server
+    has stopped answering (shutting down, hung), so the endpoint is dropped without retries."""
+
+
 @dataclass
 class Endpoint:
     """One server: its base URL (.../v1), the model id it serves the target as, and its tally."""
@@ -61,6 +82,7 @@ class Endpoint:
     failures: int = 0  # in a row
     last_error: str = ""
     dead: bool = False
+    heard: float = 0.0  # time.monotonic() of the last line any of its streams brought
 
     @property
     def root(self) -> str:
@@ -78,9 +100,12 @@ def api_key(cfg: RegenerateConfig) -> str | None:
     return key
 
 
-def call(url: str, body: dict | None, key: str | None, timeout: float) -> dict:
-    """One JSON request (GET without a body). Raises `RequestFailed` for what a retry may cure and
-    UserError for what it cannot; neither message carries the key or a prompt."""
+@contextmanager
+def opened(url: str, body: dict | None, key: str | None, timeout: float) -> Iterator[HTTPResponse]:
+    """One request (GET without a body), its response open while the block reads it, each socket
+    read waiting at most `timeout`. Raises `Silent` when a read waits that long, `RequestFailed`
+    for another failure a retry may cure and UserError for what it cannot; no message carries the
+    key or a prompt."""
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
@@ -88,7 +113,7 @@ def call(url: str, body: dict | None, key: str | None, timeout: float) -> dict:
     request = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.load(response)
+            yield response
     except urllib.error.HTTPError as err:
         if err.code >= 500 or err.code in TRANSIENT:
             raise RequestFailed(f"HTTP {err.code}") from None
@@ -96,7 +121,38 @@ def call(url: str, body: dict | None, key: str | None, timeout: float) -> dict:
         raise UserError(f"data.regenerate.endpoints: {url} answered HTTP {err.code}: {detail}") from None
     except (urllib.error.URLError, OSError, ValueError) as err:  # refused, reset, timeout, bad JSON
         reason = getattr(err, "reason", err)
+        if isinstance(reason, TimeoutError):  # connecting, the headers or a read of the body
+            raise Silent(f"silent for {timeout:g} s") from None
         raise RequestFailed(first_line(str(reason)) or type(err).__name__) from None
+
+
+def call(url: str, body: dict | None, key: str | None, timeout: float) -> dict:
+    """One JSON request and its JSON answer (`opened` says what it raises)."""
+    with opened(url, body, key, timeout) as response:
+        return json.load(response)
+
+
+def events(response: HTTPResponse, deadline: float, heard: Callable[[], None]) -> Iterator[dict]:
+    """The JSON of each server-sent `data:` event up to `data: [DONE]`, calling `heard` at each
+    line that arrives (a sign of life, whatever it holds). Past `deadline` (`timeout_s` after the
+    request was sent) or at an error event the request fails; a stream cut before `[DONE]` ends
+    here, and the caller sees the answer is unfinished."""
+    for raw in response:  # each read waits at most the socket's timeout (`silence_s`)
+        heard()
+        if time.monotonic() > deadline:
+            raise RequestFailed("still answering at data.regenerate.timeout_s")
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue  # the blank line closing an event, or an SSE comment
+        data = line.removeprefix(b"data:").strip()
+        if data == b"[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:  # vLLM's error mid-stream: {"error": {"message": ...}}, then [DONE]
+            error = event["error"]
+            message = error.get("message", error) if isinstance(error, dict) else error
+            raise RequestFailed(f"error while answering: {first_line(str(message))}")
+        yield event
 
 
 def served_names(target_name: str, target_path: str) -> set[str]:
@@ -144,13 +200,20 @@ def connect(cfg: RegenerateConfig, target_name: str, target_path: str, tokenizer
 
 
 class Dispatcher:
-    """Hands prompts to the endpoints' threads and their answers back to the caller's thread."""
+    """Hands prompts to the endpoints' threads and their answers back to the caller's thread.
+
+    Every prompt is in one of three places: `todo`, `asking` (in flight, and on which endpoint)
+    or `settled` (answered). A dropped endpoint's prompts go back to `todo` at once, while its
+    threads may still be blocked on its sockets; should one of them answer after all, the first
+    answer of a prompt is kept and any later one dropped, so the caller sees each prompt once."""
 
     def __init__(self, endpoints: list[Endpoint], prompts: list[list[int]], body: Callable[[int], dict],
                  cfg: RegenerateConfig, stop_ids: set[int]):
         self.endpoints, self.prompts, self.body, self.cfg = endpoints, prompts, body, cfg
         self.stop_ids, self.key = stop_ids, api_key(cfg)
         self.todo: deque[int] = deque(range(len(prompts)))
+        self.asking: dict[int, Endpoint] = {}
+        self.settled: set[int] = set()
         self.lock = threading.Condition()
         self.finished = False
         self.answers: queue.Queue[tuple[int, list[int] | UserError]] = queue.Queue()
@@ -160,19 +223,96 @@ class Dispatcher:
         with self.lock:
             while not (self.todo or self.finished or ep.dead):
                 self.lock.wait(0.2)
-            return None if ep.dead or self.finished else self.todo.popleft()
+            if ep.dead or self.finished:
+                return None
+            i = self.todo.popleft()
+            self.asking[i] = ep
+            return i
 
     def _ask(self, ep: Endpoint, i: int) -> list[int]:
-        out = call(f"{ep.url}/completions", {"model": ep.model, **self.body(i)}, self.key, self.cfg.timeout_s)
+        """Prompt i's answer from `ep`, streamed, through the stop token (as the other backends
+        return it). Raises `EndpointSilent` when this request waited `silence_s` for a byte and no
+        other request of the endpoint had one meanwhile."""
+        waiting_since = time.monotonic()
+        deadline = waiting_since + self.cfg.timeout_s
+
+        def heard() -> None:
+            nonlocal waiting_since
+            waiting_since = ep.heard = time.monotonic()
+
+        body = {"model": ep.model, **self.body(i), "stream": True}
         try:
-            ids = [int(t) for t in out["choices"][0]["token_ids"]]
-        except (KeyError, IndexError, TypeError, ValueError):
-            raise UserError(
-                f"data.regenerate.endpoints: {ep.url} returned no token ids (a server without "
-                "`return_token_ids`: vLLM >= 0.10.2 has it)"
-            ) from None
+            with opened(f"{ep.url}/completions", body, self.key, self.cfg.silence_s) as response:
+                ids = self._tokens(ep, events(response, deadline, heard))
+        except Silent:
+            if ep.heard <= waiting_since:  # no byte from any of its requests since this one's last
+                silent = f"silent for {self.cfg.silence_s:g} s (data.regenerate.silence_s)"
+                raise EndpointSilent(silent) from None
+            raise
         end = next((k + 1 for k, t in enumerate(ids) if t in self.stop_ids), len(ids))
-        return ids[:end]  # through the stop token, as the other backends return it
+        return ids[:end]
+
+    @staticmethod
+    def _tokens(ep: Endpoint, stream: Iterator[dict]) -> list[int]:
+        """The answer's token ids, joined from each event's delta (`return_token_ids`), once an
+        event has said it is finished (`finish_reason`)."""
+        ids: list[int] = []
+        finished = False
+        for event in stream:
+            for choice in event.get("choices") or []:  # none in a closing usage event
+                if choice.get("token_ids") is None:
+                    raise UserError(
+                        f"data.regenerate.endpoints: {ep.url} returned no token ids (a server without "
+                        "`return_token_ids`: vLLM >= 0.10.2 has it)"
+                    )
+                ids += [int(t) for t in choice["token_ids"]]
+                finished = finished or choice.get("finish_reason") is not None
+        if not finished:
+            raise RequestFailed("the stream ended before the answer did")
+        return ids
+
+    def _drop(self, ep: Endpoint, why: str) -> None:
+        """Under the lock: `ep` answers no more; every prompt it holds goes to the others now."""
+        ep.dead, ep.last_error = True, why
+        for i in [i for i, e in self.asking.items() if e is ep]:
+            self._give_back(i, ep)
+
+    def _give_back(self, i: int, ep: Endpoint) -> None:
+        """Under the lock: prompt i, asked of `ep`, goes back to `todo` unless it was answered or
+        already handed to another endpoint."""
+        if self.asking.get(i) is ep:
+            del self.asking[i]
+            if i not in self.settled:
+                self.todo.appendleft(i)
+                self.lock.notify()
+
+    def _failed(self, ep: Endpoint, i: int, err: RequestFailed) -> float:
+        """Counts a failure of `ep`, drops it when that was one too many (or it went silent), and
+        returns the backoff before its thread asks again (none once it is dropped)."""
+        with self.lock:
+            self._give_back(i, ep)
+            if ep.dead:
+                return 0.0  # a late failure of a request its endpoint's drop already gave back
+            ep.failures += 1
+            ep.last_error = str(err)
+            if isinstance(err, EndpointSilent):
+                self._drop(ep, str(err))
+            elif ep.failures > self.cfg.retries:
+                self._drop(ep, f"{err} (after {self.cfg.retries} retries)")
+            return 0.0 if ep.dead else BACKOFF_S * 2 ** (ep.failures - 1)
+
+    def _answered(self, ep: Endpoint, i: int, ids: list[int]) -> None:
+        """Hands prompt i's first answer to the caller (a late duplicate is dropped)."""
+        with self.lock:
+            if i in self.settled:
+                return
+            self.settled.add(i)
+            if self.asking.get(i) is ep:
+                del self.asking[i]
+            elif i in self.todo:  # given back when `ep` was dropped, and not asked again yet
+                self.todo.remove(i)
+            ep.failures, ep.answered, ep.tokens = 0, ep.answered + 1, ep.tokens + len(ids)
+        self.answers.put((i, ids))
 
     def _serve(self, ep: Endpoint) -> None:
         """One of an endpoint's `in_flight` threads: take a prompt, ask, hand the answer back."""
@@ -180,22 +320,12 @@ class Dispatcher:
             try:
                 ids = self._ask(ep, i)
             except RequestFailed as err:
-                with self.lock:
-                    self.todo.appendleft(i)
-                    self.lock.notify()
-                    ep.failures += 1
-                    ep.last_error = str(err)
-                    ep.dead = ep.failures > self.cfg.retries
-                    wait = BACKOFF_S * 2 ** (ep.failures - 1)
-                if not ep.dead:
-                    time.sleep(wait)
+                time.sleep(self._failed(ep, i, err))
                 continue
             except UserError as err:
                 self.answers.put((i, err))  # the caller raises it
                 return
-            with self.lock:
-                ep.failures, ep.answered, ep.tokens = 0, ep.answered + 1, ep.tokens + len(ids)
-            self.answers.put((i, ids))
+            self._answered(ep, i, ids)
 
     def run(self, on_finish: Callable[[int, list[int]], None]) -> None:
         for ep in self.endpoints:
@@ -226,7 +356,7 @@ class Dispatcher:
         why = "; ".join(f"{ep.url}: {ep.last_error}" for ep in self.endpoints)
         done = len(self.prompts) - left
         raise UserError(
-            f"data.regenerate.endpoints: no server answers ({why}) after {self.cfg.retries} retries each; "
+            f"data.regenerate.endpoints: no server answers ({why}); "
             f"{done} of {len(self.prompts)} answers of this round are cached, run again to ask for the rest"
         )
 

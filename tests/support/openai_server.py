@@ -1,11 +1,13 @@
 """A small OpenAI-compatible completions server over a transformers model, for the fast tier.
 
 It speaks the part of vLLM's API that `data_prep.regen_server` uses (`/v1/models`, `/tokenize`,
-`/v1/completions` with token-id prompts and `return_token_ids`) and answers with draftsmith's own
-engine (`regen_engine.generate`, one prompt per request), so the server backend's answers can be
+`/v1/completions` with token-id prompts and `return_token_ids`, whole or streamed as vLLM streams
+them: a `data:` event per token carrying that delta's `token_ids`, the last with its
+`finish_reason`, then `data: [DONE]`) and answers with draftsmith's own engine
+(`regen_engine.generate`, one prompt per request), so the server backend's answers can be
 compared with the `hf` backend's. It stands in for `vllm serve` only where a test needs failures
-on cue (a server that errors, dies after n answers, wants a key, serves another name);
-tests/e2e/test_regen_server.py runs the real vLLM server.
+on cue (a server that errors, dies after n answers, goes silent, wants a key, serves another
+name); tests/e2e/test_regen_server.py runs the real vLLM server.
 """
 
 from __future__ import annotations
@@ -27,9 +29,14 @@ class Behaviour:
     key: str | None = None  # the Bearer token it requires
     fail_first: int = 0  # completions answered HTTP 500 before the first success
     die_after: int | None = None  # stop serving after this many answers
+    # After this many answers, a completion request gets its response headers and then nothing,
+    # its connection held open until the server stops: a vLLM sent SIGTERM stops generating and
+    # holds its connections so.
+    silent_after: int | None = None
     token_offset: int = 0  # /tokenize returns ids shifted by this (another tokenizer)
     answered: list[list[int]] = field(default_factory=list)  # prompts answered, in order
     requests: int = 0  # completion requests received
+    held: int = 0  # completion requests held silent
 
 
 class Server:
@@ -38,6 +45,7 @@ class Server:
     def __init__(self, model, tokenizer, behaviour: Behaviour | None = None):
         self.model, self.tok, self.b = model, tokenizer, behaviour or Behaviour()
         self.lock = threading.Lock()
+        self.stopping = threading.Event()  # ends the silent requests' wait
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
 
@@ -49,13 +57,18 @@ class Server:
         self.stop()
 
     def stop(self) -> None:
+        self.stopping.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
-    def _complete(self, body: dict) -> tuple[int, dict]:
+    def _complete(self, body: dict) -> tuple[int, dict | None]:
+        """The status and answer of a completion request; None: hold it silent."""
         b = self.b
         with self.lock:
             b.requests += 1
+            if b.silent_after is not None and len(b.answered) >= b.silent_after:
+                b.held += 1
+                return 200, None
             if b.fail_first > 0:
                 b.fail_first -= 1
                 return 500, {"error": "busy"}
@@ -84,6 +97,28 @@ class Server:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _stream(self, status: int, payload: dict | None) -> None:
+                """As vLLM streams: an event per token, the last with the finish reason, then
+                [DONE] (an error status goes whole, as vLLM refuses a request before streaming)."""
+                if status != 200:
+                    self._reply(status, payload)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                self.wfile.flush()
+                if payload is None:
+                    server.stopping.wait()
+                    return
+                ids = payload["choices"][0]["token_ids"]
+                deltas = [ids[k:k + 1] for k in range(len(ids))] or [[]]
+                for k, delta in enumerate(deltas):
+                    end = "stop" if k == len(deltas) - 1 else None
+                    choice = {"index": 0, "text": "", "token_ids": delta, "finish_reason": end}
+                    self.wfile.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
+
             def _authorised(self) -> bool:
                 key = server.b.key
                 if key and self.headers.get("Authorization") != f"Bearer {key}":
@@ -107,7 +142,10 @@ class Server:
                     ids = server.tok.encode(body["prompt"], add_special_tokens=False)
                     self._reply(200, {"tokens": [t + server.b.token_offset for t in ids]})
                 elif self.path == "/v1/completions":
-                    self._reply(*server._complete(body))
+                    if body.get("stream") is not True:  # draftsmith always streams (regen_server)
+                        self._reply(400, {"error": "this server only streams"})
+                    else:
+                        self._stream(*server._complete(body))
                 else:
                     self._reply(404, {"error": "no route"})
 

@@ -116,7 +116,7 @@ def test_every_data_setting_is_keyed_or_named_scheduling():
     data = {f.name for f in dataclasses.fields(DataConfig)}
     assert data == {*SOURCE_FIELDS, *FOLDER_FIELDS, *not_keyed}
     regen = {f.name for f in dataclasses.fields(RegenerateConfig)}
-    transport = {"endpoints", "in_flight", "retries", "timeout_s", "api_key_env"}
+    transport = {"endpoints", "in_flight", "retries", "timeout_s", "silence_s", "api_key_env"}
     assert regen == {*ANSWER_FIELDS, "enabled", "batch_size", "workers", *transport}
     capture = {f.name for f in dataclasses.fields(CaptureConfig)}
     assert capture == {*CAPTURE_FIELDS, "endpoints", "dir", "tensor_parallel_size", "pipeline_parallel_size"}

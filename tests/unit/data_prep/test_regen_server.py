@@ -1,12 +1,16 @@
 """Regeneration through OpenAI-compatible servers (`data.regenerate.backend=server`): the answers
 are the hf engine's, spread over every endpoint, kept through failures and resumed after a dead
-server; a server of another model, a missing key and a bad endpoint list stop in one line.
+server; a server that goes silent (connections held, nothing sent) is dropped in about
+`silence_s`, its prompts answered by the others; a server of another model, a missing key and a
+bad endpoint list stop in one line.
 
 The servers are tests/support/openai_server.py's (draftsmith's engine behind vLLM's API, with
 failures on cue); tests/e2e/test_regen_server.py runs the real vLLM server.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -31,8 +35,8 @@ def tiny(tiny_llama_dir):
 
 
 def server_cfg(*servers: Server, **extra) -> RegenerateConfig:
-    return RegenerateConfig(max_new_tokens=5, backend="server", endpoints=[s.url for s in servers],
-                            in_flight=2, retries=2, **extra)
+    fields = {"max_new_tokens": 5, "in_flight": 2, "retries": 2, **extra}
+    return RegenerateConfig(backend="server", endpoints=[s.url for s in servers], **fields)
 
 
 def through(servers_cfg: RegenerateConfig, tiny, cache, samples=SAMPLES, stats=None):
@@ -88,6 +92,43 @@ def test_one_dead_endpoint_leaves_its_prompts_to_the_others(tiny, tmp_path):
     assert len(got) == len(SAMPLES) and len(dying.answered) + len(alive.answered) == len(SAMPLES)
 
 
+def test_a_silent_endpoint_costs_one_silence_and_the_other_answers_its_prompts(tiny, tmp_path):
+    """The silent server holds its requests open and sends nothing (a blocking request waited
+    `timeout_s`): one `silence_s` later the prompts it held are answered by the good server, and
+    every answer is the one a server that never fell silent gives."""
+    model, tpl, _ = tiny
+    silence = 2.0
+    with Server(model, tpl.tok) as s:
+        expected = through(server_cfg(s), tiny, tmp_path / "ref.jsonl")
+    mute, alive = Behaviour(silent_after=1), Behaviour()
+    with Server(model, tpl.tok, mute) as sm, Server(model, tpl.tok, alive) as sa:
+        cfg = server_cfg(sm, sa, retries=4, silence_s=silence)
+        start = time.monotonic()
+        got = through(cfg, tiny, tmp_path / "r.jsonl")
+        took = time.monotonic() - start
+    assert got == expected
+    assert mute.held >= 1 and len(mute.answered) == 1 and len(alive.answered) == len(SAMPLES) - 1
+    assert silence <= took < 2 * silence, took
+
+
+def test_the_only_endpoint_silent_stops_in_one_line_keeping_every_answer(tiny, tmp_path):
+    model, tpl, _ = tiny
+    cache = tmp_path / "r.jsonl"
+    mute = Behaviour(silent_after=4)
+    with Server(model, tpl.tok, mute) as s:
+        start = time.monotonic()
+        line = user_error_line(lambda: through(server_cfg(s, retries=4, silence_s=1), tiny, cache))
+        took = time.monotonic() - start
+    assert took < 2.5, took  # about one silence_s: retried, each of its silences took one more
+    assert line.startswith(f"error: data.regenerate.endpoints: no server answers ({s.url}: silent for 1 s "
+                           "(data.regenerate.silence_s)); 4 of 10 answers of this round are cached"), line
+    assert len(read_cache(cache)) == 4
+    fresh = Behaviour()
+    with Server(model, tpl.tok, fresh) as s:
+        got = through(server_cfg(s), tiny, cache)
+    assert len(got) == len(SAMPLES) and len(fresh.answered) == 6
+
+
 @pytest.mark.parametrize("behaviour, says", [
     (Behaviour(model_id="other-model"), "serves ['other-model'], not the target 'tiny'"),
     (Behaviour(token_offset=1), "tokenizes text otherwise than the target 'tiny': it serves another model"),
@@ -119,6 +160,7 @@ def test_the_api_key_comes_from_the_environment_and_is_never_shown(tiny, tmp_pat
     ({"endpoints": ["http://h:1/v1"]}, "given with data.regenerate.backend=server only"),
     ({"backend": "server", "endpoints": ["h:1"]}, "data.regenerate.endpoints=['h:1']"),
     ({"api_key_env": "not a name"}, "data.regenerate.api_key_env='not a name': expected null or the name"),
+    ({"silence_s": 0}, "data.regenerate.silence_s=0: expected a number >= 1"),
 ])
 def test_bad_server_settings_are_one_line(fields, says):
     assert says in user_error_line(lambda: RegenerateConfig(**fields))
