@@ -88,6 +88,9 @@ if wants regen; then
         data.max_length=1024 data.regenerate.max_new_tokens=256 data.regenerate.batch_size=256 \
         data.capture_batch_tokens=65536
 fi
+if "$PY" -c "import vllm" 2>/dev/null; then  # the stock hidden-states connector on CUDA vs transformers
+    stage capture_vllm 60 env PYTHONPATH=. "$PY" scripts/check_capture.py smollm2-135m-instruct
+fi
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     stage devmap 60 "$PY" -m pytest tests/unit/data_prep/test_device_map.py -q -p no:cacheprovider
 fi

@@ -13,7 +13,7 @@ import torch
 
 from conf.errors import UserError
 from conf.schema import MedusaConfig, OptimConfig, RootConfig, TargetConfig
-from data_prep.capture import CaptureSpec, capture_shard, checked_capture, pad_batch
+from data_prep.capture import CaptureSpec, HfCapturer, capture_shard, checked_capture, pad_batch
 from data_prep.prepare import check_source
 from data_prep.target import input_device, output_device, resolve_target
 from data_prep.template import Tokenized
@@ -51,7 +51,7 @@ def test_a_mapped_target_captures_the_whole_targets_hidden_states(whole_and_mapp
     n = whole.config.num_hidden_layers
     spec = CaptureSpec((2, 4, 5), n, target_top=True)
     batch = samples([5, 9, 17, 30])
-    want, got = (capture_shard(m, batch, spec, batch_tokens=40) for m in (whole, mapped))
+    want, got = (capture_shard(HfCapturer(m, spec, 40), batch, spec) for m in (whole, mapped))
     fields = {"input_ids", "loss_mask", "offsets", "aux_hidden", "final_hidden", "target_top"}
     assert set(got) == set(want) == fields
     for name in want:
@@ -118,7 +118,7 @@ def test_balanced_over_the_gpus_captures_what_one_gpu_does(tiny_llama_dir):
     assert len({p.device for p in split.parameters()}) >= 2
     spec = CaptureSpec((2, 4, 5), one.config.num_hidden_layers, target_top=True)
     batch = samples([5, 9, 17, 30])
-    want, got = (capture_shard(m, batch, spec, batch_tokens=40) for m in (one, split))
+    want, got = (capture_shard(HfCapturer(m, spec, 40), batch, spec) for m in (one, split))
     for name in want:
         assert torch.allclose(got[name].float(), want[name].float(), atol=1e-2, rtol=2**-7), name
     ids = pad_batch([s.input_ids for s in batch], "cuda:0")
