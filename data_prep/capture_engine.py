@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,14 +222,12 @@ class EngineStates:
 
 
 def capture_folder(cfg: RootConfig) -> str:
-    """Where an in-process engine writes: `data.capture.dir`, else a fresh folder in the cache."""
-    if cfg.data.capture.dir:
-        path = Path(cfg.data.capture.dir).expanduser()
-        path.mkdir(parents=True, exist_ok=True)
-        return str(path.resolve())
-    base = data_base(cfg)
-    base.mkdir(parents=True, exist_ok=True)
-    return tempfile.mkdtemp(prefix=".capture-", dir=base)
+    """Where an in-process engine writes: `data.capture.dir`, else `.capture` in the data cache
+    (every file is deleted once read; requests' ids, which name the files, carry a random part,
+    so runs sharing the folder do not collide)."""
+    path = Path(cfg.data.capture.dir).expanduser() if cfg.data.capture.dir else data_base(cfg) / ".capture"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path.resolve())
 
 
 class VllmCapturer:
