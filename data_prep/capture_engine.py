@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from conf.errors import UserError
 from conf.schema import CaptureConfig, RootConfig
@@ -96,8 +97,6 @@ def read_states(path: str, ids: list[int], where: str) -> torch.Tensor:
     try:
         with open(lock) as fh:
             fcntl.flock(fh, fcntl.LOCK_SH)  # sleeps until the writer's exclusive lock is released
-            from safetensors.torch import load_file
-
             data = load_file(path, device="cpu")
     except FileNotFoundError:
         raise UserError(
@@ -166,12 +165,11 @@ def checkpoint_tensors(target: Target, wanted: list[list[str]]) -> dict[str, tor
     out = {}
     for names in wanted:
         file = "model.safetensors"
-        name = names[0]
         if weight_map is not None:
-            name = next((n for n in names if n in weight_map), None)
-            if name is None:
+            listed = next((n for n in names if n in weight_map), None)
+            if listed is None:
                 raise UserError(f"target.name_or_path={target.name!r}: the checkpoint has no {names[0]}")
-            file = weight_map[name]
+            file = weight_map[listed]
         path = cached_file(target.path, file, revision=target.revision)
         with safe_open(path, framework="pt") as fh:
             keys = set(fh.keys())
@@ -206,15 +204,19 @@ class EngineStates:
         return h.float()
 
     def fields(self, states: torch.Tensor, name: str) -> dict[str, torch.Tensor]:
-        spec, out = self.spec, {}
-        if spec.aux_layer_ids:
-            out["aux_hidden"] = torch.cat([self.layer(states, k) for k in spec.aux_layer_ids], dim=-1)
-        if spec.final_layer_id is not None:
-            out["final_hidden"] = self.layer(states, spec.final_layer_id)
-        for layer in self.position:
-            bad = (~torch.isfinite(self.layer(states, layer)).all(-1)).nonzero()
+        """The sample `name`'s fields from its engine states: each kept layer computed once,
+        checked finite (lowest layer first, as the hf path names the one that overflowed)."""
+        spec = self.spec
+        layers = {k: self.layer(states, k) for k in self.position}
+        for layer, h in layers.items():
+            bad = (~torch.isfinite(h).all(-1)).nonzero()
             if len(bad):
                 raise UserError(overflow_message(layer, int(bad[0]), name))
+        out = {}
+        if spec.aux_layer_ids:
+            out["aux_hidden"] = torch.cat([layers[k] for k in spec.aux_layer_ids], dim=-1)
+        if spec.final_layer_id is not None:
+            out["final_hidden"] = layers[spec.final_layer_id]
         if spec.target_top:  # from the final state as stored, as the hf path computes it
             final = stored(out["final_hidden"], 1, spec.storage_dtype)
             out[TOP] = greedy_ids(self.tail.lm_head, final)
