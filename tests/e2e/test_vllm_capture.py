@@ -21,13 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.targets import (
-    TINY_FAMILIES,
-    byte_tokenizer,
-    save_target,
-    special_token_ids,
-    tiny_family_target,
-)
+from tests.support.targets import TINY_FAMILIES, vllm_family_target
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -41,8 +35,6 @@ pytestmark = [
     ),
 ]
 
-# As test_vllm_families: two heads of 32 (vLLM's CPU attention has no kernel for 16), 4 layers.
-SHAPE = dict(num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 # vLLM 0.32's Gemma3ForCausalLM has no aux hidden states (not SupportsEagle3): its engine fails
 # to start (test_vllm_families checks the refusal), so it is not started here.
 UNSERVED = {"gemma3_text"}
@@ -53,11 +45,9 @@ SERVED = [family for family in TINY_FAMILIES if family not in UNSERVED]
 def lines(tmp_path_factory) -> dict[str, dict]:
     """check_capture's line per target: "smollm2" and each family, from one vLLM process."""
     root = tmp_path_factory.mktemp("capture")
-    tok = byte_tokenizer()
     targets = {"smollm2": "smollm2-135m-instruct"}
     for family in SERVED:
-        model = tiny_family_target(family, len(tok), **SHAPE, **special_token_ids(tok))
-        targets[family] = str(save_target(model, tok, root / family))
+        targets[family] = str(vllm_family_target(family, root / family)[1])
     cmd = [str(VLLM_PYTHON), str(SCRIPT), *targets.values()]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1500,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"})

@@ -34,13 +34,7 @@ from heads.export.write import export_head
 from heads.kinds import format_kind
 from heads.peagle import PEagleHead
 from tests.support.heads import make_eagle3_head, make_medusa_head, random_dflash_head
-from tests.support.targets import (
-    TINY_FAMILIES,
-    byte_tokenizer,
-    save_target,
-    special_token_ids,
-    tiny_family_target,
-)
+from tests.support.targets import TINY_FAMILIES, vllm_family_target
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -53,9 +47,6 @@ pytestmark = [
     ),
 ]
 
-# Two heads of 32 (vLLM's CPU attention has no kernel for 16), GQA kept; 4 layers as in
-# test_target_families (aux layers 1, 2, 3).
-SHAPE = dict(num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 DRAFT_VOCAB = 128  # of the byte tokenizer's 259 ids (test_export's 512 is more than there are)
 # export folder -> (format, head); "eagle3-full" drafts over all the target's ids, so has no d2t.
 EXPORTS = {
@@ -91,14 +82,12 @@ MATRIX: dict[tuple[str, str], str] = {}  # (family, export) -> the cell, printed
 def build_exports(family: str, root: Path) -> tuple[Path, dict[str, Path]]:
     """`family`'s target folder and its heads' exports, `EXPORTS` name -> folder (bfloat16, as
     shipped)."""
-    tok = byte_tokenizer()
-    model = tiny_family_target(family, len(tok), **SHAPE, **special_token_ids(tok))
-    target = save_target(model, tok, root / "target")
+    model, target = vllm_family_target(family, root / "target")
     heads = {
         # The default layer variants; test_export's 512 draft ids are more than the tokenizer's 259.
         "eagle3": make_eagle3_head(target, root / "eagle3-head", cfg=Eagle3Config(), draft_vocab=DRAFT_VOCAB),
         "eagle3-full": make_eagle3_head(
-            target, root / "eagle3-full-head", cfg=Eagle3Config(), draft_vocab=len(tok)
+            target, root / "eagle3-full-head", cfg=Eagle3Config(), draft_vocab=model.config.vocab_size
         ),
         "medusa": make_medusa_head(model, str(target), root / "medusa-head", True),
         "peagle": make_eagle3_head(
@@ -175,9 +164,7 @@ def served_fc_norm(tmp_path_factory) -> dict[str, dict]:
     """check_vllm's lines for an fc_norm head (its norms' weights off 1.0, each its own) on the
     llama family, exported in both formats (bfloat16, as shipped)."""
     root = tmp_path_factory.mktemp("fc_norm")
-    tok = byte_tokenizer()
-    model = tiny_family_target("llama", len(tok), **SHAPE, **special_token_ids(tok))
-    target = save_target(model, tok, root / "target")
+    _, target = vllm_family_target("llama", root / "target")
     head = make_eagle3_head(target, root / "head", cfg=EAGLE31, draft_vocab=DRAFT_VOCAB)
     return check_in_vllm([export_head(head, fmt, root / fmt)[0] for fmt in ("eagle3", "speculators")])
 

