@@ -351,8 +351,8 @@ def start(
     """The `Run` of a fit about to take its first step (`state.step`: a resumed run's next),
     logging to `logger` (None: a `RunLogger` of its own)."""
     shown = cfg.logging.progress and accelerator.is_main_process
-    # Resumed runs keep the curve of the steps they restore (history.json is written with every
-    # checkpoint, so a killed run leaves it as far as its last checkpoint).
+    # Resumed runs keep the curve of the steps they restore (history.json is written just before
+    # every checkpoint, so a killed run leaves it at least as far as its last checkpoint).
     history = read_history(run_dir, state.step) if state.step else []
     trainee.train()
     return Run(
@@ -433,9 +433,11 @@ def checkpoint(run: Run) -> None:
     run.guard.check()
     with run.costs.timed("checkpoint"):
         run.state.skipped = run.guard.watch.skipped
-        save_checkpoint(run.accelerator, run.run_dir, run.state)
+        # The history first: a run killed between the two resumes from the checkpoint before,
+        # which reads the history only as far as its own step.
         if run.accelerator.is_main_process:
             write_history(run.run_dir, run.history)
+        save_checkpoint(run.accelerator, run.run_dir, run.state)
 
 
 def report(run: Run, first_step: int) -> FitReport:
