@@ -22,7 +22,7 @@ from data_prep.capture import LAYER_CONVENTION, TOKEN_BYTES, Capturer, CaptureSp
 from data_prep.folder import DataFolder
 from data_prep.keys import FolderKey, data_base, matmul_dtype
 from data_prep.linears import DataLinears
-from data_prep.ranks import SINGLE, Ranks
+from data_prep.ranks import SINGLE, Ranks, balanced_owners
 from data_prep.rows import spill_samples
 from data_prep.sources import held_out
 from data_prep.stats import PrepStats
@@ -91,18 +91,19 @@ def check_space(cfg: RootConfig, spec: CaptureSpec, tokens: int, hidden_size: in
         )
 
 
-def built_folder(key: FolderKey, modes: tuple[str, ...]) -> DataFolder | None:
-    """The finished folder of one of `modes`, checked against the target and announced; None
-    when none is built yet."""
+def built_folder(key: FolderKey, modes: tuple[str, ...], quiet: bool = False) -> DataFolder | None:
+    """The finished folder of one of `modes`, checked against the target and announced (unless
+    `quiet`: a rank other than 0 that helped build it); None when none is built yet."""
     for mode in modes:
         path = key.folder(mode)
         if (path / MANIFEST).exists():
             manifest = load_manifest(path)
             check_target(manifest, key.target.identity, f"data folder {str(path)!r}")
-            if len(modes) > 1:
+            if len(modes) > 1 and not quiet:
                 print(f"data.hidden_states=auto: {mode} (its data folder is built already)")
             folder = DataFolder.from_manifest(path, manifest)
-            print(folder.summary(reused=True))
+            if not quiet:
+                print(folder.summary(reused=True))
             return folder
     return None
 
@@ -135,10 +136,12 @@ class ShardWriter:
         """Each split's manifest record: its sizes and its shards' (with several `ranks`, only the
         shards this rank wrote or found: the records are rank 0's second pass)."""
         desc = "capture" if self.stored.needs_forward else "write"
-        self.bar = progress(total=self.spill.tokens, unit="tok", desc=desc) if progress else None
-        owned = ranks.owns_shard if ranks.world > 1 else None
+        owners = self.owners(ranks.world)
+        mine = sum(t for t, r in owners.values() if r == ranks.rank)
+        self.bar = progress(total=mine, unit="tok", desc=desc) if progress else None
         splits = {}
         for split in SPLITS:
+            owned = (lambda i, split=split: owners[split, i][1] == ranks.rank) if ranks.world > 1 else None
             records = write_split(partial, split, self._chunks(split), self._shard, self._written, owned)
             splits[split] = {
                 k: sum(r[k] for r in records) for k in ("samples", "tokens", "masked_tokens")
@@ -146,6 +149,15 @@ class ShardWriter:
         if self.bar is not None:
             self.bar.close()
         return splits
+
+    def owners(self, world: int) -> dict[tuple[str, int], tuple[int, int]]:
+        """(tokens, rank that writes it) of each shard, by (split, index): balanced over `world`
+        ranks by tokens (`ranks.balanced_owners`), the same on every rank."""
+        n, lengths = self.cfg.data.shard_samples, self.spill.lengths
+        tokens = {(split, i // n): sum(lengths[j] for j in self.order[split][i : i + n].tolist())
+                  for split in SPLITS for i in range(0, len(self.order[split]), n)}
+        ranks = balanced_owners(list(tokens.values()), world)
+        return {shard: (t, r) for (shard, t), r in zip(tokens.items(), ranks)}
 
     def tokens_per_s(self) -> float:
         return self.tokens / max(self.seconds, 1e-9)
@@ -250,7 +262,7 @@ def build_folder(key: FolderKey, modes: tuple[str, ...], ranks: Ranks = SINGLE) 
             ranks.barrier()
             if not ranks.main:
                 ranks.barrier()  # while rank 0 writes the manifest
-                return built_folder(key, (mode,))
+                return built_folder(key, (mode,), quiet=True)
             captured, writer = writer, ShardWriter(key, stored, spill, order)
             splits = writer.write(partial, None)
             writer.tokens, writer.seconds = captured.tokens, captured.seconds

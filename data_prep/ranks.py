@@ -8,7 +8,9 @@ under torchrun, on a file system every rank sees) the ranks build one folder tog
    folded any part a killed run left into the cache; rank 0 then folds every part in;
 2. every rank reads the same answers and orders the same rows (a cheap, deterministic pass), so
    the split, the shards' boundaries and the draft vocabulary are those a single process gets;
-3. capture: rank r writes the shards whose index is r modulo the world into the partial folder;
+3. capture: each rank writes its shards into the partial folder, the shards of both splits
+   balanced over the ranks by their tokens (`balanced_owners`: shards are length-sorted, so
+   one by index would give one rank the longest);
 4. rank 0 reads every shard's record, counts the draft vocabulary and writes the manifest.
 Nothing is written twice and a killed rank loses only what it had in flight: answers are
 appended as they arrive, shards are whole files, and the next run (any world size) completes the
@@ -22,6 +24,7 @@ import datetime
 import hashlib
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,13 +70,17 @@ class Ranks:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order, on every rank."""
+        if self.world == 1:
+            return [value]
+        values = [None] * self.world
+        dist.all_gather_object(values, value, group=self.group)
+        return values
+
     def all(self, flag: bool) -> bool:
         """Whether `flag` holds on every rank."""
-        if self.world == 1:
-            return flag
-        flags = [None] * self.world
-        dist.all_gather_object(flags, flag, group=self.group)
-        return all(flags)
+        return all(self.gather(flag))
 
     def close(self) -> None:
         """Leave the process group this process started (`from_env`)."""
@@ -84,9 +91,6 @@ class Ranks:
         """Whether this rank answers the conversation `uid` (all of a prompt's answers alike)."""
         digest = hashlib.sha256(prompt_uid(uid).encode()).digest()
         return int.from_bytes(digest[:8], "big") % self.world == self.rank
-
-    def owns_shard(self, index: int) -> bool:
-        return index % self.world == self.rank
 
     def share_folder(self, folder: Path) -> bool:
         """Whether every rank sees the same `folder` (one file system), by a file rank 0 writes."""
@@ -106,3 +110,14 @@ class Ranks:
 
 
 SINGLE = Ranks()
+
+
+def balanced_owners(costs: Sequence[int], world: int) -> list[int]:
+    """The rank that does each job of `costs` (e.g. a shard's tokens): the largest job first, each
+    to the rank with the least work so far, ties to the lower rank (longest-processing-time
+    first: within 4/3 of the best split). Pure, so every rank computes the same owners."""
+    load, owners = [0] * world, [0] * len(costs)
+    for job in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        owners[job] = min(range(world), key=lambda r: (load[r], r))
+        load[owners[job]] += costs[job]
+    return owners

@@ -56,8 +56,9 @@ class _Pending:
         return msgs + [self.users[len(self.turns)]]
 
 
-def read_cache(path: Path) -> dict[str, list[dict]]:
-    """Finished conversations' turns by uid; a torn last line (a killed run) is cut off the file."""
+def read_cache(path: Path, repair: bool = True) -> dict[str, list[dict]]:
+    """Finished conversations' turns by uid; a torn last line (a killed run) is cut off the file
+    when `repair` (only the holder of its lock may: another run may be writing that line)."""
     done: dict[str, list[dict]] = {}
     if not path.exists():
         return done
@@ -70,7 +71,7 @@ def read_cache(path: Path) -> dict[str, list[dict]]:
                 break
             done[row["uid"]] = row["turns"]
             good += len(line)
-    if good != path.stat().st_size:
+    if repair and good != path.stat().st_size:
         os.truncate(path, good)
     return done
 
@@ -177,11 +178,7 @@ def regenerate(
     # GEMMs may break near-ties by batch), and `read_cache` may cut a torn line (no other writer).
     with build_lock(lock_path(cache_file), f"regeneration cache {cache_file}"):
         done = read_cache(cache_file)
-        wanted = [
-            Sample(answer_uid(s.uid, k), s.messages, s.tools, s.where)
-            for s in samples
-            for k in range(cfg.num_samples)
-        ]
+        wanted = wanted_answers(samples, cfg)
         todo = []
         for s in wanted:
             if s.uid not in done:
@@ -244,8 +241,21 @@ def regenerate(
             bar.close()
         stats.regenerated_tokens += new_tokens
         stats.regenerate_seconds += round(time.perf_counter() - started, 2)
-        stats.skipped_prompt_too_long += sum(1 for s in wanted if not done[s.uid])
-        return [(s.uid, cached_turns(done[s.uid])) for s in wanted if done[s.uid]]
+        return answered_turns(wanted, done, stats)
+
+
+def wanted_answers(samples: list[Sample], cfg: RegenerateConfig) -> list[Sample]:
+    """Every answer `samples` ask for: `cfg.num_samples` per prompt, uid `answer_uid(uid, k)`."""
+    return [Sample(answer_uid(s.uid, k), s.messages, s.tools, s.where)
+            for s in samples for k in range(cfg.num_samples)]
+
+
+def answered_turns(wanted: list[Sample], done: dict[str, list[dict]],
+                   stats: PrepStats) -> list[tuple[str, list[Turn]]]:
+    """(uid, turns) of the `wanted` answers, in order, from the cache's `done`; those with no
+    answered turn count as prompts too long."""
+    stats.skipped_prompt_too_long += sum(1 for s in wanted if not done[s.uid])
+    return [(s.uid, cached_turns(done[s.uid])) for s in wanted if done[s.uid]]
 
 
 def part_file(cache_file: Path, rank: int) -> Path:
@@ -271,22 +281,41 @@ def fold_parts(cache_file: Path) -> None:
                 part.unlink()
 
 
+# What a rank's share of regeneration counts (`regenerate_shares` sums them over the ranks); the
+# prompts too long are counted once, over every answer, and the cache's answers before the run.
+SHARE_FIELDS = ("regenerated_tokens", "answers_cut_at_max_new_tokens", "turns_dropped_too_long",
+                "turns_dropped_refused", "conversations_refused_by_template")
+
+
 def regenerate_shares(samples: list[Sample], answerer: Callable[[], Answerer], tpl: ChatTemplate,
                       cfg: RegenerateConfig, max_length: int, cache_file: Path, stats: PrepStats,
-                      progress: Callable | None, ranks: Ranks) -> None:
-    """Each rank answers its prompts that the cache lacks into its own part; afterwards the cache
-    holds every answer, on every rank (`data_prep.ranks`, step 1). One process: nothing to do
-    here, `regenerate` answers them all."""
+                      progress: Callable | None, ranks: Ranks) -> list[tuple[str, list[Turn]]]:
+    """What `regenerate` returns, with several `ranks` answering at once (`data_prep.ranks`, step
+    1): each rank answers its prompts that the cache lacks into its own part, rank 0 folds the
+    parts in, and every rank reads the whole cache; `stats` count every rank's share (tokens,
+    cuts and drops summed; seconds: the slowest rank's, the stage's wall).
+
+    Between the barriers no process of this run writes the cache, so the ranks read it without
+    its lock (only another run's torn line may follow, left alone): under the lock the ranks
+    would wait on each other's reading, one at a time. One process: `regenerate`."""
     if ranks.world == 1:
-        return
+        return regenerate(samples, answerer, tpl, cfg, max_length, cache_file, stats, progress)
     if ranks.main:
         fold_parts(cache_file)  # what a killed run's ranks answered
     ranks.barrier()
-    done = read_cache(cache_file)
+    wanted = wanted_answers(samples, cfg)
+    before = read_cache(cache_file, repair=False)
     mine = [s for s in samples if ranks.owns_prompt(s.uid)
-            and any(answer_uid(s.uid, k) not in done for k in range(cfg.num_samples))]
-    regenerate(mine, answerer, tpl, cfg, max_length, part_file(cache_file, ranks.rank), stats, progress)
+            and any(answer_uid(s.uid, k) not in before for k in range(cfg.num_samples))]
+    share = PrepStats()
+    regenerate(mine, answerer, tpl, cfg, max_length, part_file(cache_file, ranks.rank), share, progress)
     ranks.barrier()
     if ranks.main:
         fold_parts(cache_file)
     ranks.barrier()
+    shares = ranks.gather(share)
+    for name in SHARE_FIELDS:
+        setattr(stats, name, getattr(stats, name) + sum(getattr(s, name) for s in shares))
+    stats.regenerate_seconds += max(s.regenerate_seconds for s in shares)
+    stats.regenerated_from_cache += sum(1 for s in wanted if s.uid in before)
+    return answered_turns(wanted, read_cache(cache_file, repair=False), stats)

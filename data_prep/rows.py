@@ -14,7 +14,7 @@ from conf.schema import RootConfig
 from conf.sizes import Sizes
 from data_prep.keys import matmul_dtype, regen_cache_file
 from data_prep.ranks import SINGLE, Ranks
-from data_prep.regenerate import backend_answerer, regenerate, regenerate_shares
+from data_prep.regenerate import backend_answerer, regenerate_shares
 from data_prep.sources import Sample, iter_samples, prompt_uid, row_uid, split_hash
 from data_prep.stats import PrepStats
 from data_prep.store import TokenSpill
@@ -122,8 +122,8 @@ def sample_rows(
     samples = list(samples)
     answerer = lambda: backend_answerer(d.regenerate, target, matmul_dtype(cfg))  # noqa: E731
     cache = answers or regen_cache_file(cfg, target.identity, tpl)
-    regenerate_shares(samples, answerer, tpl, d.regenerate, d.max_length, cache, stats, progress, ranks)
-    answered = regenerate(samples, answerer, tpl, d.regenerate, d.max_length, cache, stats, progress)
+    answered = regenerate_shares(samples, answerer, tpl, d.regenerate, d.max_length, cache, stats, progress,
+                                 ranks)
     return regenerated_rows(answered, d.max_length, stats)
 
 

@@ -80,16 +80,16 @@ def write_split(
     owned: Callable[[int], bool] | None = None,
 ) -> list[dict]:
     """Write one shard per chunk of samples, skipping shards already complete; their records.
-    `owned(i)`: whether this process writes shard i (`data_prep.ranks`); the others' shards that
-    do not exist yet are left to them and have no record here."""
+    `owned(i)`: whether this process writes shard i (`data_prep.ranks`); the others' shards are
+    left to them and have no record here."""
     out = partial / split
     out.mkdir(exist_ok=True)
     records = []
     for i, chunk in enumerate(chunks):
         path = out / shard_name(i)
-        fresh = not path.exists()
-        if fresh and owned is not None and not owned(i):
+        if owned is not None and not owned(i):
             continue
+        fresh = not path.exists()
         if fresh:
             tensors = make_shard(chunk)
             uids = [s.uid for s in chunk] if chunk and isinstance(chunk[0], Tokenized) else None

@@ -1,7 +1,7 @@
 """`torchrun -m data_prep.prepare` with 2 gloo processes: the ranks regenerate and capture their
-shares into one folder equal to the single-process folder (samples, split, draft vocabulary and
-every shard's tensors); a rank killed with SIGKILL mid-capture leaves a partial folder that the
-rerun completes to the same folder."""
+shares into one folder equal to the single-process folder (samples, split, draft vocabulary,
+every shard's tensors, and the manifest's counts, which sum both ranks' shares); a rank killed
+with SIGKILL mid-capture leaves a partial folder that the rerun completes to the same folder."""
 
 from __future__ import annotations
 
@@ -51,6 +51,12 @@ def assert_same_folder(a: Path, b: Path) -> None:
             assert t.equal(y["tensors"][name][k]), (name, k)
 
 
+def regen_stats(folder: Path) -> dict:
+    """What the manifest counts of regeneration, but its seconds."""
+    stats = json.loads((folder / "manifest.json").read_text())["stats"]
+    return {k: v for k, v in stats.items() if k != "regenerate_seconds"}
+
+
 def test_two_ranks_build_the_single_process_folder_and_resume_after_a_kill(tiny_llama_dir, chat_file,
                                                                           tmp_path):
     single = tmp_path / "single"
@@ -63,6 +69,11 @@ def test_two_ranks_build_the_single_process_folder_and_resume_after_a_kill(tiny_
     assert_same_folder(data_folder(single), data_folder(together))
     answers = list((together / "regenerated").glob("*.jsonl"))
     assert len(answers) == 1 and not list((together / "regenerated").glob("*.part*"))  # parts folded in
+    # The manifest counts both ranks' shares as one process counts the whole; neither rank waited
+    # on the other's lock, and one summary line is printed.
+    assert regen_stats(data_folder(together)) == regen_stats(data_folder(single))
+    assert "waiting for it to finish" not in out + err
+    assert sum(line.startswith("data: ") for line in out.splitlines()) == 1, out
 
     # A rank killed mid-capture: its partial folder and the answers stay; the rerun completes it.
     killed = tmp_path / "killed"
@@ -81,4 +92,6 @@ def test_two_ranks_build_the_single_process_folder_and_resume_after_a_kill(tiny_
     out, err = run.communicate(timeout=900)
     assert run.returncode == 0, err[-3000:]
     assert_same_folder(data_folder(single), data_folder(killed))
+    stats = json.loads((data_folder(killed) / "manifest.json").read_text())["stats"]
+    assert stats["regenerated_from_cache"] == 24 and stats["regenerated_tokens"] == 0
 
