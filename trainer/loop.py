@@ -11,6 +11,8 @@ Online (`data.hidden_states=online`) the loop also holds a `capture`: the frozen
 per-batch forward (`data_prep.store.online_capture`), run on each batch's ids before the
 objective, in training and validation. It lives outside the wrapped module, so DDP and ZeRO never
 see it, the optimizer never holds it and checkpoints never save it: each rank keeps its replica.
+Fed by servers (`data.capture.backend=server`) it asks them for each batch's states, a few batches
+ahead on a thread (`ahead`), so that a step does not wait for a round trip to the engine.
 
 A training step reads nothing back from the device: on a GPU each read (`.item()`, a shape that
 depends on values) waits for every kernel queued before it, and the GPU idles until the next
