@@ -86,14 +86,17 @@ class Stages:
 
 def decide_sizes(cfg: RootConfig, acc, target: Target, started: float) -> tuple[Sizes, dict | None]:
     """The run's sizes, decided once: the user's (or their defaults), or the time budget's plan
-    (`trainer.plan`) with its record. The probes run in one process, so a multi-process run
+    (`trainer.plan`) with its record. The probes run in one process, with the whole target in
+    it, so a multi-process run, or one whose states come from servers (`check_served_online`),
     keeps the user's sizes and says so."""
     if cfg.budget_s is None:
         return Sizes.of(cfg), None
-    if acc.num_processes > 1:
+    unplanned = (f"across {acc.num_processes} processes" if acc.num_processes > 1 else
+                 "with the states from servers" if served_online(cfg, cfg.data.hidden_states) else None)
+    if unplanned is not None:
         sizes = Sizes.of(cfg)
         if acc.is_main_process:
-            print(f"budget={cfg.budget}: not planned across {acc.num_processes} processes; "
+            print(f"budget={cfg.budget}: not planned {unplanned}; "
                   f"data.max_samples={sizes.conversations}, optim.epochs={sizes.epochs}")
         return sizes, None
     return plan_run(cfg, target, started)
@@ -181,7 +184,9 @@ def check_served_online(cfg: RootConfig, target: Target) -> None:
     so that a target too large for one process trains its head. The stages that run the whole
     target here are refused now, in one line naming the override that turns each off, rather
     than loading the target when they run: a user who serves the target most often cannot load
-    it here, and would learn so after training, or swap the node to a halt. Config alone decides
+    it here, and would learn so after training, or swap the node to a halt. (The time budget's
+    planner, which also times the whole target, is skipped with a line: `decide_sizes`, since
+    `budget` is on by default.) Config alone decides
     it, before data prep or any weights. (`auto` does not know its mode yet: it holds the target
     as before, and its online batches come from the servers all the same.)"""
     if not served_online(cfg, cfg.data.hidden_states):
@@ -199,9 +204,6 @@ def check_served_online(cfg: RootConfig, target: Target) -> None:
     if cfg.optim.val_decode_prompts:
         raise UserError(f"optim.val_decode_prompts={cfg.optim.val_decode_prompts}: decoded validation runs "
                         f"the whole target here, and {why}: set optim.val_decode_prompts=0")
-    if cfg.budget is not None:
-        raise UserError(f"budget={cfg.budget}: the planner times the whole target here, and {why}: drop "
-                        "budget and set data.max_samples and optim.epochs (or optim.max_steps)")
 
 
 def held_target(cfg: RootConfig, target: Target):

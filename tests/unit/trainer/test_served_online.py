@@ -12,15 +12,17 @@ import pytest
 import torch
 
 from conf.errors import UserError
+from conf.sizes import Sizes
 from data_prep.capture import NONFINITE, TOP, CaptureSpec, stored
 from data_prep.online_engine import ServedCapture, documents
 from data_prep.prefetch import prefetched
 from data_prep.target import resolve_target
 from tests.support.runs import tiny_run_config, user_error_line
 from trainer.batching import collate, collate_packed
+from trainer.distributed import build_accelerator
 from trainer.kind_builders import build_trainee
 from trainer.loop import checked_device_batch
-from trainer.train import check_served_online, held_target
+from trainer.train import check_served_online, decide_sizes, held_target
 
 SERVED = ("data.hidden_states=online", "data.capture.backend=server",
           "data.capture.endpoints=[http://127.0.0.1:9/v1]")
@@ -154,7 +156,6 @@ def test_served_online_holds_the_parts_a_head_needs_and_trains_as_with_the_targe
     [
         (("pipeline.evaluate=true",), "set pipeline.evaluate=false"),
         (("optim.val_decode_prompts=2",), "set optim.val_decode_prompts=0"),
-        (("budget=10m",), "drop budget"),
         (("data.capture.endpoints=[]",), "data.capture.endpoints=[]"),
     ],
 )
@@ -164,6 +165,17 @@ def test_served_online_refuses_what_runs_the_whole_target_here(
     cfg = tiny_run_config("eagle3", sharp_target, chat_file, tmp_path / "run", *SERVED, *extra)
     line = user_error_line(lambda: check_served_online(cfg, resolve_target(cfg)))
     assert override in line and "data.capture.backend=server" in line, line
+
+
+def test_served_online_keeps_the_sizes_the_budget_would_plan(sharp_target, chat_file, tmp_path, capsys):
+    """The planner times the whole target here: with the states from servers it is skipped, as
+    across processes, and the run says so (the budget is on by default)."""
+    cfg = tiny_run_config("eagle3", sharp_target, chat_file, tmp_path / "run", *SERVED, "budget=10m",
+                          "data.max_samples=null")
+    acc = build_accelerator(cfg.dist, cfg.optim, str(tmp_path / "run"))
+    sizes, plan = decide_sizes(cfg, acc, resolve_target(cfg), time.perf_counter())
+    assert plan is None and sizes == Sizes.of(cfg)
+    assert "budget=10m: not planned with the states from servers" in capsys.readouterr().out
 
 
 def test_prefetch_batches_is_bounded(sharp_target, chat_file, tmp_path):
