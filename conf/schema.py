@@ -240,12 +240,18 @@ class CaptureConfig(_Checked):
     dir: str | None = None
     tensor_parallel_size: int = 1  # backend=vllm: GPUs the target is split over
     pipeline_parallel_size: int = 1
+    # backend=server with data.hidden_states=online: batches whose states a thread asks the
+    # servers for ahead of the step that trains on them (0: each when its step needs it). Each
+    # is held in float32 until used (at 8B, 64 MB per 1,024 tokens), hence the bound.
+    prefetch_batches: int = 4
+    MAX_PREFETCH: ClassVar[int] = 64
 
     def check(self) -> None:
         self._one_of("backend", CAPTURE_BACKENDS)
         _check_endpoints(self)
         self._require("dir", lambda v: v is None or bool(v), "null or a folder")
         self._at_least(1, "tensor_parallel_size", "pipeline_parallel_size")
+        self._require("prefetch_batches", lambda v: 0 <= v <= self.MAX_PREFETCH, f"0..{self.MAX_PREFETCH}")
 
 
 @dataclass(frozen=True)

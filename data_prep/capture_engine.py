@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,6 +115,45 @@ def read_states(path: str, ids: list[int], where: str) -> torch.Tensor:
     return data["hidden_states"]
 
 
+def load_parts(target: Target, pick: Callable[[torch.nn.Module], list[torch.nn.Module]]) -> torch.nn.Module:
+    """The target's skeleton with only the modules `pick` chooses from it loaded (from the
+    checkpoint's tensors of their names, on the CPU, in the target's dtype); every other weight
+    stays on the meta device, taking no memory, and fails loudly if anything runs it. What a
+    process that never runs the target's decoder needs of it: the serving engine computes the
+    states, this process their final norm, top-1 ids and the head's embeddings."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(
+            target.config, dtype=target.dtype, trust_remote_code=target.trust_remote_code
+        )
+    modules = pick(skeleton)
+    names: dict[int, list[str]] = {}
+    for name, p in skeleton.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    # (module, its parameter's name, every name of that parameter in the checkpoint)
+    wanted = [(m, local, names[id(p)]) for m in modules for local, p in m.named_parameters()]
+    tensors = checkpoint_tensors(target, [every for _, _, every in wanted])
+    for module in modules:
+        if any(p.is_meta for p in module.parameters()):  # a module tied to one loaded already
+            module.to_empty(device="cpu")
+    for module, local, every in wanted:
+        with torch.no_grad():
+            module.get_parameter(local).copy_(tensors[every[0]])
+    for module in modules:
+        module.eval().requires_grad_(False)
+    return skeleton
+
+
+def final_norm(target: Target, skeleton: torch.nn.Module) -> torch.nn.Module:
+    """The decoder's final norm (`model.norm`), or one line sending the user to the hf backend."""
+    norm = getattr(skeleton.get_decoder(), "norm", None)
+    if norm is None:
+        raise UserError(f"target.name_or_path={target.name!r}: no final norm at model.norm; "
+                        "use data.capture.backend=hf")
+    return norm
+
+
 @dataclass
 class TargetTail:
     """The target's final norm and lm_head, loaded alone from its checkpoint: what turns the
@@ -125,29 +164,13 @@ class TargetTail:
 
     @classmethod
     def load(cls, target: Target) -> TargetTail:
-        from transformers import AutoModelForCausalLM
+        skeleton = load_parts(target, lambda s: [final_norm(target, s), s.get_output_embeddings()])
+        return cls.of(target, skeleton)
 
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(
-                target.config, dtype=target.dtype, trust_remote_code=target.trust_remote_code
-            )
-        norm = getattr(skeleton.get_decoder(), "norm", None)
-        if norm is None:
-            raise UserError(f"target.name_or_path={target.name!r}: no final norm at model.norm; "
-                            "use data.capture.backend=hf")
-        lm_head = skeleton.get_output_embeddings()
-        names: dict[int, list[str]] = {}
-        for name, p in skeleton.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(name)
-        # (module, its parameter's name, every name of that parameter in the checkpoint)
-        wanted = [(m, local, names[id(p)]) for m in (norm, lm_head) for local, p in m.named_parameters()]
-        tensors = checkpoint_tensors(target, [every for _, _, every in wanted])
-        for module in (norm, lm_head):
-            module.to_empty(device="cpu")
-        for module, local, every in wanted:
-            with torch.no_grad():
-                module.get_parameter(local).copy_(tensors[every[0]])
-        return cls(norm.eval(), lm_head.eval())
+    @classmethod
+    def of(cls, target: Target, skeleton: torch.nn.Module) -> TargetTail:
+        """The tail of a skeleton whose norm and lm_head `load_parts` loaded."""
+        return cls(final_norm(target, skeleton), skeleton.get_output_embeddings())
 
 
 def checkpoint_tensors(target: Target, wanted: list[list[str]]) -> dict[str, torch.Tensor]:
@@ -180,6 +203,12 @@ def checkpoint_tensors(target: Target, wanted: list[list[str]]) -> dict[str, tor
     return out
 
 
+def needs_tail(spec: CaptureSpec, num_hidden_layers: int) -> bool:
+    """Whether turning engine states into `spec`'s fields takes the target's final norm and
+    lm_head: where it keeps the last layer (normed here) or the target's top-1."""
+    return spec.target_top or num_hidden_layers in engine_layer_ids(spec)
+
+
 class EngineStates:
     """Engine files -> the fields `capture.forward_hidden` gives: aux layers concatenated, the
     final layer normed, the target's top-1 where kept."""
@@ -189,11 +218,13 @@ class EngineStates:
         self.position = {layer: k for k, layer in enumerate(engine_layer_ids(spec))}
 
     @classmethod
-    def of(cls, target: Target, spec: CaptureSpec) -> EngineStates:
-        """For `target`, its tail loaded only where `spec` keeps the last layer or the top-1."""
+    def of(cls, target: Target, spec: CaptureSpec, parts: torch.nn.Module | None = None) -> EngineStates:
+        """For `target`, its tail only where `spec` keeps the last layer or the top-1: from
+        `parts` (a skeleton `load_parts` loaded its norm and lm_head into), else loaded here."""
         layers = target.config.num_hidden_layers
-        tail = spec.target_top or layers in engine_layer_ids(spec)
-        return cls(spec, layers, TargetTail.load(target) if tail else None)
+        if not needs_tail(spec, layers):
+            return cls(spec, layers, None)
+        return cls(spec, layers, TargetTail.load(target) if parts is None else TargetTail.of(target, parts))
 
     @torch.no_grad()
     def layer(self, states: torch.Tensor, layer: int) -> torch.Tensor:
@@ -264,9 +295,16 @@ class VllmCapturer:
             yield self.states.fields(states, name)
 
 
+# What a capture that lost every server says it kept, and how to go on (data prep's).
+PREP_RESUME = "the shards captured so far are kept, run the same command again to capture the rest"
+
+
 class CaptureDispatcher(Dispatcher):
     """The regeneration dispatcher's scheduling (threads per endpoint, retries, dropping a dead
-    endpoint), for capture requests: one new token, the states' file read back by the thread."""
+    endpoint), for capture requests: one new token, the states' file read back by the thread.
+    `resume`: what the line that stops a run without servers says was kept and how to go on."""
+
+    resume = PREP_RESUME
 
     def _ask(self, ep: Endpoint, i: int) -> torch.Tensor:
         out = call(f"{ep.url}/completions", {"model": ep.model, **self.body(i)}, self.key, self.cfg.timeout_s)
@@ -284,26 +322,31 @@ class CaptureDispatcher(Dispatcher):
     def _stop(self, left: int) -> None:
         why = "; ".join(f"{ep.url}: {ep.last_error}" for ep in self.endpoints)
         raise UserError(
-            f"{ENDPOINTS}: no server answers ({why}) after {self.cfg.retries} retries each; "
-            "the shards captured so far are kept, run the same command again to capture the rest"
+            f"{ENDPOINTS}: no server answers ({why}) after {self.cfg.retries} retries each; {self.resume}"
         )
 
 
 class ServerCapturer:
     """`data.capture.backend=server`: running vLLM servers of the target (`scripts/serve_vllm.py`),
     reached as regeneration reaches them (`data.regenerate`'s in_flight, retries, timeout_s and
-    api_key_env), each checked to serve the target before a request."""
+    api_key_env), each checked to serve the target before a request. An endpoint dropped stays
+    dropped; the line that stops a run once none is left names every one and what it said last,
+    then `resume` (`CaptureDispatcher.resume`). `parts`: as `EngineStates.of` takes it."""
 
-    def __init__(self, cfg: RootConfig, target: Target, spec: CaptureSpec):
+    def __init__(self, cfg: RootConfig, target: Target, spec: CaptureSpec,
+                 parts: torch.nn.Module | None = None, resume: str = PREP_RESUME):
         self.cfg = dataclasses.replace(cfg.data.regenerate, endpoints=cfg.data.capture.endpoints)
         self.endpoints = connect(self.cfg, target.name, target.path, target.tokenizer, ENDPOINTS)
-        self.states = EngineStates.of(target, spec)
+        self.states = EngineStates.of(target, spec, parts)
+        self.resume = resume
 
     def __call__(self, samples: list[list[int]], names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
         got: dict[int, torch.Tensor] = {}
         body = lambda i: {"prompt": samples[i], "max_tokens": 1, "kv_transfer_params": {ASK: True}}  # noqa: E731
-        live = [ep for ep in self.endpoints if not ep.dead]
-        CaptureDispatcher(live, samples, body, self.cfg, set()).run(got.__setitem__)
+        # The dead ones too: their threads end at once, and a call with none left says why.
+        dispatcher = CaptureDispatcher(self.endpoints, samples, body, self.cfg, set())
+        dispatcher.resume = self.resume
+        dispatcher.run(got.__setitem__)
         for i, name in enumerate(names):
             yield self.states.fields(got.pop(i), name)
 

@@ -16,6 +16,8 @@ no key until it is named here. Settings absent from both keys, and why they may 
   serving engine runs and where it writes. The backend is keyed (`CAPTURE_FIELDS`: vLLM's kernels
   are not transformers'); a tensor-parallel split changes a reduction's order as a batch's
   padding does in bf16, within the same noise, and every server is checked to serve the target.
+- `data.capture.prefetch_batches`: how far ahead online training asks the servers; the states of
+  a batch do not depend on when they were asked for.
 - `data.matmul_dtype`, `target.dtype`: keyed as the precision they resolve to (`precision`), so
   `auto` and the dtype it picks share a key.
 - `data.chat_template*`: keyed as the digest of the template as it renders (`ChatTemplate`).

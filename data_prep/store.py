@@ -243,13 +243,19 @@ def check_target(manifest: dict, target: dict, where: str) -> None:
         )
 
 
+def manifest_spec(manifest: dict) -> CaptureSpec:
+    """What a folder's head trains on, as its manifest records it."""
+    m = manifest
+    return CaptureSpec(tuple(m["aux_layer_ids"]), m["final_layer_id"], m["storage_dtype"], m["target_top"])
+
+
 def online_capture(manifest: dict, model) -> Callable[[dict], dict] | None:
     """For a folder prepared with `data.hidden_states=online`: the per-batch capture the training
     loop runs with `model` (the target), computing the hidden states the folder does not hold,
     and where they overflowed (`capture.NONFINITE`). None when the folder holds them, or when
     the head reads none (Medusa-2)."""
     m = manifest
-    spec = CaptureSpec(tuple(m["aux_layer_ids"]), m["final_layer_id"], m["storage_dtype"], m["target_top"])
+    spec = manifest_spec(manifest)
     if manifest.get("hidden_states") != "online" or not spec.needs_forward:
         return None
     # The linear layers compute as they did when the folder was prepared (`data.matmul_dtype`);

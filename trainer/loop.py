@@ -11,6 +11,8 @@ Online (`data.hidden_states=online`) the loop also holds a `capture`: the frozen
 per-batch forward (`data_prep.store.online_capture`), run on each batch's ids before the
 objective, in training and validation. It lives outside the wrapped module, so DDP and ZeRO never
 see it, the optimizer never holds it and checkpoints never save it: each rank keeps its replica.
+Fed by servers (`data.capture.backend=server`) it asks them for each batch's states, a few batches
+ahead on a thread (`ahead`), so that a step does not wait for a round trip to the engine.
 
 A training step reads nothing back from the device: on a GPU each read (`.item()`, a shape that
 depends on values) waits for every kernel queued before it, and the GPU idles until the next
@@ -31,7 +33,7 @@ import json
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -82,13 +84,22 @@ def checked_device_batch(
 ) -> tuple[Batch, torch.Tensor | None]:
     """A loader batch as the objective reads it, on the device: stored hidden states travel as
     stored (bf16) and widen to float32 there; online, `capture` computes them from the ids. And
-    where the capture found them non-finite (`data_prep.capture.NONFINITE`; None if it says not)."""
+    where the capture found them non-finite (`data_prep.capture.NONFINITE`; None if it says not).
+    A batch that arrives with its states (a `NONFINITE` among its fields: fetched ahead, see
+    `ahead`) is not captured again."""
     moved = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     moved = {k: v.float() if v.is_floating_point() else v for k, v in moved.items()}
-    if capture is None:
-        return moved, None
-    captured = capture(moved)
-    return moved | {k: v for k, v in captured.items() if k != NONFINITE}, captured.get(NONFINITE)
+    if capture is not None and NONFINITE not in moved:
+        moved |= capture(moved)
+    flag = moved.pop(NONFINITE, None)
+    return moved, flag
+
+
+def ahead(capture: Capture | None, loader) -> Iterable[Batch]:
+    """The loader's batches, each with its states where the capture fetches them ahead of the
+    step (online from servers: `data_prep.online_engine.ServedCapture.ahead`), else as they are."""
+    fetch = getattr(capture, "ahead", None)
+    return loader if fetch is None else fetch(loader)
 
 
 def device_batch(batch: Batch, device, capture: Capture | None = None) -> Batch:
@@ -96,8 +107,10 @@ def device_batch(batch: Batch, device, capture: Capture | None = None) -> Batch:
     return checked_device_batch(batch, device, capture)[0]
 
 
-def _loader(ds, batches: list, optim: OptimConfig, device: torch.device, index: BatchIndex):
-    return batch_loader(ds, batches, optim.loader_workers, device.type == "cuda", index, optim.packing)
+def _loader(ds, batches: list, optim: OptimConfig, device: torch.device, index: BatchIndex,
+            capture: Capture | None = None) -> Iterable[Batch]:
+    loader = batch_loader(ds, batches, optim.loader_workers, device.type == "cuda", index, optim.packing)
+    return ahead(capture, loader)
 
 
 @torch.no_grad()
@@ -111,7 +124,7 @@ def validation_metrics(
     batches = rank_batches(
         val_ds, cfg.optim, cfg.seed, 0, accelerator.process_index, accelerator.num_processes
     )
-    for batch in _loader(val_ds, batches, cfg.optim, accelerator.device, model.batch_index):
+    for batch in _loader(val_ds, batches, cfg.optim, accelerator.device, model.batch_index, capture):
         moved, flag = checked_device_batch(batch, accelerator.device, capture)
         tally.add(trainee(moved))
         flags += [] if flag is None else [flag]
@@ -377,7 +390,7 @@ def optimizer_steps(
     index, watch = acc.unwrap_model(run.trainee).batch_index, run.guard.watch
     while state.step < total:
         batches = rank_batches(train_ds, cfg.optim, cfg.seed, state.epoch, rank, world)
-        loader = _loader(train_ds, batches[state.batch_in_epoch :], cfg.optim, acc.device, index)
+        loader = _loader(train_ds, batches[state.batch_in_epoch :], cfg.optim, acc.device, index, run.capture)
         for batch in run.pace.waiting(loader):
             run.pace.tokens += int(batch["attention_mask"].sum()) * world  # still on the CPU: no sync
             watch.places.append((state.step + 1, state.epoch, state.batch_in_epoch))

@@ -3,9 +3,10 @@
 prepare data (if its cache is missing) -> train -> evaluate -> export, then say in five lines
 where all went (`trainer.closing`; summary.json holds the record, training.png its curves).
 Every rank runs this file and holds its own target (online it computes the hidden states of the
-rank's batches); the ranks prepare data together (each its share, `data_prep.ranks`), rank 0
-evaluates, exports and prints. Several nodes work alike, over a shared file system or each with
-its own copy of the data (see `prepare_data`).
+rank's batches; online from servers, `data.capture.backend=server`, it holds only the few tensors
+the head needs: `check_served_online`); the ranks prepare data together (each its share,
+`data_prep.ranks`), rank 0 evaluates, exports and prints. Several nodes work alike, over a shared
+file system or each with its own copy of the data (see `prepare_data`).
 
 `resume=true` (same `run_dir`) goes on after any stop, `kill -9` included: regeneration keeps
 each answered conversation (a torn last line is cut) and answers the rest, capture resumes after
@@ -32,7 +33,8 @@ from conf.sizes import Sizes
 from data_prep.folder import DataFolder
 from data_prep.keys import data_base
 from data_prep.masks import attention_layout
-from data_prep.prepare import check_source, prepare
+from data_prep.online_engine import held_parts, served_capture, served_online
+from data_prep.prepare import capture_spec, check_source, prepare
 from data_prep.ranks import Ranks
 from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target, resolve_target
@@ -84,14 +86,17 @@ class Stages:
 
 def decide_sizes(cfg: RootConfig, acc, target: Target, started: float) -> tuple[Sizes, dict | None]:
     """The run's sizes, decided once: the user's (or their defaults), or the time budget's plan
-    (`trainer.plan`) with its record. The probes run in one process, so a multi-process run
+    (`trainer.plan`) with its record. The probes run in one process, with the whole target in
+    it, so a multi-process run, or one whose states come from servers (`check_served_online`),
     keeps the user's sizes and says so."""
     if cfg.budget_s is None:
         return Sizes.of(cfg), None
-    if acc.num_processes > 1:
+    unplanned = (f"across {acc.num_processes} processes" if acc.num_processes > 1 else
+                 "with the states from servers" if served_online(cfg, cfg.data.hidden_states) else None)
+    if unplanned is not None:
         sizes = Sizes.of(cfg)
         if acc.is_main_process:
-            print(f"budget={cfg.budget}: not planned across {acc.num_processes} processes; "
+            print(f"budget={cfg.budget}: not planned {unplanned}; "
                   f"data.max_samples={sizes.conversations}, optim.epochs={sizes.epochs}")
         return sizes, None
     return plan_run(cfg, target, started)
@@ -106,8 +111,9 @@ def decodes_on_static_caches(cfg: RootConfig) -> bool:
     return own_regen or cfg.optim.val_decode_prompts > 0 or cfg.pipeline.evaluate
 
 
-def export_all(cfg: RootConfig, head_dir: Path, run_dir: Path, target: Target) -> list[str]:
-    """Every export format of the head (or `export.formats`), each into `<out>/<format>`."""
+def export_all(cfg: RootConfig, head_dir: Path, run_dir: Path, target_model) -> list[str]:
+    """Every export format of the head (or `export.formats`), each into `<out>/<format>`, checked
+    against `target_model` (the target, or the parts of it this process holds: `held_target`)."""
     eval_json = run_dir / "eval" / "eval.json"
     out_root = Path(cfg.export.out_dir or run_dir / "export")
     return [
@@ -115,7 +121,7 @@ def export_all(cfg: RootConfig, head_dir: Path, run_dir: Path, target: Target) -
             head_dir,
             fmt,
             out_root / fmt,
-            target_model=target.model,
+            target_model=target_model,
             eval_json=eval_json if eval_json.exists() else None,
             push_to_hub=cfg.export.push_to_hub,
             dtype=cfg.export.dtype,
@@ -172,6 +178,43 @@ def check_main_job(cfg: RootConfig) -> None:
     check_run_dir(cfg)
 
 
+def check_served_online(cfg: RootConfig, target: Target) -> None:
+    """`data.hidden_states=online` with `data.capture.backend=server`: the servers compute every
+    batch's states and this process holds the head and a few target tensors (`held_parts`),
+    so that a target too large for one process trains its head. The stages that run the whole
+    target here are refused now, in one line naming the override that turns each off, rather
+    than loading the target when they run: a user who serves the target most often cannot load
+    it here, and would learn so after training, or swap the node to a halt. (The time budget's
+    planner, which also times the whole target, is skipped with a line: `decide_sizes`, since
+    `budget` is on by default.) Config alone decides
+    it, before data prep or any weights. (`auto` does not know its mode yet: it holds the target
+    as before, and its online batches come from the servers all the same.)"""
+    if not served_online(cfg, cfg.data.hidden_states):
+        return
+    if not capture_spec(cfg, target.config.num_hidden_layers).needs_forward:
+        return  # Medusa-2 trains the target itself: it holds it whatever the backend
+    why = ("data.hidden_states=online with data.capture.backend=server keeps the target's layers out of this "
+           "process (the servers compute the states)")
+    if not cfg.data.capture.endpoints:
+        raise UserError(f"data.capture.endpoints=[]: {why}; list the servers that serve the target "
+                        "(scripts/serve_vllm.py prints the command)")
+    if cfg.pipeline.evaluate:
+        raise UserError(f"pipeline.evaluate=true: the evaluation decodes with the whole target here, and "
+                        f"{why}: set pipeline.evaluate=false (scripts/check_vllm.py evaluates on vLLM)")
+    if cfg.optim.val_decode_prompts:
+        raise UserError(f"optim.val_decode_prompts={cfg.optim.val_decode_prompts}: decoded validation runs "
+                        f"the whole target here, and {why}: set optim.val_decode_prompts=0")
+
+
+def held_target(cfg: RootConfig, target: Target):
+    """What this process holds of the target: the parts a head and the served states need
+    (`check_served_online`'s case), else the whole target, loaded once (`Target.model`)."""
+    spec = capture_spec(cfg, target.config.num_hidden_layers)
+    if served_online(cfg, cfg.data.hidden_states) and spec.needs_forward:
+        return held_parts(target, spec)
+    return target.model
+
+
 def run(cfg: RootConfig) -> dict:
     """The main job on `cfg` (left as it is: the sizes decided here go on in a derived config,
     which config.json records)."""
@@ -186,7 +229,8 @@ def run(cfg: RootConfig) -> dict:
         attention_layout(target.config)  # refused before any weights load
     head_kind(cfg.head.name).check_target(cfg.head, target.config)
     check_init_from(cfg, target.config)  # head.init_from: refused before any data stage
-    model = target.model
+    check_served_online(cfg, target)
+    model = held_target(cfg, target)
     stages = Stages(started)
     sizes, budget = decide_sizes(cfg, acc, target, started)
     if budget is not None:
@@ -201,7 +245,10 @@ def run(cfg: RootConfig) -> dict:
         cfg = sizes.apply(cfg)
     trainee = build_trainee(cfg, model, data.path)
     val_decode = build_val_decoder(cfg, trainee, (model, target.tokenizer), val_ds)
-    capture = online_capture(data.manifest, model)
+    if served_online(cfg, data.hidden_states):
+        capture = served_capture(cfg, target, data.manifest, model)
+    else:
+        capture = online_capture(data.manifest, model)
     tracker = RunLogger(cfg, run_dir, acc.is_main_process, plan=budget)  # finished after evaluation
     result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode, sizes.deadline, tracker)
     if budget is not None:
@@ -224,7 +271,7 @@ def run(cfg: RootConfig) -> dict:
             summary["mean_acceptance_length"] = report["overall"]["mean_acceptance_length"]
             stages.done("evaluate")
         if cfg.pipeline.export:
-            summary["exports"] = export_all(cfg, result.head_dir, run_dir, target)
+            summary["exports"] = export_all(cfg, result.head_dir, run_dir, model)
             stages.done("export")
         summary["stages_s"] = stages.seconds
         tracker.finish(result.steps, stages.seconds, report)

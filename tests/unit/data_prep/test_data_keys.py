@@ -119,5 +119,6 @@ def test_every_data_setting_is_keyed_or_named_scheduling():
     transport = {"endpoints", "in_flight", "retries", "timeout_s", "silence_s", "api_key_env"}
     assert regen == {*ANSWER_FIELDS, "enabled", "batch_size", "workers", *transport}
     capture = {f.name for f in dataclasses.fields(CaptureConfig)}
-    assert capture == {*CAPTURE_FIELDS, "endpoints", "dir", "tensor_parallel_size", "pipeline_parallel_size"}
+    assert capture == {*CAPTURE_FIELDS, "endpoints", "dir", "tensor_parallel_size", "pipeline_parallel_size",
+                       "prefetch_batches"}
 

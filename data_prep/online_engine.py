@@ -1,0 +1,116 @@
+"""Online training fed by servers: `data.hidden_states=online` with `data.capture.backend=server`.
+
+The targets that need heads most do not fit one process, and online training is for data too
+large to store: together, the training process cannot run the target. Here it holds the draft
+alone, plus the few target tensors the head and the states need (its input embeddings, lm_head
+and final norm: `held_parts`), and the serving engine computes every batch's hidden states: each
+sample of the batch goes to the servers as data prep's server capture sends it
+(`capture_engine.ServerCapturer`: the same requests, retries, dropped endpoints and one line when
+none is left), and comes back as the fields `capture.checked_capture` gives the hf path: rounded
+through `data.storage_dtype`, zero on padding, each packed document captured alone. A thread asks
+for the next `data.capture.prefetch_batches` batches while the trainer trains (`data_prep.prefetch`).
+
+Nothing is lost when the servers go: the loop stops at the batch whose states did not come, in
+one line, after its last checkpoint, and `resume=true` with a new server restarts from that
+checkpoint's batch, asking for the states again (the folder holds the ids, the states are a
+function of them). The states differ from the hf path's by the engine's float noise
+(`capture_engine`), so the losses agree with offline training on a folder the same servers
+captured within that noise (tests/e2e/test_capture_server.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from conf.schema import RootConfig
+from data_prep.capture import NONFINITE, TOP, Capturer, CaptureSpec, stored
+from data_prep.capture_engine import ServerCapturer, final_norm, load_parts, needs_tail
+from data_prep.prefetch import prefetched
+from data_prep.store import manifest_spec
+from data_prep.target import Target
+
+Batch = dict[str, torch.Tensor]
+# What the line that stops training without servers says was kept, and how to go on.
+TRAIN_RESUME = ("the checkpoints written so far are kept: start a server (scripts/serve_vllm.py) and run "
+                "the same command with resume=true")
+
+
+def served_online(cfg: RootConfig, hidden_states: str) -> bool:
+    """Whether a run whose folder is in mode `hidden_states` gets its states from servers."""
+    return hidden_states == "online" and cfg.data.capture.backend == "server"
+
+
+def held_parts(target: Target, spec: CaptureSpec) -> torch.nn.Module:
+    """The target as a training process fed by servers holds it: its skeleton with the input
+    embeddings and lm_head loaded (a head copies them), and the final norm where the states need
+    it (`needs_tail`); no decoder layer, so a target of any size fits."""
+    layers = target.config.num_hidden_layers
+
+    def pick(skeleton: torch.nn.Module) -> list[torch.nn.Module]:
+        tail = [final_norm(target, skeleton)] if needs_tail(spec, layers) else []
+        return [skeleton.get_input_embeddings(), skeleton.get_output_embeddings(), *tail]
+
+    return load_parts(target, pick)
+
+
+def documents(batch: Batch) -> list[tuple[int, int, int]]:
+    """(row, start, end) of each sample of a collated batch: a padded row holds one, its real
+    tokens (`attention_mask`); a packed row one per restart of its `position_ids` at 0."""
+    lengths = batch["attention_mask"].sum(1).tolist()
+    positions = batch.get("position_ids")
+    out = []
+    for row, n in enumerate(lengths):
+        starts = [0] if positions is None else (positions[row, :n] == 0).nonzero().flatten().tolist()
+        out += [(row, a, b) for a, b in zip(starts, [*starts[1:], n])]
+    return out
+
+
+class ServedCapture:
+    """The training loop's `Capture` (`trainer.loop`) from a `Capturer` of the servers: called on
+    a batch, its fields now; `ahead(batches)`, each batch with its fields (and `NONFINITE`, which
+    marks a batch as captured), `depth` batches ahead on a thread (0: none ahead)."""
+
+    def __init__(self, capturer: Capturer, spec: CaptureSpec, depth: int):
+        self.capturer, self.spec, self.depth = capturer, spec, depth
+
+    def __call__(self, batch: Batch) -> Batch:
+        """`batch`'s fields as `capture.checked_capture` gives them, on the batch's device; an
+        overflow stops the run in one line naming the row (`EngineStates.fields`), so the flag
+        is always clear."""
+        ids = batch["input_ids"]
+        docs = documents(batch)
+        samples = [ids[row, a:b].tolist() for row, a, b in docs]
+        names = [f"row {row} (tokens {a}..{b - 1}) of an online batch" for row, a, b in docs]
+        out: Batch = {}
+        for (row, a, b), fields in zip(docs, self.capturer(samples, names)):
+            for name, value in fields.items():
+                if name != TOP:
+                    value = stored(value, self.spec.groups(name), self.spec.storage_dtype)
+                if name not in out:
+                    out[name] = value.new_zeros((*ids.shape, *value.shape[1:]))
+                out[name][row, a:b] = value
+        out[NONFINITE] = torch.full((3,), -1, dtype=torch.long)
+        return {k: v.to(ids.device) for k, v in out.items()}
+
+    def ahead(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """Each batch with its fields, asked for `depth` batches before the consumer needs them."""
+        if self.depth == 0:
+            yield from batches
+            return
+        for batch, fields in prefetched(batches, self, self.depth):
+            yield batch | fields
+
+
+def served_capture(
+    cfg: RootConfig, target: Target, manifest: dict, parts: torch.nn.Module
+) -> ServedCapture | None:
+    """For an online folder: the loop's capture from `data.capture.endpoints`, every server
+    checked to serve the target first; `parts` from `held_parts`. None when the head reads no
+    states (Medusa-2) or the folder holds them."""
+    spec = manifest_spec(manifest)
+    if manifest.get("hidden_states") != "online" or not spec.needs_forward:
+        return None
+    capturer = ServerCapturer(cfg, target, spec, parts, resume=TRAIN_RESUME)
+    return ServedCapture(capturer, spec, cfg.data.capture.prefetch_batches)
