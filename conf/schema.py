@@ -240,12 +240,16 @@ class CaptureConfig(_Checked):
     dir: str | None = None
     tensor_parallel_size: int = 1  # backend=vllm: GPUs the target is split over
     pipeline_parallel_size: int = 1
+    # Regeneration's hf engine keeps the states of what it answers, so capture skips those
+    # conversations (`data_prep.onepass`); with backend=hf and data.regenerate.backend=hf.
+    one_pass: bool = True
 
     def check(self) -> None:
         self._one_of("backend", CAPTURE_BACKENDS)
         _check_endpoints(self)
         self._require("dir", lambda v: v is None or bool(v), "null or a folder")
         self._at_least(1, "tensor_parallel_size", "pipeline_parallel_size")
+        self._require("one_pass", lambda v: isinstance(v, bool), "true or false")
 
 
 @dataclass(frozen=True)
