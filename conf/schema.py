@@ -245,6 +245,9 @@ class CaptureConfig(_Checked):
     # is held in float32 until used (at 8B, 64 MB per 1,024 tokens), hence the bound.
     prefetch_batches: int = 4
     MAX_PREFETCH: ClassVar[int] = 64
+    # Regeneration's hf engine keeps the states of what it answers, so capture skips those
+    # conversations (`data_prep.onepass`); with backend=hf and data.regenerate.backend=hf.
+    one_pass: bool = True
 
     def check(self) -> None:
         self._one_of("backend", CAPTURE_BACKENDS)
@@ -252,6 +255,7 @@ class CaptureConfig(_Checked):
         self._require("dir", lambda v: v is None or bool(v), "null or a folder")
         self._at_least(1, "tensor_parallel_size", "pipeline_parallel_size")
         self._require("prefetch_batches", lambda v: 0 <= v <= self.MAX_PREFETCH, f"0..{self.MAX_PREFETCH}")
+        self._require("one_pass", lambda v: isinstance(v, bool), "true or false")
 
 
 @dataclass(frozen=True)

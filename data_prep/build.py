@@ -22,6 +22,7 @@ from data_prep.capture import LAYER_CONVENTION, TOKEN_BYTES, Capturer, CaptureSp
 from data_prep.folder import DataFolder
 from data_prep.keys import FolderKey, data_base, matmul_dtype
 from data_prep.linears import DataLinears
+from data_prep.onepass import OnePassCapturer, StateStore
 from data_prep.ranks import SINGLE, Ranks, balanced_owners
 from data_prep.rows import spill_samples
 from data_prep.sources import held_out
@@ -123,8 +124,8 @@ class ShardWriter:
     forward alone, which is the rate the time budget (`trainer.plan`) scales with the data."""
 
     def __init__(self, key: FolderKey, stored: CaptureSpec, spill: TokenSpill,
-                 order: dict[str, torch.Tensor]):
-        self.cfg, self.target, self.stored = key.cfg, key.target, stored
+                 order: dict[str, torch.Tensor], states: StateStore | None = None):
+        self.cfg, self.target, self.stored, self.states = key.cfg, key.target, stored, states
         self.spill, self.order, self.bar = spill, order, None
         self.vocab, self.vocab_size = key.vocab, key.target.identity["vocab_size"]
         self.counts = torch.zeros(self.vocab_size, dtype=torch.int64)
@@ -175,7 +176,11 @@ class ShardWriter:
         # The backend starts once (loading the target and converting its linear layers, or
         # starting vLLM, or checking the servers), before the first shard's clock starts.
         if self.stored.needs_forward and self._capture is None:
-            self._capture, self._context = capture_backend(self.cfg, self.target, self.stored)
+            backend = lambda: capture_backend(self.cfg, self.target, self.stored)  # noqa: E731
+            if self.states is None:
+                self._capture, self._context = backend()
+            else:  # what regeneration kept, the rest from the backend (made only if needed)
+                self._capture = OnePassCapturer(self.states, backend)
         start = time.perf_counter()
         with self._context:
             tensors = capture_shard(self._capture, chunk, self.stored)
@@ -230,19 +235,21 @@ def base_manifest(cfg: RootConfig, identity: dict, spec: CaptureSpec, mode: str)
     }
 
 
-def build_folder(key: FolderKey, modes: tuple[str, ...], ranks: Ranks = SINGLE) -> DataFolder:
+def build_folder(key: FolderKey, modes: tuple[str, ...], ranks: Ranks = SINGLE,
+                 states: StateStore | None = None) -> DataFolder:
     """Build the data folder of `key` in the mode `modes` allows (`prepare` holds its lock): spill
     the samples, choose the mode, capture the shards into the partial folder (resuming a killed
     build's), write the draft vocabulary and the manifest, move the folder into place. Several
     `ranks` build it together (`data_prep.ranks`): each regenerates and captures its share, rank 0
-    writes the manifest, and every rank returns the finished folder."""
+    writes the manifest, and every rank returns the finished folder. `states`: where regeneration
+    keeps the states of what it answers and capture finds them (`data_prep.onepass`)."""
     cfg, spec, identity = key.cfg, key.spec, key.target.identity
     stats, progress = PrepStats(), progress_bars(cfg) if ranks.main else None
     spill_dir = key.sibling(f".spill{ranks.rank}" if ranks.world > 1 else ".spill")
     shutil.rmtree(spill_dir, ignore_errors=True)  # what a killed run left
     try:
         spill = TokenSpill(spill_dir)
-        spill_samples(cfg, key.target, spill, stats, progress, ranks)
+        spill_samples(cfg, key.target, spill, stats, progress, ranks, states)
         mode = ranks.from_main(modes[0] if len(modes) == 1 or not ranks.main else choose_hidden_states(
             spec, spill.tokens, identity["hidden_size"], data_base(cfg)
         ))
@@ -256,8 +263,9 @@ def build_folder(key: FolderKey, modes: tuple[str, ...], ranks: Ranks = SINGLE) 
             fixed = draft_vocab_bytes(key.vocab, identity["vocab_size"])
             check_space(cfg, stored, spill.tokens, identity["hidden_size"], partial, fixed)
         partial = ranks.from_main(partial)
-        writer = ShardWriter(key, stored, spill, order)
+        writer = ShardWriter(key, stored, spill, order, states if stored.needs_forward else None)
         splits = writer.write(partial, progress, ranks)
+        one_pass = sum(ranks.gather(states.served if states else 0))
         if ranks.world > 1:  # every rank's shards are written: rank 0 reads them all back
             ranks.barrier()
             if not ranks.main:
@@ -273,6 +281,8 @@ def build_folder(key: FolderKey, modes: tuple[str, ...], ranks: Ranks = SINGLE) 
         manifest["draft_vocab"] = write_draft_vocab(partial, writer.counts, key.vocab)
     if stored.needs_forward:
         manifest["capture_tokens_per_s"] = writer.tokens_per_s()
+    if states is not None and stored.needs_forward:
+        manifest["one_pass_tokens"] = one_pass  # of the tokens captured, those regeneration kept
     manifest["stats"] = stats.as_dict()
     folder = DataFolder.from_manifest(path, finish(partial, path, manifest))
     ranks.barrier()

@@ -71,7 +71,9 @@ class DataFolder:
         if reused:
             parts.append("reused")
         elif self.capture_tokens_per_s is not None:
-            parts.append(f"capture {self.capture_tokens_per_s:.0f} tokens/s")
+            kept = m.get("one_pass_tokens")  # the share regeneration's engine kept (one pass)
+            share = f" ({kept / max(self.tokens, 1):.0%} kept by regeneration)" if kept else ""
+            parts.append(f"capture {self.capture_tokens_per_s:.0f} tokens/s{share}")
         rate = self.regenerate_tokens_per_s
         if not reused and rate is not None:
             parts.append(f"regenerated {self.stats.regenerated_tokens} tokens at {rate:.1f} tokens/s")

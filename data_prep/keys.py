@@ -55,8 +55,9 @@ REGEN_FORMAT = 3
 # `data.regenerate` fields that change an answer: its length, its sampling, how many per prompt
 # and the engine that decodes it (vLLM's kernels round otherwise than draftsmith's engine).
 ANSWER_FIELDS = ("max_new_tokens", "temperature", "top_p", "num_samples", "backend")
-# `data.capture` fields that change a folder's states: the engine that computes them.
-CAPTURE_FIELDS = ("backend",)
+# `data.capture` fields that change a folder's states: the engine that computes them (one_pass:
+# regeneration's engine for the answers it writes, within bf16 noise of capture's forward).
+CAPTURE_FIELDS = ("backend", "one_pass")
 # `data` fields that change a folder's rows or shards: which conversations (max_samples, and
 # max_turns/max_length shape them), the validation split (val_fraction, seed), the stored bytes
 # (storage_dtype), the shard layout (shard_samples) and the capture batches, whose padding can
@@ -139,6 +140,16 @@ def folder_key(
         "capture": dataclasses.asdict(spec) | {k: getattr(d.capture, k) for k in CAPTURE_FIELDS},
         "draft_vocab_size": vocab,
     }
+
+
+def states_folder(cfg: RootConfig, identity: dict, spec: CaptureSpec) -> Path:
+    """`data_base/states/<key>`: the one-pass store (`data_prep.onepass`), keyed by what a
+    conversation's kept states depend on besides its token ids (its files' names): the whole
+    target identity, its precision and what is kept. Every folder of those shares it, so the
+    states the planner's probe kept serve the run's folder."""
+    key = {"format": FORMAT_VERSION, "target": identity, **precision(cfg),
+           "capture": dataclasses.asdict(spec)}
+    return data_base(cfg) / "states" / digest(key)
 
 
 @dataclass(frozen=True)

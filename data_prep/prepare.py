@@ -2,8 +2,10 @@
 
 Also the Hydra app `python -m data_prep.prepare +head=eagle3` (or `+head=medusa`). The head
 decides what is captured: EAGLE-3 three auxiliary layers and the final one, Medusa the final
-one, Medusa-2 joint training tokens only. With `data.hidden_states=online` nothing is captured:
-the shards hold ids and masks and the training loop runs the target. Every stage is cached: the
+one, Medusa-2 joint training tokens only; where draftsmith's engine regenerates, it keeps the
+states of what it answers and capture skips those conversations (`data_prep.onepass`). With
+`data.hidden_states=online` nothing is captured: the shards hold ids and masks and the training
+loop runs the target. Every stage is cached: the
 finished folder and the regenerated answers (each keyed by what its contents depend on,
 `data_prep.keys`; answers not by `max_samples`, so growing the set reuses them) and, inside an
 unfinished folder, each shard. Samples stream from the source through tokenisation to a
@@ -19,6 +21,7 @@ resumes. Under torchrun every rank regenerates and captures its share (`data_pre
 from __future__ import annotations
 
 import contextlib
+import shutil
 from pathlib import Path
 
 import hydra
@@ -33,6 +36,7 @@ from data_prep.capture import CaptureSpec
 from data_prep.capture_engine import check_capture_backend
 from data_prep.folder import DataFolder
 from data_prep.keys import FolderKey, data_base
+from data_prep.onepass import StateStore, one_pass, state_store
 from data_prep.ranks import SINGLE, Ranks
 from data_prep.sources import check_source_exists
 from data_prep.target import Target, resolve_target
@@ -81,19 +85,32 @@ DISK_FULL_THEN = (
 )
 
 
-def prepare(cfg: RootConfig, target: Target | None = None, ranks: Ranks = SINGLE) -> DataFolder:
+def prepare(cfg: RootConfig, target: Target | None = None, ranks: Ranks = SINGLE,
+            keep_states: bool = False) -> DataFolder:
     """Build (or reuse) the data folder for `cfg` and return it.
 
     `target`: the run's resolved `cfg.target` (`resolve_target`), so that a caller that holds it
     does not resolve it again; None resolves it here. Its weights load only if a stage needs
     them. Runs that prepare one folder at once build it once: the first under its lock, the
     others wait and reuse it. `ranks`: the processes of one torchrun that build it together
-    (`data_prep.ranks`); every rank calls this and gets the folder.
+    (`data_prep.ranks`); every rank calls this and gets the folder. Regeneration keeps its
+    states for capture where `one_pass(cfg)` (`data_prep.onepass`); the store is deleted once the
+    folder is there, unless `keep_states`, with which the planner's probes (an online folder
+    among them) keep what regeneration kept for the run's folder.
     """
     check_source(cfg)
     target = resolve_target(cfg) if target is None else target
+    spec = capture_spec(cfg, target.identity["num_hidden_layers"])
+    states = state_store(cfg, target, spec) if keep_states or one_pass(cfg) else None
+    folder = _prepare(cfg, target, spec, ranks, states)
+    if states is not None and not keep_states and ranks.main:
+        shutil.rmtree(states.folder, ignore_errors=True)  # in the shards now; a killed run's is kept
+    return folder
+
+
+def _prepare(cfg: RootConfig, target: Target, spec: CaptureSpec, ranks: Ranks,
+             states: StateStore | None) -> DataFolder:
     identity = target.identity
-    spec = capture_spec(cfg, identity["num_hidden_layers"])
     key = FolderKey(cfg, target, spec, draft_vocab_size(cfg, identity["vocab_size"]))
     # auto reuses a folder of either mode: the choice was made when it was built.
     hidden = cfg.data.hidden_states
@@ -101,7 +118,7 @@ def prepare(cfg: RootConfig, target: Target | None = None, ranks: Ranks = SINGLE
 
     def build() -> DataFolder:
         with disk_full_is_one_line(data_base(cfg), DISK_FULL_THEN):
-            return build_folder(key, modes, ranks)
+            return build_folder(key, modes, ranks, states)
 
     what, lock = f"data folder {key.folder(modes[0])}", key.sibling(".lock")
     if ranks.world == 1:

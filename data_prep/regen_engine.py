@@ -247,6 +247,10 @@ class _Rows:
         self.generator: list[torch.Generator | None] = [None] * slots  # the prompt's own, when sampling
         self.tokens = torch.zeros(slots, dtype=torch.long, device=device)  # next decode input
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # = length
+        # With kept layers (`generate`'s `on_states`): each position's states so far, and whether
+        # the answer is done and waits for the step that feeds its last token.
+        self.states: list[list[torch.Tensor]] = [[] for _ in range(slots)]
+        self.closing: list[bool] = [False] * slots
 
     def busy(self) -> int:
         """n: one past the highest busy slot."""
@@ -258,9 +262,14 @@ class _Rows:
     def move(self, src: int, dst: int) -> None:
         for t in (self.tokens, self.positions):
             t[dst] = t[src]
-        for column in (self.owner, self.length, self.made, self.generator):
+        for column in (self.owner, self.length, self.made, self.generator, self.states, self.closing):
             column[dst] = column[src]
-        self.owner[src], self.made[src], self.generator[src] = None, [], None
+        self.release(src)
+
+    def release(self, slot: int) -> None:
+        """The slot is free again."""
+        self.owner[slot], self.made[slot], self.generator[slot] = None, [], None
+        self.states[slot], self.closing[slot] = [], False
 
 
 def _cache_kwarg(model) -> str:
@@ -350,6 +359,8 @@ def generate(
     prefill_tokens: int = PREFILL_TOKENS,
     workers: int = 1,
     matmul_dtype: torch.dtype | None = None,
+    kept_layers: tuple[int, ...] = (),
+    on_states: Callable[[int, list[int], torch.Tensor], None] | None = None,
 ) -> list[list[int]]:
     """Each prompt's new token ids, through the first stop token (`eos_token_ids`), at most
     `max_new_tokens` in all.
@@ -369,6 +380,14 @@ def generate(
     time streaming the cache, reads a quarter fewer bytes. Keys are rotated after their
     projection, so they stay float32: rounding them left 5 of a sensitive tiny target's 32
     answers equal to `generate`'s with the same linears, where float32 keys leave 29.
+
+    `on_states(prompt_index, ids, states)`, with `kept_layers` (indices into transformers'
+    `hidden_states`): the hidden states [T, len(kept_layers), H] (float32, on the CPU) of every
+    position of the prompt and its answer (`ids`, T of them), as the forwards that
+    wrote the answer computed them, so that capture need not run the target over the
+    conversation again (`data_prep.onepass`). The answer's last token is never an input when
+    only the answer is wanted, so its row stays one more step to be fed (its draw unused):
+    one extra row-step per answer. Called after that answer's `on_finish`, never overlapping.
     """
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError("max_new_tokens and batch_size must be >= 1")
@@ -391,6 +410,10 @@ def generate(
                 if on_finish is not None:
                     on_finish(share[k], ids)
 
+        def kept(k: int, ids: list[int], states: torch.Tensor) -> None:
+            with lock:
+                on_states(share[k], ids, states)
+
         _decode_all(
             model,
             [prompts[i] for i in share],
@@ -401,6 +424,8 @@ def generate(
             top_p=top_p,
             seeds=None if seeds is None else [seeds[i] for i in share],
             on_finish=finished,
+            on_states=kept if on_states is not None and kept_layers else None,
+            kept_layers=kept_layers,
             prefill_tokens=prefill_tokens,
             counted=counted,
             layout=layout,
@@ -430,6 +455,8 @@ def _decode_all(
     top_p: float,
     seeds: list[int] | None,
     on_finish: Callable[[int, list[int]], None],
+    on_states: Callable[[int, list[int], torch.Tensor], None] | None,
+    kept_layers: tuple[int, ...],
     prefill_tokens: int,
     counted: bool,
     layout: AttentionLayout,
@@ -438,7 +465,7 @@ def _decode_all(
     """One engine: `slots` rows decoding `prompts` with continuous batching (see `generate`).
     `counted`: decode forwards pass each row's cache length as `slot_counts` (`slot_attention`).
     `layout`: which positions each layer sees (`masks.attention_layout`). `value_dtype`: the cached
-    values' (None: the model's)."""
+    values' (None: the model's). `on_states`: see `generate` (None: no states kept)."""
     sampling = temperature > 0
     device = input_device(model)
     dtype = model.dtype
@@ -451,19 +478,27 @@ def _decode_all(
     cache_kwarg = _cache_kwarg(model)
     timings = _timings
 
+    keeping = on_states is not None
+    prefix_states = None  # the shared prefix's, [shared, layers, H], when keeping
+
     def forward(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keep, **counts):
-        """Each row's logits at its last kept position; `mask`: one per kind of layer (see
-        `prefill_mask`); `counts`: `slot_counts` on decode steps."""
+        """Each row's logits at its last kept position, and when `keeping` the kept layers'
+        states of every input position [rows, T, layers, H] on the CPU (else None); `mask`: one
+        per kind of layer (see `prefill_mask`); `counts`: `slot_counts` on decode steps."""
         out = model(
             input_ids=ids,
             position_ids=positions,
             attention_mask=layout.argument(mask),
             use_cache=True,
             logits_to_keep=keep,
+            output_hidden_states=keeping,
             **{cache_kwarg: cache},
             **counts,
         )
-        return out.logits[:, -1]
+        states = None
+        if keeping:
+            states = torch.stack([out.hidden_states[i] for i in kept_layers], dim=2).float().cpu()
+        return out.logits[:, -1], states
 
     def draw(logits: torch.Tensor, chosen: list[int]) -> torch.Tensor:
         """The next token of the rows in slots `chosen` (their generators give the noise)."""
@@ -477,12 +512,22 @@ def _decode_all(
 
     def record(slot: int, token: int) -> None:
         """Append a token to the slot's answer (a stop token too: the answer's ids are what the
-        target emits); free the slot when the answer is done."""
+        target emits); free the slot when the answer is done, or when keeping states mark it
+        closing: the next step feeds the last token for its states."""
         made = rows.made[slot]
         made.append(token)
         if token in eos or len(made) == max_new_tokens:
             on_finish(rows.owner[slot], made)
-            rows.owner[slot], rows.made[slot], rows.generator[slot] = None, [], None
+            if keeping:
+                rows.closing[slot] = True
+            else:
+                rows.release(slot)
+
+    def close(slot: int) -> None:
+        """Hand over a closing row's states (its last token's now among them) and free it."""
+        i = rows.owner[slot]
+        on_states(i, prompts[i] + rows.made[slot], torch.cat(rows.states[slot]))
+        rows.release(slot)
 
     def admit() -> None:
         """Prefill the next prompts of the queue into the free slots, lowest first, in groups."""
@@ -499,11 +544,14 @@ def _decode_all(
             positions = torch.arange(shared, width, device=device).expand(group, width - shared)
             mask = prefill_mask(layout, lengths, width, dtype, shared)
             began = time.perf_counter()
-            logits = forward(ids, positions, mask, (lengths - 1 - shared)[:, None])
-            for slot, i in zip(chosen, index):
+            logits, states = forward(ids, positions, mask, (lengths - 1 - shared)[:, None])
+            for row, (slot, i) in enumerate(zip(chosen, index)):
                 rows.owner[slot], rows.length[slot] = i, len(prompts[i])
                 if sampling:
                     rows.generator[slot] = torch.Generator().manual_seed(seeds[i])
+                if keeping:
+                    own = states[row, : len(prompts[i]) - shared]
+                    rows.states[slot] = [own] if prefix_states is None else [prefix_states, own]
             new = draw(logits, chosen)
             rows.tokens[where], rows.positions[where] = new, lengths
             for slot, token in zip(chosen, new.tolist()):
@@ -518,11 +566,14 @@ def _decode_all(
             rows.move(n - 1, free[0])
 
     def prefill_prefix() -> None:
-        """The shared prefix's K/V, once, into the spare slot that admissions copy from."""
+        """The shared prefix's K/V (and kept states), once, into the spare slot that admissions
+        copy from."""
+        nonlocal prefix_states
         cache.prefill(torch.tensor([slots], device=device))
         ids = torch.tensor([prompts[0][:shared]], device=device)
         mask = prefill_mask(layout, torch.tensor([shared], device=device), shared, dtype)
-        forward(ids, torch.arange(shared, device=device)[None], mask, 1)
+        _, states = forward(ids, torch.arange(shared, device=device)[None], mask, 1)
+        prefix_states = None if states is None else states[0]
 
     def step(n: int) -> None:
         """One decode forward over the busy slots 0..n-1."""
@@ -533,12 +584,17 @@ def _decode_all(
         cache.decode(positions, width)
         mask = decode_mask(layout, positions, width, dtype)
         counts = {"slot_counts": positions + 1} if counted else {}
-        logits = forward(rows.tokens[:n, None], positions[:, None], mask, 1, **counts)
+        logits, states = forward(rows.tokens[:n, None], positions[:, None], mask, 1, **counts)
         new = draw(logits, list(range(n)))
         rows.tokens[:n] = new
         rows.positions[:n] += 1
         for slot, token in enumerate(new.tolist()):  # the step's one read-back
             rows.length[slot] += 1
+            if keeping:
+                rows.states[slot].append(states[slot])
+                if rows.closing[slot]:  # its last token was this step's input: done
+                    close(slot)
+                    continue
             record(slot, token)
         if timings is not None:
             timings.decode.append((n, context, time.perf_counter() - began))

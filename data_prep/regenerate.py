@@ -31,6 +31,7 @@ import torch
 
 from conf.files import build_lock, lock_path
 from conf.schema import RegenerateConfig
+from data_prep.onepass import StateStore
 from data_prep.ranks import Ranks
 from data_prep.regen_engine import generate
 from data_prep.regen_server import ServerAnswerer
@@ -112,12 +113,15 @@ class EngineAnswerer:
     model: Any
     cfg: RegenerateConfig
     matmul_dtype: torch.dtype | None = None
+    states: StateStore | None = None  # keeps each answered conversation's states (one pass)
 
     def __call__(self, prompts, eos, seeds, on_finish) -> None:
-        c = self.cfg
+        c, keep = self.cfg, self.states
         generate(self.model, prompts, batch_size=c.batch_size, workers=c.workers, on_finish=on_finish,
                  matmul_dtype=self.matmul_dtype, max_new_tokens=c.max_new_tokens, eos_token_ids=eos,
-                 temperature=c.temperature, top_p=c.top_p, seeds=seeds)
+                 temperature=c.temperature, top_p=c.top_p, seeds=seeds,
+                 kept_layers=keep.layers if keep else (),
+                 on_states=(lambda i, ids, states: keep.keep(ids, states)) if keep else None)
 
     def postfix(self) -> dict[str, str]:
         return {}
@@ -144,13 +148,15 @@ class VllmAnswerer:
         return {}
 
 
-def backend_answerer(cfg: RegenerateConfig, target: Target, matmul_dtype: torch.dtype | None) -> Answerer:
-    """The configured backend for `target`; only `hf` loads the target's weights here."""
+def backend_answerer(cfg: RegenerateConfig, target: Target, matmul_dtype: torch.dtype | None,
+                     states: StateStore | None = None) -> Answerer:
+    """The configured backend for `target`; only `hf` loads the target's weights here, and keeps
+    the answered conversations' states in `states` where given (`data_prep.onepass`)."""
     if cfg.backend == "server":
         return ServerAnswerer(cfg, target.name, target.path, target.tokenizer)
     if cfg.backend == "vllm":
         return VllmAnswerer(target.path, target.dtype, cfg)
-    return EngineAnswerer(target.model, cfg, matmul_dtype)
+    return EngineAnswerer(target.model, cfg, matmul_dtype, states)
 
 
 def regenerate(

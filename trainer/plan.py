@@ -74,6 +74,7 @@ from conf.files import atomic_write_text, read_json
 from conf.schema import OptimConfig, RootConfig, derive
 from conf.sizes import Sizes
 from data_prep.keys import regen_cache_file
+from data_prep.onepass import one_pass
 from data_prep.prepare import prepare
 from data_prep.regen_cost import StepCost, generate_seconds
 from data_prep.regen_engine import default_workers, timed_steps
@@ -329,7 +330,8 @@ def _regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> dict:
     with timed_steps() as timings:
         # The first long wait of a run, and often all its regeneration (a small budget's plan
         # reuses the probe's answers): its bar draws as the run's would.
-        data = prepare(_probe_config(cfg, k, "online", run_dir, cfg.logging.progress), target=target)
+        probe = _probe_config(cfg, k, "online", run_dir, cfg.logging.progress)
+        data = prepare(probe, target=target, keep_states=one_pass(cfg))
     answered = read_cache(cache)
     probed["cached"] = len(answered)  # the probe's answers included: the run reuses them
     cost = StepCost.fit(timings)
@@ -356,7 +358,7 @@ def _train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int) -
     rates and costs `Rates` names); also its tokens per conversation and the head's bytes. The
     head it trained stays in run_dir/head for the evaluation probe."""
     probe = _probe_config(cfg, samples, cfg.data.hidden_states, run_dir)
-    data = prepare(probe, target=target)
+    data = prepare(probe, target=target, keep_states=one_pass(cfg))
     train_ds = CapturedDataset(data.path, "train")
     steps = min(PROBE_STEPS, steps_per_epoch(train_ds, probe.optim, probe.seed, 1))
     if steps == 0:

@@ -123,7 +123,10 @@ def test_sigkill_mid_regeneration_then_resume_answers_each_prompt_once(tiny_llam
     appended as a kill mid-write leaves one, then run again: each prompt is in the cache once and
     its answer, the shards and the manifest's splits are an uninterrupted run's. float32 GEMMs
     (`data.matmul_dtype=target`): the resumed run decodes its prompts in other batches, which
-    changes no float32 answer; bf16 GEMMs may break a near-tie the other way in another batch."""
+    changes no float32 answer; bf16 GEMMs may break a near-tie the other way in another batch.
+    Two passes (`data.capture.one_pass=false`): with one pass each answer's states come from the
+    forwards of the batch that wrote it, equal to capture's within float noise, not bit for bit
+    (tests/unit/data_prep/test_onepass.py)."""
     common = [
         "+head=eagle3",
         "data.draft_vocab_size=300",
@@ -135,6 +138,7 @@ def test_sigkill_mid_regeneration_then_resume_answers_each_prompt_once(tiny_llam
         "data.regenerate.max_new_tokens=32",
         "data.regenerate.batch_size=4",
         "data.regenerate.workers=1",
+        "data.capture.one_pass=false",
         "logging.progress=false",
     ]
     killed, clean = tmp_path / "killed", tmp_path / "clean"

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conf.compose import compose_root
 from conf.errors import UserError
 from conf.schema import (
     RootConfig,
 )
+from data_prep.capture import TOP, decode
 from data_prep.store import CapturedDataset, load_manifest, online_capture
 from trainer.batching import batch_loader
 from trainer.loop import device_batch
@@ -76,6 +78,26 @@ def data_folder(cache: Path) -> Path:
 
 def shard_bytes(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.safetensors"))}
+
+
+def assert_states_close(a: Path, b: Path) -> None:
+    """Folders `a` and `b` hold the same shards of the same rows (ids, masks, offsets equal) and
+    states equal within bf16 storage rounding (1e-2 of each field's largest value), their top-1
+    agreeing on >= 98% of tokens: what two computations of the same states promise (one pass and
+    capture's forward; a server and transformers), where only one forward twice is bit-exact."""
+    shards = {str(p.relative_to(a)) for p in a.rglob("shard-*.safetensors")}
+    assert shards == {str(p.relative_to(b)) for p in b.rglob("shard-*.safetensors")} and shards
+    for name in sorted(shards):
+        x, y = load_file(a / name), load_file(b / name)
+        assert x.keys() == y.keys(), name
+        for k in ("input_ids", "loss_mask", "offsets"):
+            assert x[k].equal(y[k]), (name, k)
+        for k in ("aux_hidden", "final_hidden"):
+            if k in x:
+                u, v = decode(x, k), decode(y, k)
+                assert (u - v).abs().max() <= 1e-2 * v.abs().max(), (name, k)
+        if TOP in x:
+            assert (x[TOP] == y[TOP]).float().mean() >= 0.98, name
 
 
 def tiny_prep_config(
