@@ -265,15 +265,17 @@ def build_folder(key: FolderKey, modes: tuple[str, ...], ranks: Ranks = SINGLE,
         partial = ranks.from_main(partial)
         writer = ShardWriter(key, stored, spill, order, states if stored.needs_forward else None)
         splits = writer.write(partial, progress, ranks)
-        one_pass = sum(ranks.gather(states.served if states else 0))
+        # Every rank's capture: tokens summed, the slowest rank's seconds (the stage's rate).
+        done = ranks.gather((writer.tokens, writer.seconds, states.served if states else 0))
+        one_pass = sum(d[2] for d in done)
         if ranks.world > 1:  # every rank's shards are written: rank 0 reads them all back
             ranks.barrier()
             if not ranks.main:
                 ranks.barrier()  # while rank 0 writes the manifest
                 return built_folder(key, (mode,), quiet=True)
-            captured, writer = writer, ShardWriter(key, stored, spill, order)
+            writer = ShardWriter(key, stored, spill, order)
             splits = writer.write(partial, None)
-            writer.tokens, writer.seconds = captured.tokens, captured.seconds
+            writer.tokens, writer.seconds = sum(d[0] for d in done), max(d[1] for d in done)
         manifest = base_manifest(cfg, identity, spec, mode) | {"splits": splits}
     finally:
         shutil.rmtree(spill_dir, ignore_errors=True)

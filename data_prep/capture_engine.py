@@ -91,18 +91,21 @@ def engine_args(spec: CaptureSpec, storage: str, stock: bool) -> dict[str, Any]:
 
 def read_states(path: str, ids: list[int], where: str) -> torch.Tensor:
     """The [T, layers, H] states of the file the engine wrote for `ids` (read once its writer
-    releases the lock), deleted once read; one line naming `where` when the file is missing or
-    holds other ids."""
+    releases the lock), deleted once read; one line naming `where` when the lock file is missing
+    (the folder is not shared) or the file holds other ids. A lock without a file is a writer
+    that died mid-write (a killed server): FileNotFoundError, a failed request to retry."""
     lock = f"{path}.lock"
     try:
-        with open(lock) as fh:
-            fcntl.flock(fh, fcntl.LOCK_SH)  # sleeps until the writer's exclusive lock is released
-            data = load_file(path, device="cpu")
+        fh = open(lock)
     except FileNotFoundError:
         raise UserError(
             f"{where}: the engine wrote {path}, which is not readable here; data prep and the servers "
             "must share that folder (scripts/serve_vllm.py --capture-dir, data.capture.dir)"
         ) from None
+    try:
+        with fh:
+            fcntl.flock(fh, fcntl.LOCK_SH)  # sleeps until the writer's exclusive lock is released
+            data = load_file(path, device="cpu")
     finally:
         for leftover in (path, lock):
             Path(leftover).unlink(missing_ok=True)

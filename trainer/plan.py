@@ -12,7 +12,9 @@ runs, before the data stage:
    half, whose last half thins. Another backend (vLLM, servers) is priced at the probe's rate;
 2. capture and training: a small data folder of those conversations (at least `PROBE_SAMPLES`,
    enough for `PROBE_STEPS` steps) is captured (the capture rate: the target's bare forward plus
-   storage, its one-off set-up apart) and the chosen head trains `PROBE_STEPS` steps on it with
+   storage, its one-off set-up apart; with one pass, `data_prep.onepass`, reading back what the
+   regeneration probe kept, which the run's answers will be too, as the probes keep their states
+   for the run) and the chosen head trains `PROBE_STEPS` steps on it with
    the real loop. The loop times its steps apart from what runs between them, so the plan has
    the training rate (online capture included), the seconds a validation takes per validation
    token, and what saving the best head and a checkpoint cost: a full-vocabulary Medusa head

@@ -4,9 +4,12 @@ ground truth."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
+
+from data_prep.template import load_chat_template
 
 TINY = dict(
     hidden_size=64,
@@ -168,3 +171,15 @@ def vllm_family_target(family: str, out: Path):
     tok = byte_tokenizer()
     model = tiny_family_target(family, len(tok), **VLLM_SHAPE, **special_token_ids(tok))
     return model, save_target(model, tok, out)
+
+
+CHAT_WORDS = "the cat sat on a mat and then it ran to the red house where a dog slept all day".split()
+
+
+def chat(tok, n: int, seed: int = 0) -> list[list[int]]:
+    """n chat prompts of 1 to 40 random words (the tokenizer's template, generation prompt on):
+    prompt lengths from ~30 to ~80 tokens sharing the chat header."""
+    rng = random.Random(seed)
+    texts = [" ".join(rng.choice(CHAT_WORDS) for _ in range(rng.randint(1, 40))) for _ in range(n)]
+    tpl = load_chat_template(tok, None, {}, "2026-01-01")
+    return [tpl.prompt_ids([{"role": "user", "content": t}]) for t in texts]

@@ -67,6 +67,11 @@ def test_an_engine_file_is_read_once_checked_against_the_ids_sent_and_deleted(tm
         assert list(tmp_path.iterdir()) == []  # the file and its lock, read or refused, are gone
     with pytest.raises(UserError, match="not readable here; data prep and the servers must share"):
         read_states(str(path), [1], "server X")
+    # A lock without its file: the writer died mid-write (a killed server), a request to retry.
+    (tmp_path / "req-1.safetensors.lock").touch()
+    with pytest.raises(FileNotFoundError):
+        read_states(str(path), [1], "server X")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_engine_keeps_each_layer_once_without_prefix_caching_or_chunked_prefill():

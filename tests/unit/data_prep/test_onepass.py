@@ -15,7 +15,7 @@ from data_prep.onepass import OnePassCapturer, StateStore, ids_name
 from data_prep.prepare import prepare
 from data_prep.regen_engine import generate
 from tests.support.runs import assert_states_close, conversations, tiny_prep_config
-from tests.unit.data_prep.test_regen_engine import chat
+from tests.support.targets import chat
 
 SPEC = CaptureSpec((1, 2, 3), 4, "bfloat16", target_top=True)  # the tiny targets have 4 layers
 

@@ -4,7 +4,6 @@ and seed alone, not on the batch, slot or order it ran in."""
 
 from __future__ import annotations
 
-import random
 import shutil
 
 import pytest
@@ -14,21 +13,7 @@ from data_prep import decode_attention, regen_engine
 from data_prep.linears import DataLinears, can_pack, native_bf16, resolve_matmul_dtype
 from data_prep.regen_engine import generate, noise_size, shared_prefix, top_p_filter, two_level_race
 from data_prep.target import load_target
-from data_prep.template import load_chat_template
-from tests.support.targets import hf_greedy, until
-
-WORDS = "the cat sat on a mat and then it ran to the red house where a dog slept all day".split()
-
-
-def chat(tok, n: int, seed: int = 0) -> list[list[int]]:
-    """n chat prompts of 1 to 40 random words: prompt lengths from ~30 to ~80 tokens."""
-    rng = random.Random(seed)
-    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40))) for _ in range(n)]
-    tpl = load_chat_template(tok, None, {}, "2026-01-01")
-    return [tpl.prompt_ids([{"role": "user", "content": t}]) for t in texts]
-
-
-
+from tests.support.targets import chat, hf_greedy, until
 
 
 def test_greedy_matches_generate_with_refills_and_early_eos(chaotic):
