@@ -8,7 +8,7 @@ types it: `python -m data_prep.prepare +head=eagle3 data.max_samples=N ...`, the
 The single process keeps torch's default, every core (`threads=0`), or `threads=1`: one thread,
 as one rank has, which on a CPU stands for what the ranks are for on a node (one process per
 GPU, each GPU doing its share). `ratio` = the ranks' wall over the single process's;
-`same_folder` whether both manifests list the same shards (sha256) and counts; the stage figures
+`same_rows` whether both manifests list the same shards of the same rows and counts; the stage figures
 come from the manifests (regeneration's wall and tokens, the capture's rate) and show where the
 time went. Run it alone on the machine: the two builds are timed back to back.
 """
@@ -48,10 +48,13 @@ def figures(wall: float, m: dict) -> dict:
 
 
 def contents(m: dict) -> dict:
-    """What two builds of one folder must share: each split's shards and counts, the stats but
-    the seconds."""
+    """What two builds of one folder must share: each shard's samples and tokens, the stats but
+    the seconds. Not the shards' bytes: with one pass (`data_prep.onepass`) a row's states come
+    from the batch that answered it, equal within float noise (tests/e2e/test_prepare_ranks.py)."""
     stats = {k: v for k, v in m["stats"].items() if k != "regenerate_seconds"}
-    return {"splits": m["splits"], "stats": stats}
+    rows = {split: [(sh["file"], sh["samples"], sh["tokens"], sh["masked_tokens"]) for sh in v["shards"]]
+            for split, v in m["splits"].items()}
+    return {"rows": rows, "stats": stats}
 
 
 @exit_on_user_error
@@ -75,7 +78,7 @@ def main(argv: list[str]) -> None:
         "bench": "prepare_ranks", "conversations": n, "nproc": nproc, "threads": threads or "all",
         "samples": single[1]["splits"]["train"]["samples"] + single[1]["splits"]["validation"]["samples"],
         "one_process": figures(*single), "ranks": figures(*shared),
-        "ratio": round(shared[0] / single[0], 3), "same_folder": contents(single[1]) == contents(shared[1]),
+        "ratio": round(shared[0] / single[0], 3), "same_rows": contents(single[1]) == contents(shared[1]),
     }))
 
 
