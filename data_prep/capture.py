@@ -59,7 +59,7 @@ device first would move them twice online.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -229,14 +229,26 @@ def _all_layers(model, ids: torch.Tensor, position_ids: torch.Tensor | None) -> 
     ).hidden_states
 
 
-def _kept(hs: tuple[torch.Tensor, ...], spec: CaptureSpec, device: torch.device) -> dict[str, torch.Tensor]:
-    """The layers `spec` keeps, on `device` (a split target's layers sit on several)."""
+def kept_fields(hs: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], spec: CaptureSpec,
+                device: torch.device) -> dict[str, torch.Tensor]:
+    """The layers `spec` keeps as its fields, on `device` (a split target's layers sit on
+    several); `hs[i]`: layer i in transformers' `hidden_states` numbering (every layer of a
+    forward, or only the kept ones an engine gave, by id)."""
     out = {}
     if spec.aux_layer_ids:
         out["aux_hidden"] = torch.cat([hs[i].to(device) for i in spec.aux_layer_ids], dim=-1)
     if spec.final_layer_id is not None:
         out["final_hidden"] = hs[spec.final_layer_id].to(device)
     return out
+
+
+def with_top(fields: dict[str, torch.Tensor], spec: CaptureSpec, lm_head: torch.nn.Module | None
+             ) -> dict[str, torch.Tensor]:
+    """`fields` with the target's top-1 (`TOP`) where `spec` keeps it, from the final state as
+    stored: the logits the teacher reads (every capture path computes it so)."""
+    if spec.target_top:
+        fields[TOP] = greedy_ids(lm_head, stored(fields["final_hidden"], 1, spec.storage_dtype))
+    return fields
 
 
 def _forward(model, ids: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -252,7 +264,7 @@ def hidden_states(
     """The fields `spec` keeps for right-padded ids [B, T] (packed rows if `position_ids` are
     given), in the model's dtype on the device of `ids`: `aux_hidden` [B, T, 3H] and/or
     `final_hidden` [B, T, H]."""
-    return _kept(_forward(model, ids, position_ids), spec, ids.device)
+    return kept_fields(_forward(model, ids, position_ids), spec, ids.device)
 
 
 # Logits one lm_head call of `greedy_ids` computes: ~256 MB in float32 whatever the vocabulary.
@@ -291,7 +303,7 @@ def checked_hidden_states(
     """`hidden_states` and `first_nonfinite` over every layer of the same forward (not only the
     kept ones: the layer to name is the first that overflows), both on `keep`'s device."""
     hs = _forward(model, ids, position_ids)
-    return _kept(hs, spec, keep.device), first_nonfinite(hs, keep)
+    return kept_fields(hs, spec, keep.device), first_nonfinite(hs, keep)
 
 
 def overflow_message(layer: int, position: int, sample: str) -> str:
@@ -316,9 +328,7 @@ def forward_hidden(
     layer, row, position = where.tolist()
     if layer >= 0:
         raise UserError(overflow_message(layer, position, names[row]))
-    if spec.target_top:  # from the final hidden state as stored: the logits the teacher reads
-        final = stored(fields["final_hidden"], 1, spec.storage_dtype)
-        fields[TOP] = greedy_ids(model.get_output_embeddings(), final)
+    fields = with_top(fields, spec, model.get_output_embeddings())
     return [
         {k: v[b, : len(s)].cpu() if k == TOP else v[b, : len(s)].float().cpu() for k, v in fields.items()}
         for b, s in enumerate(batch)

@@ -43,7 +43,7 @@ from safetensors.torch import load_file
 
 from conf.errors import UserError
 from conf.schema import CaptureConfig, RootConfig
-from data_prep.capture import TOP, CaptureSpec, greedy_ids, overflow_message, stored
+from data_prep.capture import CaptureSpec, kept_fields, overflow_message, with_top
 from data_prep.connector_names import ASK, STOCK_CONNECTOR, SYNC_CONNECTOR, SYNC_CONNECTOR_MODULE
 from data_prep.keys import data_base
 from data_prep.regen_server import Dispatcher, Endpoint, RequestFailed, call, connect
@@ -246,15 +246,7 @@ class EngineStates:
             bad = (~torch.isfinite(h).all(-1)).nonzero()
             if len(bad):
                 raise UserError(overflow_message(layer, int(bad[0]), name))
-        out = {}
-        if spec.aux_layer_ids:
-            out["aux_hidden"] = torch.cat([layers[k] for k in spec.aux_layer_ids], dim=-1)
-        if spec.final_layer_id is not None:
-            out["final_hidden"] = layers[spec.final_layer_id]
-        if spec.target_top:  # from the final state as stored, as the hf path computes it
-            final = stored(out["final_hidden"], 1, spec.storage_dtype)
-            out[TOP] = greedy_ids(self.tail.lm_head, final)
-        return out
+        return with_top(kept_fields(layers, spec, states.device), spec, self.tail and self.tail.lm_head)
 
 
 def capture_folder(cfg: RootConfig) -> str:

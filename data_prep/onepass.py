@@ -11,8 +11,8 @@ ids. Capture then asks `OnePassCapturer`, which serves a row from the store when
 a stored conversation's and runs the configured capture over the others only: answers that came
 from the regeneration cache, rows cut at `max_length`, earlier turns of a conversation whose
 history the template rewrites, states that did not come out finite (the forward names the
-overflow). The store is deleted with the partial folder's other leftovers once the folder is
-finished.
+overflow). `prepare` deletes the store once the run's folder is built (the planner's probes
+keep it for the run; a killed run's stays for the rerun).
 
 The states are the engine's forwards', not capture's: bf16 GEMMs and the decode attention kernel
 group the sums differently, so they equal capture's within bf16 noise, not bit for bit
@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from conf.files import atomic_write
 from conf.schema import RootConfig
-from data_prep.capture import TOP, Capturer, CaptureSpec, decode, encode, greedy_ids
+from data_prep.capture import TOP, Capturer, CaptureSpec, decode, encode, kept_fields, with_top
 from data_prep.keys import states_folder
 from data_prep.target import Target
 
@@ -63,15 +63,13 @@ class StateStore:
         that are not finite are left to capture, which names where they overflowed."""
         if not torch.isfinite(states).all():
             return
-        spec, aux = self.spec, len(self.spec.aux_layer_ids)
-        tensors: dict[str, torch.Tensor] = {}
-        if aux:
-            tensors |= encode("aux_hidden", states[:, :aux].reshape(len(ids), -1), aux, spec.storage_dtype)
-        if spec.final_layer_id is not None:
-            final = encode("final_hidden", states[:, aux], 1, spec.storage_dtype)
-            tensors |= final
-            if spec.target_top:  # from the final state as stored, as capture computes it
-                tensors[TOP] = greedy_ids(self.lm_head(), decode(final, "final_hidden"))
+        spec = self.spec
+        layers = {layer: states[:, k] for k, layer in enumerate(self.layers)}
+        lm_head = self.lm_head() if spec.target_top else None
+        fields = with_top(kept_fields(layers, spec, states.device), spec, lm_head)
+        tensors = {TOP: fields.pop(TOP)} if TOP in fields else {}
+        for name, value in fields.items():
+            tensors |= encode(name, value, spec.groups(name), spec.storage_dtype)
         self.folder.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         atomic_write(self.folder / f"{ids_name(ids)}.safetensors", lambda p: save_file(tensors, str(p)))
