@@ -105,6 +105,8 @@ def prepare(cfg: RootConfig, target: Target | None = None, ranks: Ranks = SINGLE
     folder = _prepare(cfg, target, spec, ranks, states)
     if states is not None and not keep_states and ranks.main:
         shutil.rmtree(states.folder, ignore_errors=True)  # in the shards now; a killed run's is kept
+        with contextlib.suppress(OSError):  # `states/` goes with its last store; another run's keeps it
+            states.folder.parent.rmdir()
     return folder
 
 

@@ -13,7 +13,6 @@ test passed `logging.progress=false`; tests/conftest.py states the rule that cam
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import sys
@@ -56,14 +55,8 @@ def as_typed(line: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def user(tmp_path_factory) -> tuple[Path, int, str]:
-    """A user's working directory after the README's main job: (it, exit code, the screen).
-    With `README_HOME` set (CI) it is that folder, and a main job already run there is reused:
-    CI runs the main job alone, then the lines that read what it wrote side by side."""
-    given = os.environ.get("README_HOME")
-    home = Path(given) if given else tmp_path_factory.mktemp("user")
-    if (home / "exit_code").exists():
-        return home, int((home / "exit_code").read_text()), (home / "screen.txt").read_text()
-    home.mkdir(parents=True, exist_ok=True)
+    """A user's working directory after the README's main job: (it, exit code, the screen)."""
+    home = tmp_path_factory.mktemp("user")
     (home / "scripts").symlink_to(ROOT / "scripts")
     if VLLM_PYTHON.exists():
         (home / ".venv-vllm").symlink_to(ROOT / ".venv-vllm")
@@ -71,8 +64,6 @@ def user(tmp_path_factory) -> tuple[Path, int, str]:
     argv = as_typed(readme_line("python -m trainer.train +head=eagle3")) + added
     assert argv[3:] == ["+head=eagle3", *added]  # nothing else added
     code, screen = run_in_terminal(argv, home, timeout=40 * 60)
-    (home / "screen.txt").write_text(screen)
-    (home / "exit_code").write_text(str(code))
     return home, code, screen
 
 
