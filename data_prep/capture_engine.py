@@ -302,7 +302,10 @@ class CaptureDispatcher(Dispatcher):
     resume = PREP_RESUME
 
     def _ask(self, ep: Endpoint, i: int) -> torch.Tensor:
-        out = call(f"{ep.url}/completions", {"model": ep.model, **self.body(i)}, self.key, self.cfg.timeout_s)
+        with self._watched(ep) as heard:
+            body = {"model": ep.model, **self.body(i)}
+            out = call(f"{ep.url}/completions", body, self.key, self.cfg.silence_s)
+            heard()
         path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
         if path is None:
             raise UserError(
@@ -316,21 +319,22 @@ class CaptureDispatcher(Dispatcher):
 
     def _stop(self, left: int) -> None:
         why = "; ".join(f"{ep.url}: {ep.last_error}" for ep in self.endpoints)
-        raise UserError(
-            f"{ENDPOINTS}: no server answers ({why}) after {self.cfg.retries} retries each; {self.resume}"
-        )
+        raise UserError(f"{ENDPOINTS}: no server answers ({why}); {self.resume}")
 
 
 class ServerCapturer:
     """`data.capture.backend=server`: running vLLM servers of the target (`scripts/serve_vllm.py`),
-    reached as regeneration reaches them (`data.regenerate`'s in_flight, retries, timeout_s and
-    api_key_env), each checked to serve the target before a request. An endpoint dropped stays
-    dropped; the line that stops a run once none is left names every one and what it said last,
+    reached as regeneration reaches them (`data.regenerate`'s in_flight, retries, silence_s and
+    api_key_env; a server silent on every request for silence_s is dropped at once:
+    `data_prep.regen_server`), each checked to serve the target before a request. An endpoint
+    dropped stays dropped; the line that stops a run once none is left names every one and what it said last,
     then `resume` (`CaptureDispatcher.resume`). `parts`: as `EngineStates.of` takes it."""
 
     def __init__(self, cfg: RootConfig, target: Target, spec: CaptureSpec,
                  parts: torch.nn.Module | None = None, resume: str = PREP_RESUME):
-        self.cfg = dataclasses.replace(cfg.data.regenerate, endpoints=cfg.data.capture.endpoints)
+        # The request settings of data.regenerate, whichever backend regenerates (or none does).
+        self.cfg = dataclasses.replace(cfg.data.regenerate, backend="server",
+                                       endpoints=cfg.data.capture.endpoints)
         self.endpoints = connect(self.cfg, target.name, target.path, target.tokenizer, ENDPOINTS)
         self.states = EngineStates.of(target, spec, parts)
         self.resume = resume

@@ -27,7 +27,10 @@ prep is unchanged:
   endpoint has had a byte in that time either, the endpoint is dropped at once, with no retries
   (a server silent on every connection is not busy), and every prompt it held goes back to the
   others: the endpoint is gone in about one `silence_s`. One stalled request beside others that
-  flow (a request queued or preempted in the server) is an ordinary failure, retried.
+  flow (a request queued or preempted in the server) is an ordinary failure, retried. Capture
+  requests (`data_prep.capture_engine`) follow the same rule with their whole response as the one
+  sign of life: vLLM names the states' file only in a response that is not streamed, and a
+  capture is one prefill, so a healthy server answers each well within `silence_s`.
 - The API key is read from the environment variable `api_key_env` names and goes only into the
   Authorization header: never into a message, the config, the cache or the model card.
 """
@@ -229,26 +232,33 @@ class Dispatcher:
             self.asking[i] = ep
             return i
 
-    def _ask(self, ep: Endpoint, i: int) -> list[int]:
-        """Prompt i's answer from `ep`, streamed, through the stop token (as the other backends
-        return it). Raises `EndpointSilent` when this request waited `silence_s` for a byte and no
-        other request of the endpoint had one meanwhile."""
-        waiting_since = time.monotonic()
-        deadline = waiting_since + self.cfg.timeout_s
+    @contextmanager
+    def _watched(self, ep: Endpoint) -> Iterator[Callable[[], None]]:
+        """One request of `ep`, its block given `heard` to call at each sign of life. A read that
+        waited `silence_s` (`Silent`) becomes `EndpointSilent` when no other request of the
+        endpoint had a sign of life since this one's last either."""
+        since = time.monotonic()
 
         def heard() -> None:
-            nonlocal waiting_since
-            waiting_since = ep.heard = time.monotonic()
+            nonlocal since
+            since = ep.heard = time.monotonic()
 
-        body = {"model": ep.model, **self.body(i), "stream": True}
         try:
-            with opened(f"{ep.url}/completions", body, self.key, self.cfg.silence_s) as response:
-                ids = self._tokens(ep, events(response, deadline, heard))
+            yield heard
         except Silent:
-            if ep.heard <= waiting_since:  # no byte from any of its requests since this one's last
+            if ep.heard <= since:  # no byte from any of its requests since this one's last
                 silent = f"silent for {self.cfg.silence_s:g} s (data.regenerate.silence_s)"
                 raise EndpointSilent(silent) from None
             raise
+
+    def _ask(self, ep: Endpoint, i: int) -> list[int]:
+        """Prompt i's answer from `ep`, streamed, through the stop token (as the other backends
+        return it)."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        body = {"model": ep.model, **self.body(i), "stream": True}
+        with self._watched(ep) as heard, opened(f"{ep.url}/completions", body, self.key,
+                                                self.cfg.silence_s) as response:
+            ids = self._tokens(ep, events(response, deadline, heard))
         end = next((k + 1 for k, t in enumerate(ids) if t in self.stop_ids), len(ids))
         return ids[:end]
 

@@ -5,9 +5,10 @@ regeneration and capture on one server, the connector writing into a folder data
   cache): ids, masks and offsets equal, states within bf16 storage noise (relative 1e-2 of each
   field's largest value; measured 4e-5 aux, 1.2e-3 final, 2026-12-04), top-1 agreeing on >= 98%
   of tokens (measured 100%), and the shared folder left empty.
-- The server killed mid-capture: `data_prep.prepare` stops in one line naming
-  data.capture.endpoints, no traceback, the shards written kept; a new server and the same
-  command complete the folder, equal to the hf one.
+- The server stopped mid-capture (SIGTERM, as a rolling restart stops it): `data_prep.prepare`
+  stops within about one `silence_s` in one line naming data.capture.endpoints, no traceback,
+  the shards written kept; a new server and the same command complete the folder, equal to the
+  hf one.
 - Online training fed by the server (`data.hidden_states=online`, the target's layers never in
   the training process) gives the losses of offline training on the folder the same server
   captured, within the engine's float noise (`ONLINE_RTOL`: requests batched otherwise in the
@@ -68,10 +69,13 @@ class Server:
                 time.sleep(1)
         raise AssertionError(log.read_text()[-3000:])
 
-    def kill(self) -> None:
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """SIGKILL: gone at once, its connections reset. SIGTERM: vLLM's graceful shutdown, which
+        stops answering but may hold the requests open (`data.regenerate.silence_s`)."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            os.killpg(self.proc.pid, sig)
+            if sig == signal.SIGKILL:
+                self.proc.wait()
 
 
 def data_args(cache: Path, url: str) -> list[str]:
@@ -100,6 +104,8 @@ TRAIN = ("optim.max_steps=6", "optim.val_every=3", "optim.save_every=1", "loggin
          "logging.progress=false", "pipeline.evaluate=false", "head.ttt_length=2", "optim.batch_tokens=512")
 # The run whose server is killed: one batch asked ahead, a dead server given up after one retry.
 KILLED = ("pipeline.export=false", "data.capture.prefetch_batches=1", "data.regenerate.retries=1")
+# The capture stopped by SIGTERM: seconds of silence that drop the server.
+SILENCE_S = 20
 # Online from the server vs offline from the folder it captured: relative, per step.
 ONLINE_RTOL = 2e-3
 
@@ -140,18 +146,22 @@ def test_server_capture_equals_hf_and_feeds_online_training_and_survives_killed_
         assert summary(tmp_path / "online")["exports"]  # checked against the parts it holds
         assert list(shared.iterdir()) == []
 
-        # Killed mid-capture: a new folder (other layout), the answers cached.
+        # Stopped mid-capture as a rolling restart stops it (SIGTERM): a new folder (other
+        # layout), the answers cached. Noticed within about one silence, not timeout_s (600 s).
         run = prepare(cache, server.url, *capture, "data.shard_samples=2", "data.regenerate.retries=1",
-                      wait=False)
+                      f"data.regenerate.silence_s={SILENCE_S}", wait=False)
         deadline = time.monotonic() + 600
         while not list(cache.glob("*.partial/**/shard-*.safetensors")):
             assert run.poll() is None and time.monotonic() < deadline, run.communicate()
             time.sleep(0.2)
-        server.kill()
+        server.kill(signal.SIGTERM)
+        stopped = time.monotonic()
         out, err = run.communicate(timeout=300)
+        noticed = time.monotonic() - stopped
     finally:
         server.kill()
     assert run.returncode == 2, err[-3000:]
+    assert noticed < 3 * SILENCE_S, noticed
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("error: data.capture.endpoints: no server answers"), err
     kept = list(cache.glob("*.partial/**/shard-*.safetensors"))

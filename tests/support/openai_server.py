@@ -1,13 +1,14 @@
 """A small OpenAI-compatible completions server over a transformers model, for the fast tier.
 
 It speaks the part of vLLM's API that `data_prep.regen_server` uses (`/v1/models`, `/tokenize`,
-`/v1/completions` with token-id prompts and `return_token_ids`, whole or streamed as vLLM streams
+`/v1/completions` with token-id prompts and `return_token_ids`, streamed as vLLM streams
 them: a `data:` event per token carrying that delta's `token_ids`, the last with its
 `finish_reason`, then `data: [DONE]`) and answers with draftsmith's own engine
 (`regen_engine.generate`, one prompt per request), so the server backend's answers can be
 compared with the `hf` backend's. It stands in for `vllm serve` only where a test needs failures
 on cue (a server that errors, dies after n answers, goes silent, wants a key, serves another
-name); tests/e2e/test_regen_server.py runs the real vLLM server.
+name). Capture requests (whole, not streamed) it only holds silent, for the capture backend's
+silence rule. tests/e2e/test_regen_server.py and test_capture_server.py run the real vLLM server.
 """
 
 from __future__ import annotations
@@ -61,13 +62,19 @@ class Server:
         self.httpd.shutdown()
         self.httpd.server_close()
 
+    def _holds(self) -> bool:
+        """Under the lock: counts a completion request, and whether it is to be held silent."""
+        b = self.b
+        b.requests += 1
+        held = b.silent_after is not None and len(b.answered) >= b.silent_after
+        b.held += held
+        return held
+
     def _complete(self, body: dict) -> tuple[int, dict | None]:
         """The status and answer of a completion request; None: hold it silent."""
         b = self.b
         with self.lock:
-            b.requests += 1
-            if b.silent_after is not None and len(b.answered) >= b.silent_after:
-                b.held += 1
+            if self._holds():
                 return 200, None
             if b.fail_first > 0:
                 b.fail_first -= 1
@@ -142,10 +149,15 @@ class Server:
                     ids = server.tok.encode(body["prompt"], add_special_tokens=False)
                     self._reply(200, {"tokens": [t + server.b.token_offset for t in ids]})
                 elif self.path == "/v1/completions":
-                    if body.get("stream") is not True:  # draftsmith always streams (regen_server)
-                        self._reply(400, {"error": "this server only streams"})
-                    else:
+                    if body.get("stream") is True:
                         self._stream(*server._complete(body))
+                        return
+                    with server.lock:  # whole: a capture request; this server writes no states
+                        held = server._holds()
+                    if held:  # as vLLM holds a whole request: nothing sent, not even headers
+                        server.stopping.wait()
+                    else:
+                        self._reply(400, {"error": "this server streams answers and keeps no states"})
                 else:
                     self._reply(404, {"error": "no route"})
 

@@ -2,9 +2,12 @@
 deleted), its last layer normed by the target's own final norm loaded alone (`TargetTail`), the
 top-1 from the lm_head. The engine's output is stood in for by the tiny target's own residual
 stream with the last layer taken before the norm, as vLLM's `extract_hidden_states` gives it
-(tests/e2e/test_vllm_capture.py runs vLLM itself)."""
+(tests/e2e/test_vllm_capture.py runs vLLM itself). A capture server that holds its requests
+and sends nothing (as a vLLM sent SIGTERM does) stops the capture in about one `silence_s`."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -13,8 +16,17 @@ from safetensors.torch import save_file
 from conf.compose import compose_root
 from conf.errors import UserError
 from data_prep.capture import TOP, CaptureSpec, HfCapturer
-from data_prep.capture_engine import EngineStates, engine_args, engine_layer_ids, read_states
+from data_prep.capture_engine import (
+    PREP_RESUME,
+    EngineStates,
+    ServerCapturer,
+    engine_args,
+    engine_layer_ids,
+    read_states,
+)
 from data_prep.target import resolve_target
+from tests.support.openai_server import Behaviour, Server
+from tests.support.runs import user_error_line
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +94,21 @@ def test_the_engine_keeps_each_layer_once_without_prefix_caching_or_chunked_pref
     assert args["enable_prefix_caching"] is False and args["enable_chunked_prefill"] is False
     assert args["kv_transfer_config"]["kv_connector_module_path"] == "data_prep.vllm_connector"
     assert "kv_connector_module_path" not in engine_args(spec, "/shared", stock=True)["kv_transfer_config"]
+
+
+def test_a_capture_server_silent_on_every_request_stops_the_capture_in_one_line_in_about_silence_s(target):
+    """Retries could not cure it: each would wait out another silence (the blocking request once
+    waited `timeout_s`, 600 s, on each of its 4 retries)."""
+    mute = Behaviour(model_id=target.path, silent_after=0)
+    with Server(target.model, target.tokenizer, mute) as s:
+        cfg = compose_root(["+head=eagle3", f"target.name_or_path={target.path}", "target.dtype=float32",
+                            "data.capture.backend=server", f"data.capture.endpoints=[{s.url}]",
+                            "data.regenerate.silence_s=1", "data.regenerate.retries=4"])
+        capturer = ServerCapturer(cfg, target, CaptureSpec((1, 3, 5), 6, target_top=True))
+        start = time.monotonic()
+        line = user_error_line(lambda: list(capturer([[5, 6, 7]] * 4, list("abcd"))))
+        took = time.monotonic() - start
+    assert took < 2.5, took
+    assert mute.held >= 2  # the endpoint's threads all waited: no request was answered
+    assert line == (f"error: data.capture.endpoints: no server answers ({s.url}: silent for 1 s "
+                    f"(data.regenerate.silence_s)); {PREP_RESUME}"), line
