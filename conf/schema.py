@@ -460,6 +460,12 @@ class EvalConfig(_Checked):
     reference: str = "greedy"
     save_outputs: bool = False  # true: <out_dir>/outputs.jsonl, {"task", "prompt_ids", "output_ids"}
     out_dir: str | None = None  # None: <run_dir>/eval
+    # The long-context task's buckets, their upper bounds in prompt tokens, ascending ([1024, 4096,
+    # 8192]: up to 1k, 1k-4k, 4k-8k), each with max_prompts_per_task prompts; [] = no such task.
+    context_lengths: list[int] = field(default_factory=list)
+    # Draft attention over the last W positions at inference only, for a head trained without a
+    # window (the target's attention is untouched: output stays lossless); null = none.
+    sliding_window: int | None = None
 
     def check(self) -> None:
         self._at_least(1, "max_prompts_per_task", "max_new_tokens", "num_speculative_tokens")
@@ -471,6 +477,13 @@ class EvalConfig(_Checked):
         self._require("top_p", _probability, "a value in (0, 1]")
         self._require(
             "baselines", lambda v: set(v) <= set(EVAL_BASELINES), f"a subset of {list(EVAL_BASELINES)}"
+        )
+        self._require("sliding_window", lambda v: v is None or v >= 16, "null or a number of positions >= 16")
+        self._require(
+            "context_lengths",
+            lambda v: all(isinstance(n, int) and not isinstance(n, bool) and n >= 256 for n in v)
+            and list(v) == sorted(set(v)),
+            "whole numbers of tokens >= 256, ascending (the buckets' upper bounds)",
         )
 
 

@@ -23,10 +23,12 @@ runs, before the data stage:
    into the rate of six steps. Unless `optim.val_every` is given, the plan also sets it
    (`planned_val_every`): a long run validates about `VALIDATIONS` times, not every 50 steps;
 3. evaluation: the evaluator's greedy decoder, and its speculative decoder with the head the probe
-   trained, each write a few tokens of its first prompt (per-token costs, times the tokens the
-   evaluator decodes). The barely trained head accepts about nothing, so its per-token cost is
-   the cost of one verify step: an upper bound for a trained head, and a Medusa tree's verify
-   step costs several greedy tokens on a CPU.
+   trained, each write a few tokens of its first prompt, and of its longest where the
+   long-context task (`eval.context_lengths`) makes prompts longer (prefill and per-token costs,
+   each prompt priced by its length, times the tokens the evaluator decodes). The barely
+   trained head accepts about nothing, so its per-token cost is the cost of one verify step: an
+   upper bound for a trained head, and a Medusa tree's verify step costs several greedy tokens
+   on a CPU.
 
 `make_plan` then picks the conversations that fill what is left of the budget, at the epochs the
 policy gives (`policy_epochs`), counting answers already in the regeneration cache as free, and
@@ -71,6 +73,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import torch
+
 from conf.errors import UserError
 from conf.files import atomic_write_text, read_json
 from conf.schema import OptimConfig, RootConfig, derive
@@ -86,8 +90,7 @@ from data_prep.target import Target
 from heads.kinds import head_kind
 from trainer.decoding import GREEDY, greedy_generate, speculative_generate
 from trainer.distributed import build_accelerator
-from trainer.evaluate.run import draft_shape, load_drafter, pass_schedule, resolve_mode
-from trainer.evaluate.tasks import encode_all, load_prompts
+from trainer.evaluate.run import draft_shape, eval_prompts, load_drafter, pass_schedule, resolve_mode
 from trainer.kind_builders import build_trainee
 from trainer.loop import fit, steps_per_epoch
 
@@ -406,41 +409,57 @@ def train_probe_samples(cfg: RootConfig, regenerated: dict) -> int:
     return max(PROBE_SAMPLES, min(want, regenerated["samples"]))
 
 
-def _per_token_s(decode) -> float:
-    """Seconds per token of `decode(max_new_tokens)`, after a short warm-up."""
-    decode(4)
-    start = time.perf_counter()
-    decode(PROBE_TOKENS)
-    return (time.perf_counter() - start) / PROBE_TOKENS
+def _decode_rates(decode, ids: torch.Tensor, warm: bool) -> tuple[float, float]:
+    """(prefill seconds, seconds per further token) of `decode(ids, max_new_tokens)`, from its
+    own stats, after a short warm-up where `warm` (the first call pays for allocations)."""
+    if warm:
+        decode(ids, 4)
+    stats = decode(ids, PROBE_TOKENS).stats
+    return stats.prefill_s, (stats.total_s - stats.prefill_s) / max(stats.new_tokens - 1, 1)
 
 
-def evaluation_tokens(cfg: RootConfig, tasks: list[str]) -> tuple[float, float]:
-    """(greedy-decoder tokens, speculative-decoder tokens) the evaluator decodes for prompts of
+def evaluation_runs(cfg: RootConfig, tasks: list[str]) -> list[tuple[float, float]]:
+    """(greedy-decoder runs, speculative-decoder runs) the evaluator makes of each prompt of
     `tasks`, from its own pass schedule (`trainer.evaluate.run.pass_schedule`): each prompt's
     greedy baseline and speculative run, and the passes the schedule adds (prompt lookup, the
-    `generate` reference at `GENERATE_COST`, a sampled run's greedy check)."""
-    ev = cfg.eval
-    passes = pass_schedule(ev, tasks)
-    greedy = sum(1 + p.lookup + GENERATE_COST * p.reference for p in passes)
-    spec = sum(1 + p.greedy_check for p in passes)
-    return ev.max_new_tokens * greedy, ev.max_new_tokens * spec
+    `generate` reference at `GENERATE_COST`, a sampled run's greedy check). Each run prefills
+    the prompt and writes up to `eval.max_new_tokens`."""
+    return [(1 + p.lookup + GENERATE_COST * p.reference, 1 + p.greedy_check)
+            for p in pass_schedule(cfg.eval, tasks)]
+
+
+def _between(length: int, short: tuple[int, float], long: tuple[int, float]) -> float:
+    """A cost at `length`, straight between its values at two prompt lengths."""
+    (a, ya), (b, yb) = short, long
+    return ya if b == a else ya + (yb - ya) * (length - a) / (b - a)
 
 
 def _evaluation_probe(cfg: RootConfig, target: Target, head_dir: Path) -> float:
-    """Seconds the evaluator will take: the greedy and speculative decoders' per-token times on
-    the first prompt (the latter with the probe's head: an upper bound, module docstring), times
-    the tokens each decodes (`evaluation_tokens`)."""
+    """Seconds the evaluator will take: the greedy and speculative decoders' prefill and
+    per-token times on its first prompt (the latter with the probe's head: an upper bound, module
+    docstring) and, where the long-context task makes prompts longer than twice that, on its
+    longest too, each prompt priced between the two by its length, times its runs
+    (`evaluation_runs`)."""
     if not cfg.pipeline.evaluate:
         return 0.0
     ev = cfg.eval
-    encoded = encode_all(target.tokenizer, load_prompts(ev), cfg.data)
-    ids = encoded[0][1]
+    encoded = eval_prompts(cfg, target)
     shape = draft_shape(ev, resolve_mode(ev.mode, cfg.head.name))
     drafter, verifier = load_drafter(head_dir, target.model, target.name, [shape])
-    greedy = _per_token_s(lambda n: greedy_generate(verifier, ids, n, ()))
-    spec = _per_token_s(lambda n: speculative_generate(verifier, drafter, ids, n, shape, GREEDY, ()))
-    greedy_tokens, spec_tokens = evaluation_tokens(cfg, [task for task, _ in encoded])
-    return greedy * greedy_tokens + spec * spec_tokens
+    decoders = (lambda ids, n: greedy_generate(verifier, ids, n, ()),
+                lambda ids, n: speculative_generate(verifier, drafter, ids, n, shape, GREEDY, ()))
+    first, longest = encoded[0][1], max((ids for _, ids in encoded), key=len)
+    probed = [first] if len(longest) <= 2 * len(first) else [first, longest]
+    # rates[d][k]: decoder d's (prefill, per token) at the k-th probed length
+    rates = [[_decode_rates(decode, ids, warm=k == 0) for k, ids in enumerate(probed)] for decode in decoders]
+    ends = (len(probed[0]), len(probed[-1]))
+    total = 0.0
+    for (_, ids), runs in zip(encoded, evaluation_runs(cfg, [task for task, _ in encoded])):
+        for d, n in enumerate(runs):
+            prefill, per_token = (_between(len(ids), (ends[0], rates[d][0][j]), (ends[1], rates[d][-1][j]))
+                                  for j in (0, 1))
+            total += n * (prefill + ev.max_new_tokens * per_token)
+    return total
 
 
 def _minutes(seconds: float) -> str:

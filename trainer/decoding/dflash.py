@@ -32,6 +32,7 @@ class DFlashDrafter:
         self.cache = StaticCache()
         self.length = 0
         self.next_token = 0
+        self.window: int | None = None  # draft attention over the last `window` positions
 
     def check(self, shape: Shape) -> None:
         """Refuse a tree: a block is one chain."""
@@ -65,7 +66,8 @@ class DFlashDrafter:
         b = self.head.block_size
         ids = self.head.block_ids(torch.tensor([self.next_token], device=self.device))
         positions = torch.arange(self.length, self.length + b, device=self.device)[None]
-        mask = self.cache.mask(self.head.block_mask(1, self.device), self.length, self.dtype)
+        mask = self.cache.mask(self.head.block_mask(1, self.device), self.length, self.dtype, self.window,
+                               positions)
         self.cache.slots = positions[0]
         hidden = self.head.block(ids, positions, mask, [self.cache] * len(self.head.layers))
         return self.head.logits(hidden[0, 1:])

@@ -92,6 +92,7 @@ class Eagle3Drafter:
         self.cache = StaticCache()
         self.graphs = StepGraphs(self.device)
         self.length = 0
+        self.window: int | None = None  # draft attention over the last `window` positions
 
     def start(self, prompt: torch.Tensor, hidden: list[torch.Tensor], next_token: int) -> None:
         self.length = 0
@@ -121,7 +122,7 @@ class Eagle3Drafter:
         first = self.length + n - t
         if self.cache.reserve(capacity_for(first + t, self.graphs.enabled), keep=first):
             self.graphs.clear()
-        mask = self.cache.mask(local, self.length, self.dtype)
+        mask = self.cache.mask(local, self.length, self.dtype, self.window, positions)
         inputs = [x.to(self.device) for x in (hidden, ids, positions, mask, torch.arange(first, first + t))]
         return self.graphs("step", self._forward, *inputs) if graphed else self._forward(*inputs)
 

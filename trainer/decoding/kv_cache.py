@@ -91,9 +91,19 @@ class StaticCache:
         own); nothing else."""
         return F.pad(with_prefix(local, prefix), (0, self.capacity - prefix - local.shape[1]))
 
-    def mask(self, local: torch.Tensor, prefix: int, dtype: torch.dtype) -> torch.Tensor:
-        """`keep` as an additive mask: what a model whose every layer sees all it keeps reads."""
-        return additive_mask(self.keep(local, prefix), dtype)
+    def mask(self, local: torch.Tensor, prefix: int, dtype: torch.dtype, window: int | None = None,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`keep` as an additive mask: what a model whose every layer sees all it keeps reads.
+        With a `window`, a query at position p (`positions`, one per new token) sees slot i only
+        at distances p - i below it, as transformers slides: slot i holds position i in the
+        committed prefix and in a chain's new tokens (a prompt's first forward), and a position
+        at most i in a tree's, whose few nodes lie within any window."""
+        keep = self.keep(local, prefix)
+        if window is not None:
+            n = prefix + local.shape[1]
+            near = positions.reshape(-1, 1) - torch.arange(n, device=keep.device) < window
+            keep[..., :n] &= near
+        return additive_mask(keep, dtype)
 
 
 def slot_positions(prefix: int, positions: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Turn per-prompt decoding records into eval.json, eval.md and a per-position acceptance plot.
+"""Turn per-prompt decoding records into eval.json, eval.md, a per-position acceptance plot and,
+for the long-context task, acceptance by context length.
 
 Aggregates are ratios of sums (as vLLM reports them), never means of per-prompt ratios, so a
 short answer does not weigh as much as a long one.
@@ -15,6 +16,9 @@ from heads.export.card import PICTURE
 from heads.kinds import head_kind
 from trainer.decoding import DecodeStats
 from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
+from trainer.evaluate.long_context import TASK, bucket_of, buckets, label
+
+CONTEXT_PICTURE = "context.png"
 
 
 @dataclass
@@ -22,8 +26,8 @@ class Record:
     """One prompt, the `prompt`-th of its task: the speculative run, the plain greedy run,
     optionally prompt lookup, `verdict`, how greedy speculative output compared with plain greedy
     (`run.greedy_verdict`: "same", "tie" when it parted only at a float-rounding tie of the
-    target's top tokens, or "mismatch"), and `reference`, how plain greedy compared with the
-    target's own `generate` (None: not checked on this prompt)."""
+    target's top tokens, or "mismatch"), `reference`, how plain greedy compared with the
+    target's own `generate` (None: not checked on this prompt), and the prompt's length."""
 
     task: str
     spec: DecodeStats
@@ -32,6 +36,7 @@ class Record:
     verdict: str
     reference: str | None = None
     prompt: int = 0
+    context: int = 0  # the prompt's tokens
 
     @property
     def mismatches(self) -> list[str]:
@@ -102,13 +107,30 @@ def task_metrics(records: list[Record]) -> dict:
     return out
 
 
+def by_context(records: list[Record], uppers: list[int]) -> dict:
+    """The long-context task's figures per bucket of `eval.context_lengths`, named as eval.md
+    shows them: the `task_metrics` of its prompts there, and their mean and largest length."""
+    out = {}
+    for b, (lower, upper) in enumerate(buckets(uppers)):
+        rs = [r for r in records if r.task == TASK and bucket_of(r.context, uppers) == b]
+        if rs:
+            out[label(lower, upper)] = {
+                "mean_context_tokens": round(sum(r.context for r in rs) / len(rs)),
+                "max_context_tokens": max(r.context for r in rs),
+                **task_metrics(rs),
+            }
+    return out
+
+
 def summarise(records: list[Record], settings: dict) -> dict:
-    """The eval.json object: settings, overall, per task, the lossless verdict, and each prompt
-    that broke it (task, index in the task, what its output failed to equal)."""
+    """The eval.json object: settings, overall, per task, the lossless verdict, each prompt that
+    broke it (task, index in the task, what its output failed to equal) and, with
+    `context_lengths`, the long-context task by bucket (`by_context`)."""
     tasks: dict[str, list[Record]] = {}
     for r in records:
         tasks.setdefault(r.task, []).append(r)
     per_task = {name: task_metrics(rs) for name, rs in tasks.items()}
+    uppers = settings.get("context_lengths") or []
     return {
         "settings": settings,
         "lossless": all(r.lossless for r in records),
@@ -119,6 +141,7 @@ def summarise(records: list[Record], settings: dict) -> dict:
         ],
         "overall": task_metrics(records),
         "tasks": per_task,
+        **({"by_context": by_context(records, uppers)} if uppers else {}),
     }
 
 
@@ -132,6 +155,11 @@ def fmt(value) -> str:
 
 
 def _drafting(s: dict) -> str:
+    window = s.get("sliding_window")
+    return _shape(s) + (f", the draft attending to the last {window} positions" if window else "")
+
+
+def _shape(s: dict) -> str:
     if s["mode"] == "chain":
         return f"chain drafting (k={s['num_speculative_tokens']})"
     t = s["tree"]
@@ -153,16 +181,30 @@ def _mismatch_lines(mismatches: list[dict]) -> list[str]:
     return ["", f"Mismatched prompts: {shown}."]
 
 
-def markdown(result: dict) -> str:
-    s = result["settings"]
-    rows = {**result["tasks"], "overall": result["overall"]}
+def _table(first: str, rows: dict[str, dict], extra: tuple[str, ...] = ()) -> list[str]:
+    """A markdown table of `task_metrics` rows, named in the column `first`, with the `extra`
+    fields of each row after its prompt count."""
     depth = max(len(m["acceptance_per_position"]) for m in rows.values())
     lookup = any("prompt_lookup_tokens_per_s" in m for m in rows.values())
-    cols = ["task", "prompts", "mean acceptance length"]
+    cols = [first, "prompts", *(e.replace("_", " ") for e in extra), "mean acceptance length"]
     cols += [f"acc@{j + 1}" for j in range(depth)]
     cols += ["spec tok/s", "greedy tok/s", "speedup"]
     cols += ["prompt lookup tok/s", "speedup vs lookup"] if lookup else []
     cols += ["lossless"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for name, m in rows.items():
+        acc = m["acceptance_per_position"] + [None] * (depth - len(m["acceptance_per_position"]))
+        cells = [name, m["prompts"], *(m[e] for e in extra), m["mean_acceptance_length"], *acc]
+        cells += [m["spec_tokens_per_s"], m["greedy_tokens_per_s"], m["speedup_vs_greedy"]]
+        if lookup:
+            cells += [m.get("prompt_lookup_tokens_per_s"), m.get("speedup_vs_prompt_lookup")]
+        cells += [m["lossless"]]
+        lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
+    return lines
+
+
+def markdown(result: dict) -> str:
+    s = result["settings"]
     lines = [
         f"# Evaluation of `{s['head']}` ({s['kind']})",
         "",
@@ -173,18 +215,17 @@ def markdown(result: dict) -> str:
         f"{result['overall']['checked_against_generate']} prompts): **{fmt(result['lossless'])}**.",
         *_mismatch_lines(result["mismatches"]),
         "",
-        "| " + " | ".join(cols) + " |",
-        "|" + "---|" * len(cols),
+        *_table("task", {**result["tasks"], "overall": result["overall"]}),
+        "",
+        f"![Per-position acceptance]({PICTURE})",
     ]
-    for name, m in rows.items():
-        acc = m["acceptance_per_position"] + [None] * (depth - len(m["acceptance_per_position"]))
-        cells = [name, m["prompts"], m["mean_acceptance_length"], *acc]
-        cells += [m["spec_tokens_per_s"], m["greedy_tokens_per_s"], m["speedup_vs_greedy"]]
-        if lookup:
-            cells += [m.get("prompt_lookup_tokens_per_s"), m.get("speedup_vs_prompt_lookup")]
-        cells += [m["lossless"]]
-        lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
-    lines += ["", f"![Per-position acceptance]({PICTURE})"]
+    if result.get("by_context"):
+        lines += [
+            "", "## By context length", "",
+            f"The {TASK} task's prompts by their length in tokens (`eval.context_lengths`).", "",
+            *_table("context", result["by_context"], ("mean_context_tokens",)),
+            "", f"![Acceptance by context length]({CONTEXT_PICTURE})",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -211,6 +252,29 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_context(result: dict, path: Path) -> None:
+    """Mean acceptance length against the prompts' mean length, one point per bucket."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["by_context"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [m["mean_context_tokens"] for m in rows.values()]
+    ax.plot(xs, [m["mean_acceptance_length"] or 1.0 for m in rows.values()], "o-")
+    for x, (name, m) in zip(xs, rows.items()):
+        ax.annotate(f"{name} ({m['prompts']})", (x, m["mean_acceptance_length"] or 1.0),
+                    textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("mean acceptance length")
+    ax.set_title(f"Acceptance by context length ({result['settings']['kind']})")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+
+
 def write_outputs(outputs: list[dict], out_dir: str | Path) -> Path:
     """outputs.jsonl under out_dir: one line per prompt, {"task", "prompt_ids", "output_ids"} (the
     speculative output), so that anyone can run the target on the prompts and compare."""
@@ -220,11 +284,13 @@ def write_outputs(outputs: list[dict], out_dir: str | Path) -> Path:
 
 
 def write_report(result: dict, out_dir: str | Path) -> Path:
-    """eval.json, eval.md and acceptance.png (shown in eval.md) under out_dir, each written to a
-    temp name first."""
+    """eval.json, eval.md, acceptance.png and, with `by_context`, context.png (both shown in
+    eval.md) under out_dir, each written to a temp name first."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "eval.json", lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
     atomic_write(out / "eval.md", lambda p: p.write_text(markdown(result)))
     atomic_write(out / PICTURE, lambda p: plot(result, p))
+    if result.get("by_context"):
+        atomic_write(out / CONTEXT_PICTURE, lambda p: plot_context(result, p))
     return out

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from conf.errors import UserError
 from conf.schema import EvalConfig, RootConfig
 from data_prep.masks import attention_layout
 from data_prep.target import Target, eos_token_ids, input_device, resolve_target
@@ -33,6 +34,7 @@ from trainer.decoding import (
 )
 from trainer.decoding.drafters import Shape
 from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
+from trainer.evaluate.long_context import long_context_prompts
 from trainer.evaluate.progress import EvalProgress
 from trainer.evaluate.report import Record, summarise, write_outputs, write_report
 from trainer.evaluate.tasks import encode_all, load_prompts
@@ -116,6 +118,30 @@ def pass_schedule(cfg: EvalConfig, tasks: list[str]) -> list[Passes]:
     return passes
 
 
+def slide(drafter, window: int | None, kind: str) -> None:
+    """`eval.sliding_window`: the drafter's attention over the last `window` positions (its
+    heads trained without one; the target's attention is untouched, so output stays lossless).
+    One line for a kind without draft attention."""
+    if window is None:
+        return
+    if not hasattr(drafter, "window"):
+        raise UserError(f"eval.sliding_window={window}: a {kind} head has no attention to slide; "
+                        "set eval.sliding_window=null")
+    drafter.window = window
+
+
+def target_context(config) -> int:
+    """The tokens the target's positions reach (`max_position_embeddings`)."""
+    return int(getattr(config, "max_position_embeddings", None) or 2**31)
+
+
+def eval_prompts(cfg: RootConfig, target: Target) -> list[tuple[str, torch.Tensor]]:
+    """(task, token ids) of every prompt the evaluator decodes, in its order: the configured
+    tasks', then the long-context task's buckets (`trainer.evaluate.long_context`)."""
+    encoded = encode_all(target.tokenizer, load_prompts(cfg.eval), cfg.data)
+    return encoded + long_context_prompts(cfg, target.tokenizer, target_context(target.config))
+
+
 @torch.no_grad()
 def greedy_verdict(model, prompt: torch.Tensor, plain: list[int], spec: list[int]) -> str:
     """"same" when the greedy output `spec` (speculative, or the baseline against `generate`)
@@ -147,7 +173,7 @@ def evaluate(
     """
     cfg.target.one_device("the evaluator's speculative decoder", "evaluate where one device holds it")
     ev = cfg.eval
-    prompts = load_prompts(ev)
+    load_prompts(ev)  # a bad task list is refused before the target loads
     target = resolve_target(cfg) if target is None else target
     attention_layout(target.config)  # refused before any weights load
     model = target.model
@@ -156,10 +182,11 @@ def evaluate(
     mode = resolve_mode(ev.mode, kind.name)
     shape = draft_shape(ev, mode)
     drafter, verifier = load_drafter(head_path, model, target.name, [shape])
+    slide(drafter, ev.sliding_window, kind.name)
     # The verifier's own stop tokens: a Medusa-2 head verifies with its fine-tuned copy.
     eos = eos_token_ids(verifier, tokenizer)
     sampling = eval_sampling(cfg)
-    encoded = encode_all(tokenizer, prompts, cfg.data)
+    encoded = eval_prompts(cfg, target)
 
     def spec(ids, how: Sampling = sampling, max_new_tokens=ev.max_new_tokens):
         return speculative_generate(verifier, drafter, ids, max_new_tokens, shape, how, eos)
@@ -183,7 +210,8 @@ def evaluate(
         if passes.reference:
             made = reference_generate(verifier, ids, ev.max_new_tokens, eos)
             reference = greedy_verdict(verifier, ids, made, greedy.tokens)
-        records.append(Record(task, run.stats, greedy.stats, lookup, verdict, reference, passes.index))
+        records.append(Record(task, run.stats, greedy.stats, lookup, verdict, reference, passes.index,
+                              len(ids)))
         outputs.append({"task": task, "prompt_ids": ids.tolist(), "output_ids": run.tokens})
         progress.show(records)
     progress.close()
@@ -200,6 +228,8 @@ def evaluate(
         "draft_sampling": ev.draft_sampling,
         "max_new_tokens": ev.max_new_tokens,
         "max_prompts_per_task": ev.max_prompts_per_task,
+        "context_lengths": list(ev.context_lengths),
+        "sliding_window": ev.sliding_window,
         "reference": ev.reference,
         "chat_template_kwargs": dict(cfg.data.chat_template_kwargs or {}),
         "seed": cfg.seed,

@@ -122,8 +122,8 @@ def load_prompts(cfg: EvalConfig) -> dict[str, list[Prompt]]:
         bucket = tasks.setdefault(p.task, [])
         if len(bucket) < cfg.max_prompts_per_task:
             bucket.append(p)
-    if not tasks:
-        raise UserError("eval.tasks=[] and no eval.prompts: nothing to evaluate")
+    if not tasks and not cfg.context_lengths:
+        raise UserError("eval.tasks=[], no eval.prompts and no eval.context_lengths: nothing to evaluate")
     return tasks
 
 
@@ -144,16 +144,17 @@ def encode_all(
     """(task, token ids) of every prompt, task by task, as the evaluator and the benchmark
     decode them."""
     tpl = prompt_template(tokenizer, data)
-    return [(task, _encode(tokenizer, p, tpl)) for task, ps in prompts.items() for p in ps]
+    return [(task, render(tokenizer, p, tpl)) for task, ps in prompts.items() for p in ps]
 
 
 def encode(tokenizer, prompt: Prompt, data: DataConfig | None = None) -> torch.Tensor:
     """Token ids [T] of the prompt as the target sees it in chat: its template, generation
     prompt added. A tokenizer without a template gets the user turns' text."""
-    return _encode(tokenizer, prompt, prompt_template(tokenizer, data))
+    return render(tokenizer, prompt, prompt_template(tokenizer, data))
 
 
-def _encode(tokenizer, prompt: Prompt, tpl: ChatTemplate | None) -> torch.Tensor:
+def render(tokenizer, prompt: Prompt, tpl: ChatTemplate | None) -> torch.Tensor:
+    """`encode` with the template already loaded (`prompt_template`)."""
     if tpl is not None:
         ids = tpl.prompt_ids(prompt.messages)
     else:

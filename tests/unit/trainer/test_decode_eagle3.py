@@ -74,3 +74,26 @@ def test_dynamic_tree_nodes_are_topk_children_along_their_path(target):
     for node in range(1, 13):
         siblings.setdefault(parents[node], []).append(tokens[node])
     assert all(len(set(s)) == len(s) for s in siblings.values())
+
+
+@torch.no_grad()
+def test_a_draft_window_drafts_what_the_window_alone_drafts(target):
+    """`eval.sliding_window`: RoPE scores depend on distance alone and the head has one layer, so
+    the first draft over the last W positions equals the draft computed from those W positions'
+    features alone; a window the prompt fits in changes nothing, and a short one changes it."""
+    head = position_sensitive_head(target)
+    g = torch.Generator().manual_seed(1)
+    seq, nxt, w = torch.randint(0, 256, (40,), generator=g), 5, 16
+
+    def first_logits(window: int | None) -> torch.Tensor:
+        drafter = Eagle3Drafter(head)
+        drafter.window = window
+        drafter.start(seq, features(target, head, seq), nxt)
+        return drafter._catch_up()[1]
+
+    following = torch.cat([seq[1:], torch.tensor([nxt])])[-w:]
+    fused = head.fuse(torch.cat(features(target, head, seq), -1)[-w:])[None]
+    _, alone, _ = head.step(fused, following[None], torch.arange(w)[None])
+    torch.testing.assert_close(first_logits(w), alone[0, -1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(first_logits(seq.numel()), first_logits(None))
+    assert not torch.allclose(first_logits(w), first_logits(None), atol=1e-2)
