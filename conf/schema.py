@@ -41,6 +41,8 @@ EVAL_REFERENCES = ("greedy", "generate")
 LOSSES = ("ce", "tv", "ce+tv", "lk")
 SELECT_BY = ("simulated", "decoded")
 # The data fields that decide how prompts and rows render (`data_prep.template.ChatTemplate`).
+# A draft attention window's least length (`head.sliding_window`, `eval.sliding_window`).
+MIN_WINDOW = 16
 TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "template_date")
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 # transformers' `device_map` strategies (accelerate spreads the layers over the visible GPUs).
@@ -75,6 +77,16 @@ class _Checked:
 
     def _one_of(self, name: str, choices: tuple[str, ...]) -> None:
         self._require(name, lambda v: v in choices, f"one of {', '.join(choices)}")
+
+    def _window(self, *steps: str) -> None:
+        """`sliding_window` (`heads.window`): null, or a length that holds each of `steps` (the
+        fields counting a draft's own positions: one outside the window would not see its own)."""
+        window = self.sliding_window
+        self._require("sliding_window", lambda v: v is None or (isinstance(v, int) and v >= MIN_WINDOW),
+                      f"null or a number of positions >= {MIN_WINDOW}")
+        for name in steps:
+            self._require(name, lambda v: window is None or v < window,
+                          f"below {self._key('sliding_window')}={window}")
 
     def _optional_positive(self, *names: str) -> None:
         for name in names:
@@ -478,7 +490,7 @@ class EvalConfig(_Checked):
         self._require(
             "baselines", lambda v: set(v) <= set(EVAL_BASELINES), f"a subset of {list(EVAL_BASELINES)}"
         )
-        self._require("sliding_window", lambda v: v is None or v >= 16, "null or a number of positions >= 16")
+        self._window()
         self._require(
             "context_lengths",
             lambda v: all(isinstance(n, int) and not isinstance(n, bool) and n >= 256 for n in v)
@@ -588,6 +600,9 @@ class Eagle3Config(ObjectiveConfig):
     # more draft tokens wants as many steps.
     ttt_length: int = 3
     step_weight: float = 0.8
+    # Draft attention over the last W positions, in training and decoding alike, and in every
+    # export as the engines read it (`heads.window`); null = the whole context.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.norm_before_fc is None:  # fc_norm (EAGLE 3.1) takes the fused norm's place
@@ -614,6 +629,7 @@ class Eagle3Config(ObjectiveConfig):
     def check_steps(self) -> None:
         """The draft steps it trains: the TTT unroll's length (`PEagleConfig` has slots instead)."""
         self._at_least(1, "ttt_length")
+        self._window("ttt_length")
 
 
 @dataclass(frozen=True)
@@ -649,6 +665,7 @@ class PEagleConfig(Eagle3Config):
         self._require(
             "parallel_tokens", lambda v: v >= 2, "an integer >= 2 (slot 1 alone is an EAGLE-3 head)"
         )
+        self._window("parallel_tokens")
         self._require("mask_token_id", lambda v: v is None or v >= 0, "null or a token id >= 0")
         self._require("anchor_fraction", _probability, "a value in (0, 1]")
 
@@ -739,6 +756,8 @@ class DFlashConfig(ObjectiveConfig):
     position_weights: str = "decay"
     loss_decay: float = 4.0
     dpace_alpha: float = 0.5
+    # Draft attention over the last W positions (`heads.window`), as EAGLE-3's; null = none.
+    sliding_window: int | None = None
 
     def check(self) -> None:
         super().check()
@@ -756,6 +775,7 @@ class DFlashConfig(ObjectiveConfig):
         self._one_of("position_weights", POSITION_WEIGHTS)
         self._require("loss_decay", lambda v: v > 0, "a value > 0")
         self._require("dpace_alpha", lambda v: 0 <= v <= 1, "a value in [0, 1]")
+        self._window("block_size")
 
 
 # The head config groups by name (`+head=<name>`); each kind's record (`heads.kinds`) holds the rest.

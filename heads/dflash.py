@@ -36,6 +36,7 @@ from conf.errors import UserError
 from conf.schema import DFlashConfig
 from heads.eagle3 import KV, Past, draft_rope, resolve_aux_layer_ids
 from heads.folder import TargetSpec, load_head, save_head
+from heads.window import window_fields
 
 # Target-owned parts of the head: copied from the target, frozen, never saved (vLLM shares them).
 SHARED = ("embed_tokens.", "lm_head.", "rotary.")
@@ -102,7 +103,17 @@ def draft_config(target_config, cfg: DFlashConfig, mask_token_id: int) -> Qwen3C
         block_size=cfg.block_size,
         causal=cfg.causal,
         mask_token_id=mask_token_id,
+        **qwen3_window(cfg.sliding_window, cfg.num_layers),
     )
+
+
+def qwen3_window(window: int | None, layers: int) -> dict:
+    """`heads.window`'s fields as a Qwen3Config keeps them: it drops `sliding_window` unless
+    `use_sliding_window`, and slides only from layer `max_window_layers` on (vLLM builds the
+    exported config.json with it, so the export carries these too)."""
+    if window is None:
+        return {}
+    return {"use_sliding_window": True, "max_window_layers": 0, **window_fields(window, layers)}
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -33,6 +34,7 @@ from transformers.models.llama.modeling_llama import (
 from conf.errors import UserError
 from conf.schema import Eagle3Config
 from heads.folder import TargetSpec, load_head, save_head
+from heads.window import window_fields
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -48,12 +50,38 @@ class Branches(NamedTuple):
     steps: tuple[KV, ...] = ()
 
 
+# Query rows of a later TTT step scored at once: a step materialises [B, H, rows, T] float32 scores
+# (and the probabilities its backward keeps), so a long context runs in chunks of rows, each
+# recomputed in the backward pass (`torch.utils.checkpoint`): memory linear in T, not quadratic.
+# 2**25 scores (128 MiB) leave the main job's rows of 512 tokens in one piece.
+BRANCH_SCORES = 2**25
+
+
 def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: Branches) -> torch.Tensor:
     """Attention of queries q [B,H,S,D], this step's K/V [B,KV,S,D], over `past`: equal to
     scaled_dot_product_attention over [context | every step's K/V] with the mask
-    [past.mask | diagonal per step], at the multiply-adds of the unmasked keys. Computed in
-    float32 (scores of bf16 K/V rounded to bf16 would lose what a fused kernel keeps) and
-    returned in q's dtype; query heads read their K/V group by a view, never a copy."""
+    [past.mask | diagonal per step], at the multiply-adds of the unmasked keys, in chunks of
+    query rows where the scores would pass `BRANCH_SCORES` (each row reads only its own branch,
+    so rows split freely)."""
+    b, h, s, _ = q.shape
+    rows = max(1, BRANCH_SCORES // (b * h * past.context[0].shape[2]))
+    if rows >= s:
+        return _branch_rows(q, k, v, past)
+    parts = []
+    for i in range(0, s, rows):
+        part = slice(i, i + rows)
+        piece = Branches(past.context, past.mask[:, :, part], tuple((sk[:, :, part], sv[:, :, part])
+                                                                    for sk, sv in past.steps))
+        args = (q[:, :, part], k[:, :, part], v[:, :, part], piece)
+        grad = torch.is_grad_enabled()
+        parts.append(checkpoint(_branch_rows, *args, use_reentrant=False) if grad else _branch_rows(*args))
+    return torch.cat(parts, dim=2)
+
+
+def _branch_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: Branches) -> torch.Tensor:
+    """`branch_attention` over all of q's rows at once. Computed in float32 (scores of bf16 K/V
+    rounded to bf16 would lose what a fused kernel keeps) and returned in q's dtype; query heads
+    read their K/V group by a view, never a copy."""
     (ck, cv), groups = past.context, k.shape[1]
     b, h, s, d = q.shape
     own_k = torch.stack([sk for sk, _ in past.steps] + [k], -2).float()  # [B,KV,S,n,D]
@@ -176,6 +204,7 @@ def draft_layer_config(target_config, cfg: Eagle3Config, draft_vocab_size: int) 
         target_hidden_size=t.hidden_size,
         aux_layer_ids=aux,
         **{k: getattr(cfg, k) for k in NORM_FLAGS},
+        **window_fields(cfg.sliding_window, 1),
     )
 
 

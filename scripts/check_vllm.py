@@ -2,13 +2,15 @@
 
     .venv-vllm/bin/python scripts/check_vllm.py <exported dir> [<exported dir> ...]
         [--target <name or folder>] [--prompts N] [--prompt-tokens L] [--max-tokens M]
+    [--context-lengths 1024,4096,8192 --max-model-len 8192]
 
 Runs in the vLLM venv (scripts/setup_vllm_venv.sh). vLLM lacks this project's dependencies, so
 the script calls itself once with the main venv's python (`--role ours`) to get, for the same
 head folders and target: the target's folder, the prompts (MT-Bench / HumanEval / GSM8K from the
 evaluator's task loader, chat template applied, as token ids; or, with `--prompt-tokens L`, N
 seeded random prompts of L ordinary token ids, for tiny targets whose byte-level tokenizer would
-turn a text prompt into hundreds of ids) and our decoder's figures on each export's weights.
+turn a text prompt into hundreds of ids; or, with `--context-lengths`, the evaluator's long-context
+task, N prompts spread over those buckets) and our decoder's figures on each export's weights.
 Then vLLM generates those token-id prompts greedily, once without speculation and once per
 export with it as `speculative_config` (EAGLE-3 `eagle3`/`speculators` folders, `medusa-vllm`
 ones, P-EAGLE's with the keys its kind's record gives: method "eagle3", parallel drafting;
@@ -108,6 +110,7 @@ def ours_all(
     max_tokens: int,
     k: int,
     prompt_tokens: int = 0,
+    context_lengths: tuple[int, ...] = (),
 ) -> dict:
     """The target's folder, the prompts, our greedy text and, per export (`exports`), our
     speculative decoder's text and acceptance on the exported weights."""
@@ -124,6 +127,8 @@ def ours_all(
     if prompt_tokens > 0:
         vocab = model.config.get_text_config().vocab_size
         ids = random_prompts(tokenizer, vocab, n_prompts, prompt_tokens)
+    elif context_lengths:
+        ids = long_prompts(tokenizer, model.config, context_lengths, n_prompts, max_tokens)
     else:
         cfg = EvalConfig(max_prompts_per_task=-(-n_prompts // 3), max_new_tokens=max_tokens)
         prompts = [p for ps in load_prompts(cfg).values() for p in ps][:n_prompts]
@@ -139,6 +144,20 @@ def ours_all(
             ours_on_export(d, model, target, ids, greedy, eos, max_tokens, k) for d in export_dirs
         ],
     }
+
+
+def long_prompts(tokenizer, config, lengths: tuple[int, ...], n: int, max_tokens: int) -> list:
+    """The evaluator's long-context prompts (`eval.context_lengths`): n spread over the buckets,
+    each as long as its bucket asks, within the target's context."""
+    from conf.compose import compose_root
+    from trainer.evaluate.long_context import long_context_prompts
+    from trainer.evaluate.run import target_context
+
+    per_bucket = -(-n // len(lengths))
+    buckets = ",".join(map(str, lengths))
+    cfg = compose_root(["+head=eagle3", f"eval.context_lengths=[{buckets}]", "eval.tasks=[]",  # any head
+                        f"eval.max_prompts_per_task={per_bucket}", f"eval.max_new_tokens={max_tokens}"])
+    return [ids for _, ids in long_context_prompts(cfg, tokenizer, target_context(config))][:n]
 
 
 def ours_on_export(
@@ -325,6 +344,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6, help="prompts, generated without and with each export")
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="> 0: random prompts of this many token ids instead of the task prompts")
+    ap.add_argument("--context-lengths", default="",
+                    help="bucket bounds, e.g. 1024,4096,8192: the evaluator's long-context prompts "
+                         "(raise --max-model-len to hold them)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt (greedy)")
     ap.add_argument("--max-model-len", type=int, default=2048, help="vLLM's max_model_len")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens (EAGLE-3; others pin their own)")
@@ -335,9 +357,14 @@ def main() -> None:
     a = ap.parse_args()
     export_dirs = [str(Path(d).resolve()) for d in a.export_dirs]
     sizes = ["--prompts", str(a.prompts), "--prompt-tokens", str(a.prompt_tokens),
-             "--max-tokens", str(a.max_tokens), "--k", str(a.k)]
+             "--max-tokens", str(a.max_tokens), "--k", str(a.k), "--context-lengths", a.context_lengths]
+    try:
+        lengths = tuple(int(n) for n in a.context_lengths.split(",") if n)
+    except ValueError:
+        sys.exit(f"error: --context-lengths {a.context_lengths}: expected comma-separated token counts")
     if a.role == "ours":
-        print(json.dumps(ours_all(export_dirs, a.target, a.prompts, a.max_tokens, a.k, a.prompt_tokens)))
+        print(json.dumps(ours_all(export_dirs, a.target, a.prompts, a.max_tokens, a.k, a.prompt_tokens,
+                                  lengths)))
         return
 
     if not Path(a.main_python).is_file():

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.dflash import DFlashHead, default_mask_token_id
+from heads.window import near, window_of
 from trainer.decoding.dflash import DFlashDrafter
 from trainer.decoding.drafters import Shape
 from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean
@@ -105,15 +106,19 @@ def dflash_batch_index(batch: Batch, block_size: int, per_sample: int, prompt_we
 
 
 def block_attention_mask(
-    anchors: torch.Tensor, places: torch.Tensor, seq_len: int, inside: torch.Tensor
+    anchors: torch.Tensor, places: torch.Tensor, seq_len: int, inside: torch.Tensor,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Bool [B, 1, A*Bk, T + A*Bk]: block j's slots see the context positions of the anchor's own
-    sample before the anchor, and their block as `inside` [A*Bk, A*Bk] says (`block_mask`)."""
+    sample before the anchor (with a `window`, `heads.window`, only those less than `window`
+    before the slot's own position), and their block as `inside` [A*Bk, A*Bk] says (`block_mask`)."""
     bk = inside.shape[0] // anchors.shape[1]
     keys = torch.arange(seq_len, device=anchors.device)
     start = anchors - places.gather(1, anchors)  # where each anchor's sample starts in the row
     context = (keys[None, None] < anchors[..., None]) & (keys[None, None] >= start[..., None])
     context = context.repeat_interleave(bk, dim=1)  # [B, A*Bk, T]
+    slots = (anchors[..., None] + torch.arange(bk, device=anchors.device)).flatten(1)  # row places
+    context &= near(slots, keys, window)
     own = inside[None].expand(anchors.shape[0], -1, -1)
     return torch.cat([context, own], dim=2)[:, None]
 
@@ -149,7 +154,7 @@ class DFlashTrainee(HeadTrainee, nn.Module):
         block_ids = head.block_ids(ids.gather(1, anchors)).flatten(1)
         block_pos = (places.gather(1, anchors)[..., None] + torch.arange(bk, device=ids.device)).flatten(1)
         inside = head.block_mask(anchors.shape[1], ids.device)
-        mask = block_attention_mask(anchors, places, ids.shape[1], inside)
+        mask = block_attention_mask(anchors, places, ids.shape[1], inside, window_of(head.config))
         return head.block(block_ids, block_pos, mask, past)
 
     def slot_weights(self, slots: torch.Tensor, confidence: torch.Tensor, rows: torch.Tensor, n_slots: int):

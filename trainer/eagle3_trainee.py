@@ -20,6 +20,7 @@ from conf.errors import UserError
 from data_prep.capture import TOP
 from heads.eagle3 import Branches, Eagle3Head
 from heads.formats import read_init_head
+from heads.window import near, window_of
 from trainer.decoding import Eagle3Drafter
 from trainer.decoding.drafters import Shape
 from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean
@@ -36,25 +37,38 @@ from trainer.trainee import (
 )
 
 
-def ttt_attention_mask(
-    positions: torch.Tensor, seq_len: int, step: int, starts: torch.Tensor | None = None
+def context_mask(
+    positions: torch.Tensor, seq_len: int, starts: torch.Tensor | None = None,
+    window: int | None = None, depth: int = 0,
 ) -> torch.Tensor:
-    """Bool [B,1,S,T+step*S]: what the queries of unroll step `step` may attend to.
-
-    `positions` [B,S] are the sequence positions the step computes (all T at step 0, only those a
-    later loss reads afterwards). Keys are step 0's K/V over all T positions, then each later
-    step's K/V over the S rows. Step 0's block is causal (the verified context) from where each
-    query's document `starts` [B,S] (packed rows; None: one per row); each later step's block is
-    the diagonal: the draft token at a position exists only on that position's own branch,
-    exactly what a chain decoder's cache holds at inference.
-    """
+    """Bool [B,S,T]: the verified context's keys (step 0's K/V over all T positions) that the
+    queries at row positions `positions` [B,S], `depth` steps into their draft, may attend to:
+    causal from where each query's document `starts` [B,S] (packed rows; None: one per row), and
+    with a `window` (`heads.window`) only keys less than `window` before the query's own
+    position, `positions` + `depth`, as the decoder's cache mask slides."""
     keys = torch.arange(seq_len, device=positions.device)
     causal = keys[None, None, :] <= positions[:, :, None]
     if starts is not None:
         causal &= keys[None, None, :] >= starts[:, :, None]
+    return causal & near(positions + depth, keys, window)
+
+
+def ttt_attention_mask(
+    positions: torch.Tensor, seq_len: int, step: int, starts: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Bool [B,1,S,T+step*S]: what the queries of unroll step `step` may attend to.
+
+    `positions` [B,S] are the sequence positions the step computes (all T at step 0, only those a
+    later loss reads afterwards). Keys are step 0's K/V over all T positions (`context_mask`),
+    then each later step's K/V over the S rows: the diagonal, since the draft token at a position
+    exists only on that position's own branch, exactly what a chain decoder's cache holds at
+    inference (a window holds the whole branch: the config keeps the steps below it).
+    """
     eye = torch.eye(positions.shape[1], dtype=torch.bool, device=positions.device)
     diag = eye.expand(positions.shape[0], -1, -1)
-    return torch.cat([causal] + [diag] * step, dim=2)[:, None]
+    context = context_mask(positions, seq_len, starts, window, step)
+    return torch.cat([context] + [diag] * step, dim=2)[:, None]
 
 
 def gather_positions(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +157,7 @@ class Eagle3Trainee(HeadTrainee, nn.Module):
         super().__init__()
         self.head = head
         self.ttt_length, self.step_weight, self.objective = ttt_length, step_weight, objective
+        self.window = window_of(head.config)  # as the decoder reads it (`heads.window`)
         self.batch_index = partial(
             ttt_batch_index, ttt_length=ttt_length, prompt_weight=objective.prompt_weight
         )
@@ -204,11 +219,13 @@ class Eagle3Trainee(HeadTrainee, nn.Module):
             at = places.gather(1, pos)  # each row's position in its own sample
             tokens = shift_left(ids, 1 + k, 0).gather(1, pos)
             if k == 0:  # the context: causal within each document
-                hidden, context = self.head.layer(hidden, tokens, at, ttt_attention_mask(pos, t, 0, pos - at))
-            else:  # step 0's keys under the same rule, then this row's own branch
+                mask = ttt_attention_mask(pos, t, 0, pos - at, self.window)
+                hidden, context = self.head.layer(hidden, tokens, at, mask)
+            else:  # step 0's keys under the same rule (a window slides with k), then this row's branch
                 if k == 1:
-                    branches = Branches(context, ttt_attention_mask(pos, t, 0, pos - at))
-                hidden, kv = self.head.layer(hidden, tokens, at + k, None, branches)
+                    branches = Branches(context, None)
+                mask = context_mask(pos, t, pos - at, self.window, k)[:, None]
+                hidden, kv = self.head.layer(hidden, tokens, at + k, None, branches._replace(mask=mask))
                 branches = branches._replace(steps=(*branches.steps, kv))
             yield k, hidden, pos, valid
 

@@ -52,17 +52,18 @@ def peagle_batch_index(batch: Batch, slots: int, prompt_weight: float, anchor_fr
 
 def slot_attention_mask(
     first: torch.Tensor, anchors: torch.Tensor, seq_len: int, mask_slots: int,
-    first_starts: torch.Tensor, anchor_starts: torch.Tensor,
+    first_starts: torch.Tensor, anchor_starts: torch.Tensor, window: int | None = None,
 ) -> torch.Tensor:
     """Bool [B,1,R,R], R = T + mask_slots*S: rows and keys are every position's slot 1 (`first`
     [B,T]), then each mask slot at the S `anchors` [B,S]. Each block is EAGLE-3's unroll mask of
     that step (`ttt_attention_mask`: causal over slot 1 from the document's start, then the
-    diagonal of each earlier mask slot), with the later slots' keys hidden."""
-    rows = ttt_attention_mask(first, seq_len, 0, first_starts)
+    diagonal of each earlier mask slot, a `window` sliding with the slot), with the later slots'
+    keys hidden."""
+    rows = ttt_attention_mask(first, seq_len, 0, first_starts, window)
     width = seq_len + mask_slots * anchors.shape[1]
     blocks = [F.pad(rows, (0, width - rows.shape[-1]))]
     for k in range(1, mask_slots + 1):
-        rows = ttt_attention_mask(anchors, seq_len, k, anchor_starts)
+        rows = ttt_attention_mask(anchors, seq_len, k, anchor_starts, window)
         blocks.append(F.pad(rows, (0, width - rows.shape[-1])))
     return torch.cat(blocks, dim=2)
 
@@ -108,7 +109,7 @@ class PEagleTrainee(Eagle3Trainee):
         mask_ids = torch.full((b, m * s), head.mask_token_id, dtype=ids.dtype, device=ids.device)
         tokens = torch.cat([shift_left(ids, 1, 0), mask_ids], 1)
         positions = torch.cat([places, *(at + k for k in range(1, m + 1))], 1)
-        attn = slot_attention_mask(first, anchors, t, m, first - places, anchors - at)
+        attn = slot_attention_mask(first, anchors, t, m, first - places, anchors - at, self.window)
         out, _ = head.layer(hidden, tokens, positions, attn)
         yield 0, out[:, :t], first, torch.ones_like(first, dtype=torch.bool)
         for k in range(1, m + 1):

@@ -28,12 +28,13 @@ import torch
 from transformers import Qwen3Config
 
 from conf.errors import UserError
-from heads.dflash import DFlashHead, build
+from heads.dflash import DFlashHead, build, qwen3_window
 from heads.export.card import CardFacts, hub_id
 from heads.export.check import KindOps
 from heads.export.core import Layout, check_layout, read_folder
 from heads.export.eagle3 import legacy_rope
 from heads.folder import TargetSpec
+from heads.window import window_of
 
 WEIGHTS_FILE = "model.safetensors"
 NATIVE, SPECULATORS = "dflash", "dflash-speculators"
@@ -61,6 +62,7 @@ def layer_config(cfg: dict) -> dict:
         "rope_scaling": scaling,
         "attention_bias": False,
         "tie_word_embeddings": False,
+        **qwen3_window(window_of(cfg), cfg["num_hidden_layers"]),
     }
 
 
@@ -143,6 +145,7 @@ def _head_config(layer: dict, aux: list[int], head: dict, where: str) -> dict:
     if missing:
         raise UserError(f"{where}: the layer config lacks {missing} (vLLM would fill in its defaults)")
     cfg = {k: layer[k] for k in (*LAYER_KEYS, "rope_parameters")}
+    cfg |= qwen3_window(window_of(layer), layer["num_hidden_layers"])
     return cfg | {"hidden_act": "silu", "attention_bias": False, "aux_layer_ids": sorted(aux), **head}
 
 
@@ -225,6 +228,7 @@ def config_fields(cfg: dict) -> dict:
     c = Qwen3Config(**cfg)
     return {k: getattr(c, k) for k in (*LAYER_KEYS, "rope_parameters")} | {
         "aux_layer_ids": sorted(cfg["aux_layer_ids"]),
+        "sliding_window": window_of(cfg),
         **{k: cfg[k] for k in HEAD_KEYS if k != "aux_layer_ids"},
     }
 

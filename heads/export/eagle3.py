@@ -34,6 +34,7 @@ from heads.export.card import CardFacts, hub_id
 from heads.export.check import KindOps
 from heads.export.core import Layout, Tensors, cast_weights, check_layout, read_folder
 from heads.folder import TargetSpec
+from heads.window import window_fields, window_of
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -94,6 +95,7 @@ def layer_fields(cfg: dict) -> dict:
         "vocab_size": cfg["vocab_size"],
         # SGLang ties lm_head to embed_tokens when this is true; the draft has its own lm_head.
         "tie_word_embeddings": False,
+        **window_fields(window_of(cfg), 1),
     }
 
 
@@ -274,6 +276,7 @@ def _head_config(layer: dict, top: dict, aux_layer_ids: list[int], flags: dict[s
         "target_hidden_size": top["target_hidden_size"],
         "aux_layer_ids": aux_layer_ids,
         **flags,
+        **window_fields(window_of(layer), 1),
     }
 
 
@@ -491,7 +494,7 @@ def config_fields(cfg: dict) -> dict:
     ).split()
     return (
         {k: getattr(c, k) for k in keys}
-        | {"aux_layer_ids": sorted(cfg["aux_layer_ids"])}
+        | {"aux_layer_ids": sorted(cfg["aux_layer_ids"]), "sliding_window": window_of(cfg)}
         | norm_flags(cfg)
     )
 

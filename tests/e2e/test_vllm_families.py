@@ -101,10 +101,10 @@ def build_exports(family: str, root: Path) -> tuple[Path, dict[str, Path]]:
     return target, exports
 
 
-def check_in_vllm(exports: list[Path]) -> dict[str, dict]:
+def check_in_vllm(exports: list[Path], args: list[str] = CHECK_ARGS) -> dict[str, dict]:
     """scripts/check_vllm.py on the exports, in the vLLM venv: export folder name -> its JSON line.
     The target is not given: the speculators export names it (its verifier); the others share it."""
-    cmd = [str(VLLM_PYTHON), str(SCRIPT), *map(str, exports), *CHECK_ARGS, "--main-python", sys.executable]
+    cmd = [str(VLLM_PYTHON), str(SCRIPT), *map(str, exports), *args, "--main-python", sys.executable]
     done = subprocess.run(
         cmd, capture_output=True, text=True, cwd=ROOT, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
@@ -176,6 +176,45 @@ def test_vllm_serves_an_fc_norm_head(served_fc_norm, fmt):
     accepts within 10% of our decoder on the same weights. The norms' exact placement is
     tests/unit/heads/test_eagle3_head.py's, against vLLM's code written out."""
     line = served_fc_norm[fmt]
+    assert line["loaded"], line["error"]
+    assert line["ours_lossless"] and line["greedy_text_match"], line
+    assert line["within_10pct"], line
+
+
+# ---- sliding-window drafts (head.sliding_window), served ------------------------------------------
+
+WINDOW = 16
+# Prompts of 160 ids: every draft after the prompt attends past the window's reach (`heads.window`).
+LONG_ARGS = ["--prompts", "3", "--prompt-tokens", "160", "--max-tokens", "48", "--max-model-len", "256"]
+
+
+@pytest.fixture(scope="module")
+def served_windowed(tmp_path_factory) -> dict[str, dict]:
+    """check_vllm's lines for windowed EAGLE-3 (speculators layout), P-EAGLE and DFlash heads on the
+    llama family (bfloat16, as shipped), at prompts ten windows long."""
+    root = tmp_path_factory.mktemp("windowed")
+    model, target = vllm_family_target("llama", root / "target")
+    heads = {
+        "speculators": make_eagle3_head(target, root / "eagle3-head", cfg=Eagle3Config(sliding_window=WINDOW),
+                                        draft_vocab=DRAFT_VOCAB),
+        "peagle": make_eagle3_head(target, root / "peagle-head", cfg=PEagleConfig(sliding_window=WINDOW),
+                                   draft_vocab=DRAFT_VOCAB, head_class=PEagleHead),
+        "dflash": random_dflash_head(model, str(target), sliding_window=WINDOW).save_pretrained(
+            root / "dflash-head"
+        ),
+    }
+    exports = [export_head(head, fmt, root / f"{fmt}-windowed")[0] for fmt, head in heads.items()]
+    return check_in_vllm(exports, LONG_ARGS)
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "peagle", "dflash"])
+def test_vllm_serves_a_windowed_head_at_long_context(served_windowed, fmt):
+    """vLLM loads the windowed export (`sliding_window` over sliding `layer_types`; its CPU attention
+    slides a draft layer's window, DFlash's non-causal block included) and writes the same greedy
+    text with the draft as without, accepting within 10% of our decoder. Random heads accept
+    almost nothing, so that τ cannot tell a window from none: a trained windowed head's vLLM τ
+    against ours at long context is the closing note's (2026-12-05)."""
+    line = served_windowed[f"{fmt}-windowed"]
     assert line["loaded"], line["error"]
     assert line["ours_lossless"] and line["greedy_text_match"], line
     assert line["within_10pct"], line

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from conf.errors import UserError
+from heads.window import window_of
 from trainer.decoding.drafters import Chain, Draft, Shape, stack_probs
 from trainer.decoding.kv_cache import StaticCache, capacity_for
 from trainer.decoding.verify import Sampling
@@ -32,7 +33,7 @@ class DFlashDrafter:
         self.cache = StaticCache()
         self.length = 0
         self.next_token = 0
-        self.window: int | None = None  # draft attention over the last `window` positions
+        self.window = window_of(head.config)  # draft attention over the last `window` positions
 
     def check(self, shape: Shape) -> None:
         """Refuse a tree: a block is one chain."""

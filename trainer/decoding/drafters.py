@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from conf.errors import UserError
+from heads.window import window_of
 from trainer.decoding.graphs import StepGraphs
 from trainer.decoding.kv_cache import StaticCache, capacity_for, causal
 from trainer.decoding.tree import (
@@ -92,7 +93,7 @@ class Eagle3Drafter:
         self.cache = StaticCache()
         self.graphs = StepGraphs(self.device)
         self.length = 0
-        self.window: int | None = None  # draft attention over the last `window` positions
+        self.window = window_of(head.config)  # draft attention over the last `window` positions
 
     def start(self, prompt: torch.Tensor, hidden: list[torch.Tensor], next_token: int) -> None:
         self.length = 0

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from data_prep.masks import additive_mask, attention_layout
 from data_prep.target import input_device
+from heads.window import near
 from trainer.decoding.graphs import StepGraphs
 from trainer.decoding.tree import tree_attention_mask, tree_position_ids, with_prefix
 
@@ -101,8 +102,7 @@ class StaticCache:
         keep = self.keep(local, prefix)
         if window is not None:
             n = prefix + local.shape[1]
-            near = positions.reshape(-1, 1) - torch.arange(n, device=keep.device) < window
-            keep[..., :n] &= near
+            keep[..., :n] &= near(positions.reshape(-1), torch.arange(n, device=keep.device), window)
         return additive_mask(keep, dtype)
 
 

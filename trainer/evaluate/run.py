@@ -119,9 +119,9 @@ def pass_schedule(cfg: EvalConfig, tasks: list[str]) -> list[Passes]:
 
 
 def slide(drafter, window: int | None, kind: str) -> None:
-    """`eval.sliding_window`: the drafter's attention over the last `window` positions (its
-    heads trained without one; the target's attention is untouched, so output stays lossless).
-    One line for a kind without draft attention."""
+    """`eval.sliding_window`: the drafter's attention over the last `window` positions, at
+    inference only (the target's attention is untouched, so output stays lossless); null keeps the
+    head's own (`head.sliding_window`, or none). One line for a kind without draft attention."""
     if window is None:
         return
     if not hasattr(drafter, "window"):
@@ -229,7 +229,7 @@ def evaluate(
         "max_new_tokens": ev.max_new_tokens,
         "max_prompts_per_task": ev.max_prompts_per_task,
         "context_lengths": list(ev.context_lengths),
-        "sliding_window": ev.sliding_window,
+        "sliding_window": getattr(drafter, "window", None),  # the head's own, or eval's
         "reference": ev.reference,
         "chat_template_kwargs": dict(cfg.data.chat_template_kwargs or {}),
         "seed": cfg.seed,

@@ -14,6 +14,7 @@ from conf.errors import UserError
 from conf.schema import Eagle3Config
 from data_prep.capture import TOP, greedy_ids
 from data_prep.target import load_target
+from heads import eagle3
 from heads.eagle3 import (
     NORM_FLAGS,
     Branches,
@@ -24,7 +25,9 @@ from heads.eagle3 import (
     resolve_aux_layer_ids,
 )
 from heads.folder import CONFIG_NAME
+from heads.window import near, window_fields
 from tests.support.targets import build_tiny_target
+from trainer.decoding.drafters import Eagle3Drafter
 from trainer.eagle3_trainee import Eagle3Trainee, ttt_attention_mask
 from trainer.trainee import simulated_acceptance_length
 
@@ -101,6 +104,59 @@ def test_ttt_unroll_equals_chain_decoding(tiny, tiny_llama_dir, variants):
                 )
                 k_cache, v_cache = torch.cat([k_cache, kn], 2), torch.cat([v_cache, vn], 2)
                 torch.testing.assert_close(logits[:, 0], unrolled[k][:, t], atol=1e-5, rtol=1e-4)
+
+
+def windowed(base: Eagle3Head, window: int) -> Eagle3Head:
+    """`base` with its attention slid over the last `window` positions (`head.sliding_window`)."""
+    head = Eagle3Head(LlamaConfig(**(base.config.to_dict() | window_fields(window, 1))), base.target)
+    head.load_state_dict(base.state_dict())
+    return head.eval()
+
+
+def test_a_windowed_unroll_equals_windowed_chain_decoding(tiny):
+    """`head.sliding_window`: step k of training at position t sees the context keys less than W
+    before its own position t+k, as the chain decoder's cache mask slides over the same keys; the
+    drafter takes the window from the head's config, and far from the start it changes the logits."""
+    model, base = tiny
+    w, n = 16, 40
+    head = windowed(base, w)
+    assert Eagle3Drafter(head).window == w and Eagle3Drafter(base).window is None
+    ids = torch.randint(0, 3000, (1, n), generator=torch.Generator().manual_seed(2))
+    aux, _ = aux_features(model, head, ids)
+    steps = 4
+
+    def unroll(h: Eagle3Head) -> list[torch.Tensor]:
+        trainee = Eagle3Trainee(h, model.lm_head.weight, steps, 0.8)
+        return [h.logits(hidden) for _, hidden, _, _ in trainee.unroll(aux, ids)]
+
+    with torch.no_grad():
+        unrolled, whole = unroll(head), unroll(base)
+        for t in (9, 30):
+            pos = torch.arange(t + 1)
+            mask = (pos[None] <= pos[:, None]) & near(pos, pos, w)
+            hidden, logits, (k_cache, v_cache) = head.step(
+                head.fuse(aux[:, : t + 1]), ids[:, 1 : t + 2], pos[None], mask[None, None]
+            )
+            torch.testing.assert_close(logits[:, t], unrolled[0][:, t], atol=1e-5, rtol=1e-4)
+            hidden = hidden[:, t:]
+            for k in range(1, steps):
+                mask = near(torch.tensor([t + k]), torch.arange(t + 1 + k), w)
+                hidden, logits, (kn, vn) = head.step(
+                    hidden, ids[:, t + 1 + k : t + 2 + k], torch.tensor([[t + k]]), mask[None, None],
+                    (k_cache, v_cache),
+                )
+                k_cache, v_cache = torch.cat([k_cache, kn], 2), torch.cat([v_cache, vn], 2)
+                torch.testing.assert_close(logits[:, 0], unrolled[k][:, t], atol=1e-5, rtol=1e-4)
+    for k in range(steps):  # inside the window the same; beyond it not
+        torch.testing.assert_close(unrolled[k][:, : w - k], whole[k][:, : w - k])
+        assert not torch.allclose(unrolled[k][:, 30], whole[k][:, 30], atol=1e-4)
+
+
+def test_a_window_that_cannot_hold_the_draft_is_one_line():
+    with pytest.raises(UserError, match=r"^head.sliding_window=8: expected null or a number of positions"):
+        Eagle3Config(sliding_window=8)
+    with pytest.raises(UserError, match=r"^head.ttt_length=20: expected below head.sliding_window=16"):
+        Eagle3Config(sliding_window=16, ttt_length=20)
 
 
 def test_loss_is_finite_and_metrics_count_labels(tiny):
@@ -346,11 +402,15 @@ def test_norm_flags_refuse_non_bool_before_anything_loads():
             compose_root(["+head=eagle3", f"head.{flag}=maybe"])
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
 @pytest.mark.parametrize("step", [1, 3])
-def test_branch_attention_equals_attention_over_the_whole_ttt_mask(step):
+def test_branch_attention_equals_attention_over_the_whole_ttt_mask(step, chunked, monkeypatch):
     """A later TTT step's attention (`Branches`: the context under its mask, then one key per
     earlier step on the query's own row) equals SDPA over every key under `ttt_attention_mask`,
-    values and gradients, with grouped K/V heads and two documents packed in a row."""
+    values and gradients, with grouped K/V heads and two documents packed in a row; so does the
+    long-context path, in chunks of query rows each recomputed in the backward pass."""
+    if chunked:  # 2 rows of 2x6x7 scores a chunk: the 5 rows in 3 chunks
+        monkeypatch.setattr(eagle3, "BRANCH_SCORES", 2 * 2 * 6 * 7)
     g = torch.Generator().manual_seed(step)
     b, heads, groups, t, d = 2, 6, 2, 7, 8
     pos = torch.tensor([[0, 2, 3, 5, 6], [1, 2, 4, 5, 6]])

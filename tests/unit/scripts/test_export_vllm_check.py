@@ -81,3 +81,13 @@ def test_random_prompts_are_seeded_ordinary_ids(check_vllm, smol_tokenizer):
     ids = {int(i) for p in first for i in p}
     assert all(len(p) == 24 for p in first) and max(ids) < 300
     assert not ids & set(smol_tokenizer.all_special_ids)
+
+
+def test_long_prompts_fill_the_evaluators_buckets(check_vllm, smol_tokenizer):
+    """`--context-lengths`: the evaluator's long-context prompts, spread over the buckets."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(max_position_embeddings=8192)
+    prompts = check_vllm.long_prompts(smol_tokenizer, config, (1024, 2048), n=4, max_tokens=32)
+    assert [len(p) > 1024 for p in prompts] == [False, False, True, True]
+    assert all(256 < len(p) <= 2048 for p in prompts)

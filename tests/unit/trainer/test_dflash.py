@@ -80,10 +80,13 @@ def test_block_mask_sees_its_own_samples_context_before_the_anchor():
     assert mask[:, 12:].tolist() == inside.tolist()
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_drafter_block_equals_the_trainees_block(target, causal):
-    head = random_dflash_head(target, block_size=4, causal=causal, aux_layer_ids=[1, 2, 3])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 16)])
+def test_drafter_block_equals_the_trainees_block(target, causal, window):
+    """A window (`head.sliding_window`) included: anchors past it see only its last positions."""
+    head = random_dflash_head(target, block_size=4, causal=causal, aux_layer_ids=[1, 2, 3],
+                              sliding_window=window)
     trainee = DFlashTrainee(head, anchors_per_sample=5)
+    assert DFlashDrafter(head).window == window
     ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(1))
     batch = batch_of(target, head, ids)
     anchors = trainee.batch_index(batch)[ANCHORS]

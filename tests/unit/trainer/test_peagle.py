@@ -32,7 +32,7 @@ def target():
     return chaotic_target("llama")
 
 
-def fresh_head(target, k: int = 3, draft_vocab: int | None = None) -> PEagleHead:
+def fresh_head(target, k: int = 3, draft_vocab: int | None = None, window: int | None = None) -> PEagleHead:
     """A random head whose output leans on attention (so a wrong mask or position shows), over the
     whole vocabulary or every other id."""
     v = target.config.vocab_size
@@ -43,7 +43,7 @@ def fresh_head(target, k: int = 3, draft_vocab: int | None = None) -> PEagleHead
         d2t, t2d = ids - torch.arange(draft_vocab), torch.zeros(v, dtype=torch.bool)
         t2d[ids] = True
     torch.manual_seed(0)
-    cfg = PEagleConfig(aux_layer_ids=AUX, parallel_tokens=k, mask_token_id=7)
+    cfg = PEagleConfig(aux_layer_ids=AUX, parallel_tokens=k, mask_token_id=7, sliding_window=window)
     head = PEagleHead.from_target(target, "tiny", cfg, d2t, t2d)
     attn = head.midlayer.self_attn
     for proj, scale in ((attn.q_proj, 4.0), (attn.k_proj, 4.0), (attn.o_proj, 20.0)):
@@ -64,22 +64,25 @@ class Spy(PEagleDrafter):
         return super()._pick(logits, sampling)
 
 
+@pytest.mark.parametrize("window", [None, 16])
 @torch.no_grad()
-def test_one_forward_draft_equals_the_trainees_slots(target):
-    head = fresh_head(target, k=4, draft_vocab=64)
+def test_one_forward_draft_equals_the_trainees_slots(target, window):
+    """With a window (`head.sliding_window`) too: the anchors sit past it, where it hides keys."""
+    head = fresh_head(target, k=4, draft_vocab=64, window=window)
     trainee = PEagleTrainee(head, target.get_output_embeddings().weight, 4, 0.8)
-    seq = torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(0))
+    seq = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0))
     feats = aux_features(target, seq)
     steps = list(trainee.unroll(torch.cat(feats, -1)[None], seq[None]))
     drafter = Spy(head)
+    assert drafter.window == window
     drafter.seen = []
-    a = 6  # the first draft at anchor 6; then 3 tokens verified, the next draft at anchor 9
+    a = 26  # the first draft at anchor 26; then 3 tokens verified, the next draft at anchor 29
     drafter.start(seq[: a + 1], [f[: a + 1] for f in feats], int(seq[a + 1]))
     drafts = [drafter.propose(Chain(4), Sampling())]
-    drafter.commit(seq[a + 1 : 10], [f[a + 1 : 10] for f in feats], int(seq[10]))
+    drafter.commit(seq[a + 1 : 30], [f[a + 1 : 30] for f in feats], int(seq[30]))
     drafts.append(drafter.propose(Chain(4), Sampling()))
-    assert drafter.length == 10  # the cache holds verified positions only
-    for anchor, got, draft in zip((a, 9), (drafter.seen[:4], drafter.seen[4:]), drafts):
+    assert drafter.length == 30  # the cache holds verified positions only
+    for anchor, got, draft in zip((a, 29), (drafter.seen[:4], drafter.seen[4:]), drafts):
         want = [head.logits(hidden[0, anchor]) for _, hidden, _, _ in steps]
         for slot, (x, y) in enumerate(zip(got, want)):
             torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4, msg=f"slot {slot + 1}")
