@@ -39,7 +39,7 @@ from data_prep.keys import FolderKey, data_base
 from data_prep.onepass import StateStore, one_pass, state_store
 from data_prep.ranks import SINGLE, Ranks
 from data_prep.sources import check_source_exists
-from data_prep.target import Target, resolve_target
+from data_prep.target import Target, check_max_length, resolve_target
 from data_prep.vllm_engine import check_vllm_installed
 from heads.kinds import check_export_formats, head_kind
 
@@ -100,6 +100,7 @@ def prepare(cfg: RootConfig, target: Target | None = None, ranks: Ranks = SINGLE
     """
     check_source(cfg)
     target = resolve_target(cfg) if target is None else target
+    check_max_length(cfg.data.max_length, target.config)
     spec = capture_spec(cfg, target.identity["num_hidden_layers"])
     states = state_store(cfg, target, spec) if keep_states or one_pass(cfg) else None
     folder = _prepare(cfg, target, spec, ranks, states)

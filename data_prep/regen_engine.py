@@ -310,6 +310,36 @@ def engine_shares(prompts: int, batch_size: int, workers: int) -> tuple[list[lis
     return shares, min(batch_size // workers, len(shares[0]))
 
 
+# Of the memory free when regeneration starts, the share the engines' caches may take: the rest
+# holds the prefills' activations, the answers and the caller's data.
+CACHE_SHARE = 0.5
+
+
+def slot_bytes_per_token(config, dtype: torch.dtype, kept_layers: int) -> int:
+    """What a slot holds per position: every layer's key and value (at most `dtype`'s bytes each:
+    bf16 values take less), and the kept layers' float32 states when one pass keeps them."""
+    t = config.get_text_config()
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    kv = 2 * t.num_hidden_layers * t.num_key_value_heads * head_dim * dtype.itemsize
+    return kv + kept_layers * t.hidden_size * 4
+
+
+def slots_that_fit(slots: int, max_len: int, per_token: int, free: int) -> int:
+    """An engine's `slots`, fewer where its cache of `max_len` positions a slot at `per_token`
+    bytes would pass `CACHE_SHARE` of `free` bytes (at least one: one row needs its cache).
+    Long contexts need it: 128 slots of 8k positions of SmolLM2 take 48 GB in float32."""
+    return max(1, min(slots, int(free * CACHE_SHARE) // (max_len * per_token)))
+
+
+def free_bytes(device: torch.device) -> int:
+    """The memory free on `device`: the GPU's, else the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil  # accelerate's dependency
+
+    return psutil.virtual_memory().available
+
+
 def default_workers(model, batch_size: int) -> int:
     """Engines decoding side by side in one process, for `workers=0`. On a CPU, one thread per
     engine beats all threads on one engine (2 cores: +11% new tokens/s at 128 rows in all), as
@@ -366,10 +396,11 @@ def generate(
     `max_new_tokens` in all.
 
     `batch_size` slots decode together, split over `workers` engines that run side by side in
-    threads, each on every workers-th prompt (0: `default_workers`). In an engine a finished
-    row's slot is refilled from the queue before the next step, prompts longest first (the short
-    ones finish the run, where the batch thins). `prefill_tokens` caps the padded tokens of one
-    prefill forward (activation memory).
+    threads, each on every workers-th prompt (0: `default_workers`); fewer slots where their
+    caches, sized for the longest prompt, would not fit the free memory (`slots_that_fit`). In
+    an engine a finished row's slot is refilled from the queue before the next step, prompts
+    longest first (the short ones finish the run, where the batch thins). `prefill_tokens` caps
+    the padded tokens of one prefill forward (activation memory).
     Greedy when `temperature` is 0. Sampling needs `seeds`, one per prompt: a prompt draws from
     its own generator, seeded with its seed, so its output does not depend on the batch, slot or
     order it ran in. `on_finish(prompt_index, ids)` is called as each prompt finishes, so a
@@ -399,6 +430,10 @@ def generate(
     if not prompts:
         return []
     shares, slots = engine_shares(len(prompts), batch_size, workers or default_workers(model, batch_size))
+    kept = len(kept_layers) if on_states is not None else 0
+    longest = max(map(len, prompts)) + max_new_tokens
+    per_token = slot_bytes_per_token(model.config, model.dtype, kept)
+    slots = slots_that_fit(slots, longest, per_token, free_bytes(input_device(model)) // len(shares))
     results: list[list[int]] = [[] for _ in prompts]
     eos = set(eos_token_ids)  # once: an iterator would be spent by the first engine
     lock = threading.Lock()

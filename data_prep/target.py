@@ -248,6 +248,21 @@ def resolve_target_path(name_or_path: str) -> str:
     return str(out)
 
 
+def target_context(config: PretrainedConfig) -> int:
+    """The tokens the target's positions reach (`max_position_embeddings`; unbounded without)."""
+    return int(getattr(config.get_text_config(), "max_position_embeddings", None) or 2**31)
+
+
+def check_max_length(max_length: int, config: PretrainedConfig) -> None:
+    """`data.max_length` within the target's context: rows past it would train positions the
+    target never serves (and rotary tables past their range), so it is refused before any data
+    is built."""
+    context = target_context(config)
+    if max_length > context:
+        raise UserError(f"data.max_length={max_length}: the target holds {context} positions "
+                        f"(max_position_embeddings); expected at most {context}")
+
+
 # What a target that cannot be loaded was expected to be (the tail of its one-line error).
 _EXPECTED = (
     "expected a Hugging Face model folder, a .gguf file, a reachable Hub id or one of "

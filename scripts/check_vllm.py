@@ -150,8 +150,8 @@ def long_prompts(tokenizer, config, lengths: tuple[int, ...], n: int, max_tokens
     """The evaluator's long-context prompts (`eval.context_lengths`): n spread over the buckets,
     each as long as its bucket asks, within the target's context."""
     from conf.compose import compose_root
+    from data_prep.target import target_context
     from trainer.evaluate.long_context import long_context_prompts
-    from trainer.evaluate.run import target_context
 
     per_bucket = -(-n // len(lengths))
     buckets = ",".join(map(str, lengths))

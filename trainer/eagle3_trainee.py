@@ -217,17 +217,25 @@ class Eagle3Trainee(HeadTrainee, nn.Module):
                 pos, valid = later
                 hidden = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
             at = places.gather(1, pos)  # each row's position in its own sample
-            tokens = shift_left(ids, 1 + k, 0).gather(1, pos)
             if k == 0:  # the context: causal within each document
                 mask = ttt_attention_mask(pos, t, 0, pos - at, self.window)
-                hidden, context = self.head.layer(hidden, tokens, at, mask)
+                hidden, context = self.head.layer(hidden, shift_left(ids, 1, 0), at, mask)
             else:  # step 0's keys under the same rule (a window slides with k), then this row's branch
+                hidden, tokens = self.step_input(k, hidden, ids, pos)
                 if k == 1:
                     branches = Branches(context, None)
                 mask = context_mask(pos, t, pos - at, self.window, k)[:, None]
                 hidden, kv = self.head.layer(hidden, tokens, at + k, None, branches._replace(mask=mask))
                 branches = branches._replace(steps=(*branches.steps, kv))
             yield k, hidden, pos, valid
+
+    def step_input(
+        self, k: int, hidden: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [B,S,H], token ids [B,S]) that unroll step k >= 1 reads at rows `pos`: step
+        k-1's output `hidden` and the token k+1 after each row, as the chain decoder feeds back its
+        own state with the token it drafted (teacher-forced here)."""
+        return hidden, shift_left(ids, 1 + k, 0).gather(1, pos)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Loss and metric sums for one batch. Metric sums are per unroll step:

@@ -5,8 +5,11 @@ with token t+1, at position t. Slot k >= 2 reads the mask token and the mask sta
 t+k-1. Slot k predicts token t+1+k against the target's distribution at t+k. Slot k attends the
 verified context of its sample up to t (the slot-1 rows: what the drafter's cache holds) and
 slots 2..k of its own anchor: the causal mask of vLLM's one draft forward, verified positions
-then K-1 mask slots. One forward over [every position's slot 1 | slot 2 of each anchor | ... |
-slot K of each anchor] computes them all.
+then K-1 mask slots. In a one-layer draft a slot's K/V depend on its own inputs only, so the slots
+are computed one after another, as EAGLE-3's unroll steps (`Eagle3Trainee.step_input` is all that
+differs): the same outputs as that one forward (tests/unit/trainer/test_peagle.py holds them
+equal to the drafter's), with EAGLE-3's branch attention, whose memory grows linearly in the
+context where one forward's mask over every slot grows with its square.
 
 Slot k+1 stands where EAGLE-3's unroll step k stands (same anchor, position and label), so the
 labels, rows, teacher and loss are `Eagle3Trainee`'s, step k weighted `step_weight**k` as there
@@ -17,20 +20,19 @@ anchors only, to bound their cost.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from conf.errors import UserError
 from heads.peagle import PEagleHead
 from trainer.decoding.drafters import Shape, Tree
 from trainer.decoding.peagle import PEagleDrafter
-from trainer.eagle3_trainee import Eagle3Trainee, draft_vocab, ttt_attention_mask, ttt_batch_index
+from trainer.eagle3_trainee import Eagle3Trainee, draft_vocab, ttt_batch_index
 from trainer.objective import CROSS_ENTROPY, Objective
-from trainer.trainee import Batch, shift_left
+from trainer.trainee import Batch
 
 
 def sampled_anchors(batch: Batch, fraction: float) -> torch.Tensor | None:
@@ -50,26 +52,8 @@ def peagle_batch_index(batch: Batch, slots: int, prompt_weight: float, anchor_fr
     return ttt_batch_index(batch, slots, prompt_weight, sampled_anchors(batch, anchor_fraction))
 
 
-def slot_attention_mask(
-    first: torch.Tensor, anchors: torch.Tensor, seq_len: int, mask_slots: int,
-    first_starts: torch.Tensor, anchor_starts: torch.Tensor, window: int | None = None,
-) -> torch.Tensor:
-    """Bool [B,1,R,R], R = T + mask_slots*S: rows and keys are every position's slot 1 (`first`
-    [B,T]), then each mask slot at the S `anchors` [B,S]. Each block is EAGLE-3's unroll mask of
-    that step (`ttt_attention_mask`: causal over slot 1 from the document's start, then the
-    diagonal of each earlier mask slot, a `window` sliding with the slot), with the later slots'
-    keys hidden."""
-    rows = ttt_attention_mask(first, seq_len, 0, first_starts, window)
-    width = seq_len + mask_slots * anchors.shape[1]
-    blocks = [F.pad(rows, (0, width - rows.shape[-1]))]
-    for k in range(1, mask_slots + 1):
-        rows = ttt_attention_mask(anchors, seq_len, k, anchor_starts, window)
-        blocks.append(F.pad(rows, (0, width - rows.shape[-1])))
-    return torch.cat(blocks, dim=2)
-
-
 class PEagleTrainee(Eagle3Trainee):
-    """`Eagle3Trainee` with the K slots of `PEagleHead` in one forward in place of the unroll."""
+    """`Eagle3Trainee` with the K slots of `PEagleHead` as its unroll steps (`step_input`)."""
 
     def __init__(
         self,
@@ -88,32 +72,15 @@ class PEagleTrainee(Eagle3Trainee):
             anchor_fraction=anchor_fraction,
         )
 
-    def unroll_gathered(
-        self,
-        aux_hidden: torch.Tensor,
-        ids: torch.Tensor,
-        later: tuple[torch.Tensor, torch.Tensor] | None,
-        position_ids: torch.Tensor | None = None,
-    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Yield (k, slot k+1's output hidden, its positions [B,S], valid [B,S]) as the EAGLE-3
-        unroll yields its steps, all from one forward. `later` (None: every position) are the
-        anchors of the mask slots; `position_ids` keep packed samples apart, as there."""
-        head, (b, t) = self.head, ids.shape
-        first = torch.arange(t, device=ids.device).expand(b, t)
-        places = first if position_ids is None else position_ids
-        anchors, valid = later if later is not None else (first, torch.ones_like(first, dtype=torch.bool))
-        s, m = anchors.shape[1], self.ttt_length - 1
-        at = places.gather(1, anchors)  # each anchor's position in its own sample
-        fused = head.fuse(aux_hidden.to(head.fc.weight.dtype))
-        hidden = torch.cat([fused, head.mask_state().to(fused.dtype).expand(b, m * s, -1)], 1)
-        mask_ids = torch.full((b, m * s), head.mask_token_id, dtype=ids.dtype, device=ids.device)
-        tokens = torch.cat([shift_left(ids, 1, 0), mask_ids], 1)
-        positions = torch.cat([places, *(at + k for k in range(1, m + 1))], 1)
-        attn = slot_attention_mask(first, anchors, t, m, first - places, anchors - at, self.window)
-        out, _ = head.layer(hidden, tokens, positions, attn)
-        yield 0, out[:, :t], first, torch.ones_like(first, dtype=torch.bool)
-        for k in range(1, m + 1):
-            yield k, out[:, t + (k - 1) * s : t + k * s], anchors, valid
+    def step_input(
+        self, k: int, hidden: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot k+1 at the anchors `pos` reads the mask state and the mask token, whatever slot k
+        computed: the slots depend on each other only through attention, so EAGLE-3's unroll
+        computes them, and its branch attention keeps their memory linear in the context."""
+        b, s = pos.shape
+        mask_ids = torch.full((b, s), self.head.mask_token_id, dtype=ids.dtype, device=ids.device)
+        return self.head.mask_state().to(hidden.dtype).expand(b, s, -1), mask_ids
 
     def drafter(self, target) -> tuple[PEagleDrafter, object]:
         return PEagleDrafter(self.head), target

@@ -37,7 +37,7 @@ from data_prep.online_engine import held_parts, served_capture, served_online
 from data_prep.prepare import capture_spec, check_source, prepare
 from data_prep.ranks import Ranks
 from data_prep.store import CapturedDataset, online_capture
-from data_prep.target import Target, resolve_target
+from data_prep.target import Target, check_max_length, resolve_target
 from heads.export.write import export_head, formats_for
 from heads.formats import check_init_from
 from heads.kinds import check_export_formats, head_kind
@@ -228,6 +228,7 @@ def run(cfg: RootConfig) -> dict:
     if decodes_on_static_caches(cfg):
         attention_layout(target.config)  # refused before any weights load
     head_kind(cfg.head.name).check_target(cfg.head, target.config)
+    check_max_length(cfg.data.max_length, target.config)
     check_init_from(cfg, target.config)  # head.init_from: refused before any data stage
     check_served_online(cfg, target)
     model = held_target(cfg, target)

@@ -11,12 +11,14 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conf.schema import DistConfig, Eagle3Config, MedusaConfig, OptimConfig, PEagleConfig
+from conf.schema import DFlashConfig, DistConfig, Eagle3Config, MedusaConfig, OptimConfig, PEagleConfig
 from data_prep.capture import TOP, greedy_ids
+from heads.dflash import DFlashHead
 from heads.eagle3 import Eagle3Head
 from heads.medusa import MedusaHead
 from heads.peagle import PEagleHead
 from trainer.batching import batch_loader
+from trainer.dflash_trainee import DFlashTrainee
 from trainer.distributed import build_accelerator
 from trainer.eagle3_trainee import Eagle3Trainee
 from trainer.health import NonFiniteWatch
@@ -151,6 +153,14 @@ def peagle(
     lm_head = model.get_output_embeddings().weight
     trainee = PEagleTrainee(head, lm_head, slots, 0.8, anchor_fraction=anchor_fraction)
     return trainee, ("aux_hidden", "final_hidden", TOP)
+
+
+def dflash(model, aux: tuple[int, ...] = (2, 4, 5), anchors_per_sample: int = 32):
+    """A one-layer DFlash trainee (blocks of 4, mask token 3; more anchors than the samples' answer
+    positions take every one) and the captured fields it reads."""
+    cfg = DFlashConfig(num_layers=1, aux_layer_ids=list(aux), anchors_per_sample=anchors_per_sample)
+    head = DFlashHead.from_target(model, "tiny", cfg, mask_token_id=3)
+    return DFlashTrainee(head, anchors_per_sample), ("aux_hidden", "final_hidden")
 
 
 def medusa1(model):

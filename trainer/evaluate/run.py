@@ -19,7 +19,7 @@ import torch
 from conf.errors import UserError
 from conf.schema import EvalConfig, RootConfig
 from data_prep.masks import attention_layout
-from data_prep.target import Target, eos_token_ids, input_device, resolve_target
+from data_prep.target import Target, eos_token_ids, input_device, resolve_target, target_context
 from heads.formats import folder_kind, load_for_decoding
 from heads.kinds import head_kind
 from trainer.decoding import (
@@ -128,11 +128,6 @@ def slide(drafter, window: int | None, kind: str) -> None:
         raise UserError(f"eval.sliding_window={window}: a {kind} head has no attention to slide; "
                         "set eval.sliding_window=null")
     drafter.window = window
-
-
-def target_context(config) -> int:
-    """The tokens the target's positions reach (`max_position_embeddings`)."""
-    return int(getattr(config, "max_position_embeddings", None) or 2**31)
 
 
 def eval_prompts(cfg: RootConfig, target: Target) -> list[tuple[str, torch.Tensor]]:

@@ -204,3 +204,15 @@ def test_conversations_the_template_refuses_are_counted_and_most_refused_is_one_
     most = r"mixtral.*5 of 6 assistant turns could not be trained \(first at .*some.jsonl:1"
     with pytest.raises(UserError, match=most):
         prepare(tiny_prep_config(tiny_llama_dir, src, tmp_path / "c", f"data.chat_template={MIXTRAL}"))
+
+
+def test_max_length_past_the_targets_context_is_one_line(tiny_llama_dir, source, tmp_path):
+    from transformers import AutoConfig
+
+    context = AutoConfig.from_pretrained(tiny_llama_dir).max_position_embeddings
+    cfg = tiny_prep_config(tiny_llama_dir, source, tmp_path, f"data.max_length={context + 1}")
+    line = rf"^data\.max_length={context + 1}: the target holds {context} positions"
+    with pytest.raises(UserError, match=line):
+        prepare(cfg)
+    assert not list(tmp_path.rglob("manifest.json"))
+    assert prepare(tiny_prep_config(tiny_llama_dir, source, tmp_path, f"data.max_length={context}")).samples

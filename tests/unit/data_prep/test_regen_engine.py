@@ -60,6 +60,31 @@ def test_greedy_matches_generate_with_refills_and_early_eos(chaotic):
         assert sum(g == w for g, w in zip(got, want)) >= 24
 
 
+def test_slots_shrink_to_the_free_memory_and_write_the_same(chaotic, monkeypatch):
+    """Long prompts on a small machine: an engine keeps the slots whose caches fit (the host's
+    free memory stands in here as a small number), and writes what it writes with all of them."""
+    model, tok = chaotic
+    prompts, new = chat(tok, 8, seed=5), 10
+    want = generate(model, prompts, max_new_tokens=new, batch_size=8, eos_token_ids=[])
+    longest = max(map(len, prompts)) + new
+    per_token = regen_engine.slot_bytes_per_token(model.config, model.dtype, 0)
+    c = model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    assert per_token == 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4
+    made, init = [], regen_engine.SlotCache.__init__
+
+    def counted(self, slots, *args):
+        made.append(slots)
+        init(self, slots, *args)
+
+    monkeypatch.setattr(regen_engine.SlotCache, "__init__", counted)
+    free = int(3 * longest * per_token / regen_engine.CACHE_SHARE)  # three slots' caches
+    monkeypatch.setattr(regen_engine, "free_bytes", lambda device: free)
+    assert generate(model, prompts, max_new_tokens=new, batch_size=8, eos_token_ids=[]) == want
+    assert made == [3 + 1]  # and the shared prefix's spare slot
+    assert regen_engine.slots_that_fit(8, longest, per_token, 0) == 1  # one row always runs
+
+
 def test_engine_without_a_compiler_writes_the_same_on_pytorch_attention(chaotic, monkeypatch):
     model, tok = chaotic
     prompts, new = chat(tok, 8, seed=3), 12

@@ -27,6 +27,7 @@ from heads.medusa import MedusaHead
 from tests.support.decode import chaotic_target
 from tests.support.runs import tiny_run_config, train_losses
 from tests.support.syncs import assert_steps_never_sync
+from tests.support.syncs import dflash as dflash_trainee
 from tests.support.syncs import eagle3 as eagle3_trainee
 from tests.support.syncs import peagle as peagle_trainee
 from trainer.batching import (
@@ -86,6 +87,13 @@ def peagle(model):
     return peagle_trainee(model, draft=200, aux=AUX, slots=4, anchor_fraction=1.0)
 
 
+def dflash(model):
+    """Every answer position an anchor: the draw is seeded by the batch's tokens, which packing
+    reorders."""
+    torch.manual_seed(0)
+    return dflash_trainee(model, aux=AUX)
+
+
 def medusa1(model):
     torch.manual_seed(0)
     head = MedusaHead.from_target(model, "tiny", MedusaConfig(num_heads=3))
@@ -114,7 +122,8 @@ def floats(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "build", [eagle3, medusa1, medusa2, peagle], ids=["eagle3-ttt4", "medusa1", "medusa2", "peagle-k4"]
+    "build", [eagle3, medusa1, medusa2, peagle, dflash],
+    ids=["eagle3-ttt4", "medusa1", "medusa2", "peagle-k4", "dflash"],
 )
 def test_packed_batch_gives_each_sample_its_unpacked_loss(target, build):
     trainee, fields = build(target)
@@ -181,7 +190,8 @@ def test_online_capture_of_packed_rows_equals_each_sample_alone(target):
 
 
 @pytest.mark.parametrize(
-    "build", [eagle3, medusa1, medusa2, peagle], ids=["eagle3", "medusa1", "medusa2", "peagle"]
+    "build", [eagle3, medusa1, medusa2, peagle, dflash],
+    ids=["eagle3", "medusa1", "medusa2", "peagle", "dflash"],
 )
 def test_packed_training_steps_never_sync(target, build, tmp_path):
     trainee, fields = build(target)

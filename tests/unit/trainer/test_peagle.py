@@ -16,12 +16,7 @@ from heads.peagle import PEagleHead
 from tests.support.decode import chaotic_target
 from trainer.decoding import Chain, Sampling, Tree, speculative_generate
 from trainer.decoding.peagle import PEagleDrafter
-from trainer.peagle_trainee import (
-    PEagleTrainee,
-    peagle_batch_index,
-    peagle_drafter,
-    slot_attention_mask,
-)
+from trainer.peagle_trainee import PEagleTrainee, peagle_batch_index, peagle_drafter
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 AUX = [1, 2, 3]
@@ -89,20 +84,38 @@ def test_one_forward_draft_equals_the_trainees_slots(target, window):
         assert draft.tokens.tolist() == [int(head.to_target_ids(w.argmax())) for w in want]
 
 
-def test_slot_mask_is_the_peers_rule_on_packed_rows():
-    """Slot k at anchor a sees slot 1 of every position b <= a of its document, and slots 2..k of
-    its own anchor: speculators' and SpecForge's `peagle_mask_mod`, and vLLM's causal draft."""
-    places = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0]])  # two packed documents and a pad
-    t, first = 8, torch.arange(8)[None]
-    anchors = torch.tensor([[1, 2, 5, 6]])
-    at = places.gather(1, anchors)
-    mask = slot_attention_mask(first, anchors, t, 2, first - places, anchors - at)[0, 0]
-    rows = [(0, p) for p in range(t)] + [(k, int(a)) for k in (1, 2) for a in anchors[0]]
-    doc = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2])
-    for i, (kq, aq) in enumerate(rows):
-        for j, (kk, ak) in enumerate(rows):
-            rule = (kk == 0 and ak <= aq and doc[ak] == doc[aq]) or (kk > 0 and ak == aq and kk <= kq)
-            assert bool(mask[i, j]) == rule, (rows[i], rows[j])
+def peers_mask(doc: torch.Tensor, anchors: list[int], slots: int) -> torch.Tensor:
+    """Bool [R,R] over [slot 1 of every position | slot k of each anchor, k = 2..slots]: slot k at
+    anchor a sees slot 1 of every position b <= a of its document, and slots 2..k of its own
+    anchor (speculators' and SpecForge's `peagle_mask_mod`, and vLLM's causal draft)."""
+    rows = [(0, p) for p in range(len(doc))] + [(k, a) for k in range(1, slots) for a in anchors]
+    return torch.tensor([[(kk == 0 and ak <= aq and doc[ak] == doc[aq]) or (kk > 0 and ak == aq and kk <= kq)
+                          for kk, ak in rows] for kq, aq in rows])
+
+
+@torch.no_grad()
+def test_slots_equal_vllms_one_forward_under_the_peers_mask_on_packed_rows(target):
+    """The unroll (slot by slot, EAGLE-3's branch attention) gives the very outputs of one
+    forward over every slot with the peers' mask, on a row of two packed documents and a pad."""
+    head = fresh_head(target, k=3)
+    trainee = PEagleTrainee(head, target.get_output_embeddings().weight, 3, 0.8)
+    places = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0]])
+    doc = torch.tensor([0] * 6 + [1] * 4 + [2])
+    t, anchors = places.shape[1], [1, 3, 5, 7, 8]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (1, t), generator=g)
+    aux = torch.randn(1, t, 3 * target.config.hidden_size, generator=g)
+    pos = torch.tensor([anchors])
+    steps = list(trainee.unroll_gathered(aux, ids, (pos, torch.ones_like(pos, dtype=torch.bool)), places))
+    at = places[0, anchors]
+    hidden = torch.cat([head.fuse(aux), head.mask_state().expand(1, 2 * len(anchors), -1)], 1)
+    tokens = torch.cat([torch.cat([ids[:, 1:], ids[:, :1] * 0], 1), torch.full((1, 2 * len(anchors)), 7)], 1)
+    positions = torch.cat([places[0], at + 1, at + 2])[None]
+    out, _ = head.layer(hidden, tokens, positions, peers_mask(doc, anchors, 3)[None, None])
+    n = len(anchors)
+    for k, got, _, _ in steps:
+        want = out[:, :t] if k == 0 else out[:, t + (k - 1) * n : t + k * n]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=f"slot {k + 1}")
 
 
 def test_anchor_sample_is_seeded_and_only_sampled_anchors_count():

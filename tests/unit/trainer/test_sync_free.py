@@ -20,6 +20,7 @@ from data_prep.target import load_target
 from tests.support.syncs import (
     assert_steps_never_sync,
     counting_syncs,
+    dflash,
     eagle3,
     medusa1,
     medusa2,
@@ -51,7 +52,8 @@ def target(tiny_llama_dir):
 
 
 @pytest.mark.parametrize(
-    "build", [eagle3, medusa1, medusa2, peagle], ids=["eagle3", "medusa1", "medusa2-lora", "peagle"]
+    "build", [eagle3, medusa1, medusa2, peagle, dflash],
+    ids=["eagle3", "medusa1", "medusa2-lora", "peagle", "dflash"],
 )
 def test_training_steps_never_sync(target, build, tmp_path):
     torch.manual_seed(0)
