@@ -98,6 +98,12 @@ class CaptureSpec:
             raise ValueError("CaptureSpec: target_top is computed from the final layer; capture it")
 
     @property
+    def layers(self) -> tuple[int, ...]:
+        """The transformers `hidden_states` indices it reads: aux layers, then the final."""
+        final = () if self.final_layer_id is None else (self.final_layer_id,)
+        return (*self.aux_layer_ids, *final)
+
+    @property
     def needs_forward(self) -> bool:
         return bool(self.aux_layer_ids) or self.final_layer_id is not None
 

@@ -54,9 +54,8 @@ class StateStore:
 
     @property
     def layers(self) -> tuple[int, ...]:
-        """The transformers `hidden_states` indices the engine keeps: aux layers, then the final."""
-        final = () if self.spec.final_layer_id is None else (self.spec.final_layer_id,)
-        return (*self.spec.aux_layer_ids, *final)
+        """The transformers `hidden_states` indices the engine keeps: the spec's."""
+        return self.spec.layers
 
     def keep(self, ids: list[int], states: torch.Tensor) -> None:
         """Store the fields of the conversation `ids` from its states [T, layers, H]; states

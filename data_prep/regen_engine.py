@@ -331,6 +331,15 @@ def slots_that_fit(slots: int, max_len: int, per_token: int, free: int) -> int:
     return max(1, min(slots, int(free * CACHE_SHARE) // (max_len * per_token)))
 
 
+def planned_slots(model, batch_size: int, workers: int, max_len: int, kept_layers: int) -> int:
+    """The rows `generate` decodes at once (over its `workers` engines) for prompts and answers
+    up to `max_len` positions, as the free memory bounds them now: what the planner prices
+    regeneration at (`trainer.plan`), since at long contexts it is far below `batch_size`."""
+    per_token = slot_bytes_per_token(model.config, model.dtype, kept_layers)
+    free = free_bytes(input_device(model)) // workers
+    return workers * slots_that_fit(batch_size // workers, max_len, per_token, free)
+
+
 def free_bytes(device: torch.device) -> int:
     """The memory free on `device`: the GPU's, else the host's available memory."""
     if device.type == "cuda":

@@ -81,9 +81,9 @@ from conf.schema import OptimConfig, RootConfig, derive
 from conf.sizes import Sizes
 from data_prep.keys import regen_cache_file
 from data_prep.onepass import one_pass
-from data_prep.prepare import prepare
+from data_prep.prepare import capture_spec, prepare
 from data_prep.regen_cost import StepCost, generate_seconds
-from data_prep.regen_engine import default_workers, timed_steps
+from data_prep.regen_engine import default_workers, planned_slots, timed_steps
 from data_prep.regenerate import read_cache
 from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target
@@ -330,7 +330,11 @@ def _regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> dict:
     if not d.regenerate.enabled:
         return probed
     cache = regen_cache_file(cfg, target.identity, target.chat_template)
-    k = max(PROBE_SAMPLES, d.regenerate.batch_size // d.regenerate.num_samples)
+    r = d.regenerate
+    workers = r.workers or default_workers(target.model, r.batch_size)
+    kept = len(capture_spec(cfg, target.identity["num_hidden_layers"]).layers) if one_pass(cfg) else 0
+    slots = planned_slots(target.model, r.batch_size, workers, d.max_length, kept)  # few at long contexts
+    k = max(PROBE_SAMPLES, slots // r.num_samples)
     before = read_cache(cache).keys()
     with timed_steps() as timings:
         # The first long wait of a run, and often all its regeneration (a small budget's plan
@@ -341,9 +345,7 @@ def _regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> dict:
     probed["cached"] = len(answered)  # the probe's answers included: the run reuses them
     cost = StepCost.fit(timings)
     if cost is not None:
-        r = d.regenerate
-        shape = RegenShape(cost, answer_rounds(answered), len(answered), r.batch_size,
-                           r.workers or default_workers(target.model, r.batch_size))
+        shape = RegenShape(cost, answer_rounds(answered), len(answered), slots, workers)
         probed_now = answer_rounds({uid: turns for uid, turns in answered.items() if uid not in before})
         replayed = shape.replay(probed_now)
         probed["shape"] = replace(shape, scale=data.stats.regenerate_seconds / replayed if replayed else 1.0)
