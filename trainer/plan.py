@@ -320,10 +320,12 @@ def answer_rounds(answered: dict[str, list[dict]]) -> list[list[tuple[int, int]]
 
 
 def _regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> dict:
-    """The first `batch_size` conversations regenerated into the cache (their ids into a
-    throwaway online folder): new tokens/s, new and row tokens per conversation, how many
-    conversations the cache holds now (free for the run: the probe's among them), how many
-    were probed, and the engine's `RegenShape` (None: another backend, or nothing to time)."""
+    """The first conversations regenerated into the cache, as many as the engine holds at once
+    (`planned_slots`), at least `PROBE_SAMPLES` (their ids into a throwaway online folder), and
+    the next as many where all of those were cached already: new tokens/s, new and row tokens
+    per conversation, how many conversations the cache holds now (free for the run: the probe's
+    among them), how many were probed, and the engine's `RegenShape` (None: another backend, or
+    nothing to time)."""
     d = cfg.data
     probed = {"rate": math.inf, "answer_tokens": 0.0, "row_tokens": None, "cached": 0, "samples": 0,
               "shape": None}
@@ -336,11 +338,17 @@ def _regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> dict:
     slots = planned_slots(target.model, r.batch_size, workers, d.max_length, kept)  # few at long contexts
     k = max(PROBE_SAMPLES, slots // r.num_samples)
     before = read_cache(cache).keys()
-    with timed_steps() as timings:
-        # The first long wait of a run, and often all its regeneration (a small budget's plan
-        # reuses the probe's answers): its bar draws as the run's would.
-        probe = _probe_config(cfg, k, "online", run_dir, cfg.logging.progress)
-        data = prepare(probe, target=target, keep_states=one_pass(cfg))
+    # A warm cache may hold every probed answer, which leaves the rate unknown and regeneration
+    # priced free; then the next k conversations are probed too (the run answers them as well).
+    for size in (k, len(before) + k) if before else (k,):
+        with timed_steps() as timings:
+            # The first long wait of a run, and often all its regeneration (a small budget's plan
+            # reuses the probe's answers): its bar draws as the run's would.
+            probe = _probe_config(cfg, size, "online", run_dir, cfg.logging.progress)
+            data = prepare(probe, target=target, keep_states=one_pass(cfg))
+        if data.stats.regenerated_tokens:
+            break
+        shutil.rmtree(data.path, ignore_errors=True)
     answered = read_cache(cache)
     probed["cached"] = len(answered)  # the probe's answers included: the run reuses them
     cost = StepCost.fit(timings)

@@ -1,18 +1,26 @@
-"""The time budget (`trainer/plan.py`): the plan's arithmetic, and the main job on a tiny target
-finishing within a 2-minute budget with the plan it printed, while explicit sizes win."""
+"""The time budget (`trainer/plan.py`): the plan's arithmetic, and the regeneration probe on a
+warm cache."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from data_prep.keys import regen_cache_file
 from data_prep.regen_cost import StepCost
+from data_prep.regenerate import read_cache
+from data_prep.target import resolve_target
+from tests.support.runs import conversations, tiny_prep_config
 from trainer.plan import (
     MARGIN,
     MAX_EPOCHS,
     MIN_CONVERSATIONS,
+    PROBE_SAMPLES,
     Rates,
     RegenShape,
     Schedule,
+    _regeneration_probe,
     fit_steps,
     make_plan,
     train_cost,
@@ -113,3 +121,20 @@ def test_the_recheck_trims_steps_and_grows_epochs_only_when_data_ran_short():
     assert fit_steps(70, 2.0, 10.0, 10, 2, short_of_data=True) == (3, 30)
 
 
+
+
+def test_a_warm_cache_still_times_regeneration(tiny_llama_dir, tmp_path):
+    """The regeneration probe on a cache holding every answer it would probe times the next
+    conversations instead (a rate left unknown priced regeneration free, and a long-context run
+    planned hundreds of conversations it then had to regenerate)."""
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in conversations(3 * PROBE_SAMPLES)))
+    cfg = tiny_prep_config(tiny_llama_dir, source, tmp_path / "cache", "data.regenerate.enabled=true",
+                           "data.regenerate.max_new_tokens=4", "data.regenerate.batch_size=8")
+    target = resolve_target(cfg)
+    cold = _regeneration_probe(cfg, target, tmp_path / "run")
+    assert cold["cached"] == PROBE_SAMPLES and 0 < cold["rate"] < float("inf")
+    warm = _regeneration_probe(cfg, target, tmp_path / "run")
+    assert warm["cached"] == 2 * PROBE_SAMPLES and 0 < warm["rate"] < float("inf")
+    assert warm["shape"] is not None
+    assert len(read_cache(regen_cache_file(cfg, target.identity, target.chat_template))) == 2 * PROBE_SAMPLES
