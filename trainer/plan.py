@@ -340,7 +340,7 @@ def _regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> dict:
     before = read_cache(cache).keys()
     # A warm cache may hold every probed answer, which leaves the rate unknown and regeneration
     # priced free; then the next k conversations are probed too (the run answers them as well).
-    for size in (k, len(before) + k) if before else (k,):
+    for size in (k, 2 * k) if before else (k,):
         with timed_steps() as timings:
             # The first long wait of a run, and often all its regeneration (a small budget's plan
             # reuses the probe's answers): its bar draws as the run's would.
