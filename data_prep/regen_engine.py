@@ -331,13 +331,17 @@ def slots_that_fit(slots: int, max_len: int, per_token: int, free: int) -> int:
     return max(1, min(slots, int(free * CACHE_SHARE) // (max_len * per_token)))
 
 
-def planned_slots(model, batch_size: int, workers: int, max_len: int, kept_layers: int) -> int:
-    """The rows `generate` decodes at once (over its `workers` engines) for prompts and answers
-    up to `max_len` positions, as the free memory bounds them now: what the planner prices
-    regeneration at (`trainer.plan`), since at long contexts it is far below `batch_size`."""
+def engine_slots(model, slots: int, engines: int, max_len: int, kept_layers: int) -> int:
+    """One of `engines` engines' `slots` for prompts and answers up to `max_len` positions, as
+    the free memory, shared by the engines, bounds them now (`slots_that_fit`)."""
     per_token = slot_bytes_per_token(model.config, model.dtype, kept_layers)
-    free = free_bytes(input_device(model)) // workers
-    return workers * slots_that_fit(batch_size // workers, max_len, per_token, free)
+    return slots_that_fit(slots, max_len, per_token, free_bytes(input_device(model)) // engines)
+
+
+def planned_slots(model, batch_size: int, workers: int, max_len: int, kept_layers: int) -> int:
+    """The rows `generate` decodes at once (over its `workers` engines): what the planner prices
+    regeneration at (`trainer.plan`), since at long contexts it is far below `batch_size`."""
+    return workers * engine_slots(model, batch_size // workers, workers, max_len, kept_layers)
 
 
 def free_bytes(device: torch.device) -> int:
@@ -440,9 +444,7 @@ def generate(
         return []
     shares, slots = engine_shares(len(prompts), batch_size, workers or default_workers(model, batch_size))
     kept = len(kept_layers) if on_states is not None else 0
-    longest = max(map(len, prompts)) + max_new_tokens
-    per_token = slot_bytes_per_token(model.config, model.dtype, kept)
-    slots = slots_that_fit(slots, longest, per_token, free_bytes(input_device(model)) // len(shares))
+    slots = engine_slots(model, slots, len(shares), max(map(len, prompts)) + max_new_tokens, kept)
     results: list[list[int]] = [[] for _ in prompts]
     eos = set(eos_token_ids)  # once: an iterator would be spent by the first engine
     lock = threading.Lock()
