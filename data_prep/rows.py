@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 
 from conf.errors import UserError
-from conf.schema import RootConfig
+from conf.schema import RootConfig, derive
 from conf.sizes import Sizes
 from data_prep.keys import matmul_dtype, regen_cache_file
 from data_prep.onepass import StateStore
 from data_prep.ranks import SINGLE, Ranks
 from data_prep.regenerate import backend_answerer, regenerate_shares
-from data_prep.sources import Sample, iter_samples, prompt_uid, row_uid, split_hash
+from data_prep.sources import Sample, answer_uid, iter_samples, prompt_uid, row_uid, split_hash
 from data_prep.stats import PrepStats
 from data_prep.store import TokenSpill
 from data_prep.target import Target
@@ -51,6 +51,48 @@ def select_samples(cfg: RootConfig, tpl: ChatTemplate, stats: PrepStats) -> Iter
 
         samples = filter(fits, samples)
     return itertools.islice(samples, Sizes.of(cfg).conversations or None)
+
+
+Spans = tuple[tuple[int, int], ...]  # [start, end) positions among the selected samples
+
+
+def cached_spans(cfg: RootConfig, tpl: ChatTemplate, cache: Collection[str]) -> Spans:
+    """The runs of positions, in the order a data folder selects its samples (`select_samples`
+    with no `max_samples`), whose every answer (`answer_uid`) the regeneration cache holds.
+
+    The plan counts these conversations as free. They are seldom the first n: a multi-turn
+    regeneration answers round by round, so a killed or smaller run leaves the one-turn
+    conversations of its range cached and its long ones not (a long-context run counted 155
+    cached conversations as its first 155 and regenerated three times what it planned). The
+    source is read until every cached prompt is placed, or a few times the cache's size past it
+    (entries of another selection are then left out: priced as new)."""
+    answers = cfg.data.regenerate.num_samples
+    everything = derive(cfg, {"data.max_samples": 0})
+    spans: list[list[int]] = []
+    found, limit = 0, 4 * len(cache) // answers + 1000
+    for i, s in enumerate(select_samples(everything, tpl, PrepStats())):
+        if found * answers >= len(cache) or i >= limit:
+            break
+        if all(answer_uid(s.uid, k) in cache for k in range(answers)):
+            found += 1
+            if spans and spans[-1][1] == i:
+                spans[-1][1] = i + 1
+            else:
+                spans.append([i, i + 1])
+    return tuple((a, b) for a, b in spans)
+
+
+def cached_before(spans: Spans, n: int) -> int:
+    """How many of the first `n` selected samples are cached."""
+    return sum(max(0, min(b, n) - a) for a, b in spans)
+
+
+def uncached_prefix(spans: Spans, k: int) -> int:
+    """The fewest first samples that hold `k` uncached ones."""
+    n = k
+    while n - cached_before(spans, n) < k:
+        n += k - (n - cached_before(spans, n))
+    return n
 
 
 def iter_rows(

@@ -4,9 +4,11 @@ A head's acceptance follows its data, and what a budget buys depends on the targ
 machine (bf16 GEMMs or not, a GPU or two cores), so the plan is made from rates measured where it
 runs, before the data stage:
 
-1. regeneration: the first `regenerate.batch_size` conversations are answered by the engine, as
-   the data stage would (their answers land in the regeneration cache, so the probe costs nothing
-   the run would not spend anyway). The engine times its steps, and the plan prices the run's
+1. regeneration: the first conversations the regeneration cache lacks, as many as the engine
+   holds at once (`planned_slots`, at least `PROBE_SAMPLES`), are answered by the engine, as the
+   data stage would (their answers land in the cache, so the probe costs nothing the run would
+   not spend anyway; the cached conversations are free, counted where they are among the
+   selected ones, `data_prep.rows.cached_spans`). The engine times its steps, and the plan prices the run's
    regeneration by replaying the engine's schedule for that many more answers like the probe's
    (`RegenShape`, `data_prep.regen_cost`): one batch runs at another rate than a batch and a
    half, whose last half thins. Another backend (vLLM, servers) is priced at the probe's rate;
@@ -85,6 +87,7 @@ from data_prep.prepare import capture_spec, prepare
 from data_prep.regen_cost import StepCost, generate_seconds
 from data_prep.regen_engine import default_workers, planned_slots, timed_steps
 from data_prep.regenerate import read_cache
+from data_prep.rows import Spans, cached_before, cached_spans, uncached_prefix
 from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target
 from heads.kinds import head_kind
@@ -122,7 +125,7 @@ class Rates:
     row_tokens: float  # tokens per conversation in the data folder (prompts and answers)
     evaluate_s: float
     export_s: float
-    cached_conversations: int  # answers already in the regeneration cache (free)
+    cached_spans: Spans  # the selected conversations the regeneration cache holds (free)
     probe_s: float  # the probes' own time, spent before the plan
     # the regeneration engine's fitted step cost (`regen_cost.StepCost`); None: another backend
     regenerate_step_cost: dict | None = None
@@ -236,14 +239,14 @@ def train_cost(rates: Rates, rows: float, schedule: Schedule) -> tuple[float, in
 def make_plan(budget_s: float, spent_s: float, rates: Rates, schedule: Schedule,
               shape: RegenShape | None = None) -> Plan:
     """The most conversations whose stages fit the budget less `MARGIN`, the probes, evaluation
-    and export. Conversations up to `rates.cached_conversations` cost no regeneration; the rest
+    and export. Conversations in `rates.cached_spans` cost no regeneration; the rest
     cost what `shape` says the engine takes for them, else (another backend) the probe's rate."""
     answers = schedule.answers
     capture = answers * rates.row_tokens / rates.capture_tokens_per_s
     left = budget_s * (1 - MARGIN) - spent_s - rates.evaluate_s - rates.export_s
 
     def regen_s(n: int) -> float:
-        uncached = max(0, n - rates.cached_conversations)
+        uncached = n - cached_before(rates.cached_spans, n)
         if shape is not None:
             return shape.seconds(uncached * answers)
         return uncached * answers * rates.answer_tokens / rates.regenerate_tokens_per_s
@@ -320,50 +323,45 @@ def answer_rounds(answered: dict[str, list[dict]]) -> list[list[tuple[int, int]]
 
 
 def _regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> dict:
-    """The first conversations regenerated into the cache, as many as the engine holds at once
-    (`planned_slots`), at least `PROBE_SAMPLES` (their ids into a throwaway online folder), and
-    the next as many where all of those were cached already: new tokens/s, new and row tokens
-    per conversation, how many conversations the cache holds now (free for the run: the probe's
-    among them), how many were probed, and the engine's `RegenShape` (None: another backend, or
-    nothing to time)."""
+    """The first conversations regenerated into the cache, up to as many new ones as the engine
+    holds at once (`planned_slots`), at least `PROBE_SAMPLES` (their ids into a throwaway online
+    folder): a warm cache's answers are passed over, not taken for the probe (all cached, the
+    rate stays unknown and regeneration is priced free). Returns the new tokens/s, new tokens per
+    new conversation, the row tokens per conversation, which selected conversations the cache
+    holds now (`cached_spans`: free for the run, the probe's among them), how many were probed,
+    and the engine's `RegenShape` (None: another backend, or nothing to time)."""
     d = cfg.data
-    probed = {"rate": math.inf, "answer_tokens": 0.0, "row_tokens": None, "cached": 0, "samples": 0,
+    probed = {"rate": math.inf, "answer_tokens": 0.0, "row_tokens": None, "cached": (), "samples": 0,
               "shape": None}
     if not d.regenerate.enabled:
         return probed
-    cache = regen_cache_file(cfg, target.identity, target.chat_template)
+    tpl = target.chat_template
+    cache = regen_cache_file(cfg, target.identity, tpl)
     r = d.regenerate
     workers = r.workers or default_workers(target.model, r.batch_size)
     kept = len(capture_spec(cfg, target.identity["num_hidden_layers"]).layers) if one_pass(cfg) else 0
     slots = planned_slots(target.model, r.batch_size, workers, d.max_length, kept)  # few at long contexts
-    k = max(PROBE_SAMPLES, slots // r.num_samples)
-    before = read_cache(cache).keys()
-    # A warm cache may hold every probed answer, which leaves the rate unknown and regeneration
-    # priced free; then the next k conversations are probed too (the run answers them as well).
-    for size in (k, 2 * k) if before else (k,):
-        with timed_steps() as timings:
-            # The first long wait of a run, and often all its regeneration (a small budget's plan
-            # reuses the probe's answers): its bar draws as the run's would.
-            probe = _probe_config(cfg, size, "online", run_dir, cfg.logging.progress)
-            data = prepare(probe, target=target, keep_states=one_pass(cfg))
-        if data.stats.regenerated_tokens:
-            break
-        shutil.rmtree(data.path, ignore_errors=True)
+    before = read_cache(cache)
+    size = uncached_prefix(cached_spans(cfg, tpl, before), max(PROBE_SAMPLES, slots // r.num_samples))
+    with timed_steps() as timings:
+        # The first long wait of a run, and often all its regeneration (a small budget's plan
+        # reuses the probe's answers): its bar draws as the run's would.
+        probe = _probe_config(cfg, size, "online", run_dir, cfg.logging.progress)
+        data = prepare(probe, target=target, keep_states=one_pass(cfg))
     answered = read_cache(cache)
-    probed["cached"] = len(answered)  # the probe's answers included: the run reuses them
+    probed["cached"] = cached_spans(cfg, tpl, answered)  # the probe's answers included: the run reuses them
     cost = StepCost.fit(timings)
     if cost is not None:
         shape = RegenShape(cost, answer_rounds(answered), len(answered), slots, workers)
-        probed_now = answer_rounds({uid: turns for uid, turns in answered.items() if uid not in before})
-        replayed = shape.replay(probed_now)
+        new = {uid: turns for uid, turns in answered.items() if uid not in before}
+        replayed = shape.replay(answer_rounds(new))
         probed["shape"] = replace(shape, scale=data.stats.regenerate_seconds / replayed if replayed else 1.0)
     probed["row_tokens"], probed["samples"] = data.tokens_per_sample, data.samples
     shutil.rmtree(data.path, ignore_errors=True)
     made = data.stats.regenerated_tokens
-    if made:  # else every probed answer was cached: the probe range is free, its rate unknown
-        answered = max(1, data.samples - data.stats.regenerated_from_cache)
+    if made:  # else the source held nothing more to answer: the rate stays unknown
         probed["rate"] = data.regenerate_tokens_per_s
-        probed["answer_tokens"] = made / answered
+        probed["answer_tokens"] = made / max(1, len(answered) - len(before))
     return probed
 
 
@@ -515,7 +513,7 @@ def measure(cfg: RootConfig, target: Target) -> tuple[Rates, RegenShape | None]:
         **trained,
         evaluate_s=evaluate_s,
         export_s=formats * (2 + head_bytes / EXPORT_BYTES_PER_S),
-        cached_conversations=regenerated["cached"],
+        cached_spans=regenerated["cached"],
         probe_s=time.perf_counter() - started,
     ), shape
 

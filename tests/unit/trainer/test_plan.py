@@ -10,6 +10,7 @@ import pytest
 from data_prep.keys import regen_cache_file
 from data_prep.regen_cost import StepCost
 from data_prep.regenerate import read_cache
+from data_prep.rows import cached_spans, uncached_prefix
 from data_prep.target import resolve_target
 from tests.support.runs import conversations, tiny_prep_config
 from trainer.plan import (
@@ -32,7 +33,7 @@ def rates(**kw) -> Rates:
     base = dict(regenerate_tokens_per_s=100.0, capture_tokens_per_s=1000.0, train_tokens_per_s=500.0,
                 tokens_per_step=1000.0, validate_s_per_token=0.0, save_best_s=0.0, checkpoint_s=0.0,
                 answer_tokens=200.0, row_tokens=300.0, evaluate_s=60.0, export_s=10.0,
-                cached_conversations=0, probe_s=30.0)
+                cached_spans=(), probe_s=30.0)
     return Rates(**{**base, **kw})
 
 
@@ -52,11 +53,16 @@ def test_the_plan_fills_the_budget_less_the_margin():
 
 def test_cached_answers_are_free():
     cold = plan()
-    warm = plan(cached_conversations=200)
+    warm = plan(cached_spans=((0, 200),))
     # the 200 cached conversations save 2 s each, spent on more conversations at 3.5 s
     assert warm.conversations == pytest.approx(cold.conversations + 200 * 2 / 3.5, abs=1)
     assert warm.regenerate_s == pytest.approx(2 * (warm.conversations - 200))
-    everything = plan(cached_conversations=10**6)
+    # cached where they are: 200 cached beyond the conversations the plan can buy save nothing,
+    # and 100 cached among them save what 100 do
+    assert plan(cached_spans=((10**5, 10**5 + 200),)) == cold
+    scattered = plan(cached_spans=((50, 100), (150, 200)))
+    assert scattered.regenerate_s == pytest.approx(2 * (scattered.conversations - 100))
+    everything = plan(cached_spans=((0, 10**6),))
     assert everything.regenerate_s == 0 and everything.conversations == int((1200 * (1 - MARGIN) - 130) / 1.5)
 
 
@@ -69,7 +75,7 @@ def test_the_engines_regeneration_is_priced_by_its_schedule_not_the_probes_rate(
     assert RegenShape(cost, [[(50, 201)] * 4], 4, 4, 1).seconds(6) == pytest.approx((2 * 200 + 2) * 0.01)
     shape = RegenShape(cost, [[(50, 201), (50, 11), (50, 11), (50, 11)]], samples=4, batch_size=4, workers=1)
     assert shape.seconds(4) == pytest.approx(2.01)
-    probe = dict(regenerate_tokens_per_s=234 / 2.01, answer_tokens=234 / 4, cached_conversations=4,
+    probe = dict(regenerate_tokens_per_s=234 / 2.01, answer_tokens=234 / 4, cached_spans=((0, 4),),
                  capture_tokens_per_s=1e9, train_tokens_per_s=1e9)
     by_rate = plan(**probe)
     by_shape = make_plan(1200, 60, rates(**probe), Schedule(2, 1, 1.0, 50, 50), shape)
@@ -124,17 +130,26 @@ def test_the_recheck_trims_steps_and_grows_epochs_only_when_data_ran_short():
 
 
 def test_a_warm_cache_still_times_regeneration(tiny_llama_dir, tmp_path):
-    """The regeneration probe on a cache holding every answer it would probe times the next
-    conversations instead (a rate left unknown priced regeneration free, and a long-context run
-    planned hundreds of conversations it then had to regenerate)."""
+    """The regeneration probe passes over the conversations the cache holds, wherever they are,
+    and answers as many new ones as a cold probe: a rate left unknown priced regeneration free,
+    and cached conversations counted as the first n (a long-context run had 155 cached, scattered
+    by a killed multi-turn run) had it regenerate three times what it planned."""
     source = tmp_path / "chats.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in conversations(3 * PROBE_SAMPLES)))
     cfg = tiny_prep_config(tiny_llama_dir, source, tmp_path / "cache", "data.regenerate.enabled=true",
                            "data.regenerate.max_new_tokens=4", "data.regenerate.batch_size=8")
     target = resolve_target(cfg)
     cold = _regeneration_probe(cfg, target, tmp_path / "run")
-    assert cold["cached"] == PROBE_SAMPLES and 0 < cold["rate"] < float("inf")
+    assert cold["cached"] == ((0, PROBE_SAMPLES),) and 0 < cold["rate"] < float("inf")
+    cache = regen_cache_file(cfg, target.identity, target.chat_template)
+    # keep the answers at even positions (uid: the source's line number), as a killed multi-turn
+    # run leaves them scattered
+    lines = cache.read_text().splitlines(keepends=True)
+    cache.write_text("".join(line for line in lines if int(json.loads(line)["uid"]) % 2 == 1))
+    evens = tuple((i, i + 1) for i in range(0, PROBE_SAMPLES, 2))
+    assert cached_spans(cfg, target.chat_template, read_cache(cache)) == evens
+    assert uncached_prefix(evens, PROBE_SAMPLES) == 3 * PROBE_SAMPLES // 2
     warm = _regeneration_probe(cfg, target, tmp_path / "run")
-    assert warm["cached"] == 2 * PROBE_SAMPLES and 0 < warm["rate"] < float("inf")
+    assert warm["cached"] == ((0, 3 * PROBE_SAMPLES // 2),) and 0 < warm["rate"] < float("inf")
     assert warm["shape"] is not None
-    assert len(read_cache(regen_cache_file(cfg, target.identity, target.chat_template))) == 2 * PROBE_SAMPLES
+    assert len(read_cache(cache)) == 3 * PROBE_SAMPLES // 2
