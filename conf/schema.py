@@ -570,7 +570,7 @@ class Eagle3Config(ObjectiveConfig):
     name: str = "eagle3"
     # Architecture. HF `hidden_states` indices (k = residual stream after k decoder layers).
     # None: the engines' default (2, N//2, N-3), or distinct ids where those collide (fewer than 7
-    # layers: `heads.eagle3.default_aux_layer_ids`); checked against the target's N when it is read.
+    # layers: `heads.eagle3.model.default_aux_layer_ids`); checked against the target's N when it is read.
     aux_layer_ids: list[int] | None = None
     # None: copy the target's values.
     intermediate_size: int | None = None
@@ -584,7 +584,7 @@ class Eagle3Config(ObjectiveConfig):
     # On by default: on the embedded default's data and steps (192 conversations, 117 steps)
     # they raised vLLM's acceptance length on 40 prompts from 1.179 to 1.197 (2026-11-30). fc_norm
     # in place of norm_before_fc scored lower there (vLLM τ 1.253 vs 1.262, 2026-12-02), so it
-    # is off. A head folder saved without them still reads as all off (`heads.eagle3.norm_flags`).
+    # is off. A head folder saved without them still reads as all off (`heads.eagle3.model.norm_flags`).
     # norm_before_fc null (the default): on, unless fc_norm is, so that EAGLE 3.1 is one override
     # (`head.fc_norm=true`, or `+head=eagle3.1`); resolved to a bool when the config is built.
     norm_before_fc: bool | None = None
@@ -636,7 +636,7 @@ class Eagle3Config(ObjectiveConfig):
 class PEagleConfig(Eagle3Config):
     """Hydra group `head/peagle`: an EAGLE-3 head that drafts `parallel_tokens` tokens in one
     forward (P-EAGLE, arXiv 2602.01469; vLLM's `parallel_drafting`). Slot 1 is EAGLE-3's first
-    step; slots 2..K read a mask token and a learned hidden state (`heads.peagle`). Everything
+    step; slots 2..K read a mask token and a learned hidden state (`heads.peagle.model`). Everything
     else (layers, variants, loss, `step_weight` as the weight of slot k) is EAGLE-3's."""
 
     PREFIX: ClassVar[str] = "head"
@@ -708,7 +708,7 @@ class MedusaConfig(ObjectiveConfig):
         self._at_least(0, "joint_head_loss_scale", "head_warmup_steps")
 
 
-# How a DFlash block's positions weigh in its loss (`trainer/dflash_trainee.py`): decay =
+# How a DFlash block's positions weigh in its loss (`trainer/kinds/dflash.py`): decay =
 # exp(-(k-1)/loss_decay) for the k-th drafted slot (the DFlash paper's, SpecForge's and
 # speculators' default); dpace = D-PACE, each slot weighted by the expected acceptance it still
 # leads to, from the head's own confidence on the target's token (speculators' option).
@@ -737,13 +737,13 @@ class DFlashConfig(ObjectiveConfig):
     # Attention inside a block: false = every slot sees the whole block (DFlash's own), true =
     # each slot the slots before it. Written to the export as dflash_config.causal.
     causal: bool = False
-    # HF hidden_states indices like EAGLE-3's (`heads.eagle3.resolve_aux_layer_ids`): null = its
+    # HF hidden_states indices like EAGLE-3's (`heads.eagle3.model.resolve_aux_layer_ids`): null = its
     # default three, so DFlash and EAGLE-3 runs share one data folder. Export writes vLLM's
     # dflash_config.target_layer_ids, one lower.
     aux_layer_ids: list[int] | None = None
     # The input id of the mask slots, embedded with the target's (frozen) embeddings. null = the
     # tokenizer's mask token, else an embedding row past the tokenizer, else its unk, pad or EOS
-    # token (`heads.dflash.default_mask_token_id`): a token chat rows do not hold.
+    # token (`heads.dflash.model.default_mask_token_id`): a token chat rows do not hold.
     mask_token_id: int | None = None
     # None: copy the target's values (the layers' width is the target's hidden size: vLLM shares
     # the target's embeddings and lm_head).
@@ -778,9 +778,40 @@ class DFlashConfig(ObjectiveConfig):
         self._window("block_size")
 
 
+# DSpark's Markov head kinds as the peers name them (speculators' --markov-head-type). vLLM 0.32
+# serves "vanilla" only: its Qwen3 DSpark model holds markov_w1 and markov_w2 and nothing of the
+# gated head's gate or the rnn head's state, so only vanilla is trained here.
+MARKOV_HEADS = ("vanilla",)
+
+
+@dataclass(frozen=True)
+class DSparkConfig(DFlashConfig):
+    """Hydra group `head/dspark`: DFlash plus a Markov logit bias and a confidence head (DSpark, as
+    vLLM 0.32 serves `method: dspark`, `qwen3_dspark.py`, `heads/dspark/`): slot k's logits gain
+    markov_w2 . markov_w1[the token drawn at slot k-1], a rank-`markov_rank` bigram correction that
+    makes each draft depend on the one before it; the confidence head predicts each slot's
+    acceptance (what vLLM's adaptive verification reads). Everything else is DFlash's."""
+
+    name: str = "dspark"
+    markov_rank: int = 256  # speculators' and SpecForge's default
+    markov_head_type: str = "vanilla"
+    # The confidence head: sigmoid(proj([hidden ; markov_w1[prev]])) (`confidence_with_markov`,
+    # else [hidden]), trained by BCE against the slot's overlap with the target, 1 - TV, detached,
+    # at `confidence_weight` beside the draft's loss (speculators' and SpecForge's 1.0).
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+    confidence_weight: float = 1.0
+
+    def check(self) -> None:
+        super().check()
+        self._at_least(1, "markov_rank")
+        self._one_of("markov_head_type", MARKOV_HEADS)
+        self._require("confidence_weight", lambda v: v >= 0, "a value >= 0")
+
+
 # The head config groups by name (`+head=<name>`); each kind's record (`heads.kinds`) holds the rest.
 HEAD_CONFIGS: dict[str, type] = {
-    cls.name: cls for cls in (Eagle3Config, MedusaConfig, PEagleConfig, DFlashConfig)
+    cls.name: cls for cls in (Eagle3Config, MedusaConfig, PEagleConfig, DFlashConfig, DSparkConfig)
 }
 
 

@@ -17,7 +17,7 @@ stored (so it is the argmax of the very logits the teacher reads), through the t
 it computes in data prep (`data.matmul_dtype`), and keeps it as `TOP` (int32 per token,
 `CaptureSpec.target_top`; online, the loop's capture computes it alike on each batch). Training
 then multiplies the stored final hidden state by the draft vocabulary's rows of the lm_head only
-(`trainer.eagle3_trainee.draft_teacher`): at the default 8,192 a sixth of SmolLM2's 49,152 rows,
+(`trainer.kinds.eagle3.draft_teacher`): at the default 8,192 a sixth of SmolLM2's 49,152 rows,
 where every epoch multiplied by all of them before.
 
 What each mode costs. Offline keeps (aux layers + 1) x hidden size x 2 bytes per token in bf16,

@@ -28,7 +28,6 @@ from conf.compose import compose_root
 from conf.errors import UserError
 from conf.files import read_json
 from conf.schema import RootConfig
-from heads.eagle3 import resolve_aux_layer_ids
 from heads.export.core import Tensors, read_folder
 from heads.export.write import detect_format
 from heads.folder import (
@@ -40,6 +39,7 @@ from heads.folder import (
     read_head_meta,
 )
 from heads.kinds import HeadKind, format_kind, saved_head_kind
+from heads.parts import resolve_aux_layer_ids
 
 DRAFTSMITH = "draftsmith"  # the format name of draftsmith's own head folder
 EMBED = "embed_tokens.weight"  # speculators saves the verifier's input embeddings with a head

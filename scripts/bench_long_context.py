@@ -11,7 +11,7 @@ random (what a step costs does not depend on their values; capture is not timed)
 step, then `steps` timed ones (forward, backward, optimizer, as `scripts/bench_train.py` steps).
 The line holds, per length: `peak_rss_mib` (of the whole process: the target's weights included,
 so the growth between lengths is the step's), `tokens_per_s` and `step_s`. What makes memory grow
-linearly rather than quadratically in the length is `heads.eagle3.BRANCH_SCORES`; run the script
+linearly rather than quadratically in the length is `heads.eagle3.model.BRANCH_SCORES`; run the script
 on an older checkout (PYTHONPATH) for the figures before it.
 """
 
@@ -33,7 +33,7 @@ from conf.compose import split_args
 from conf.errors import UserError, exit_on_user_error
 from data_prep.capture import TOP
 from data_prep.target import resolve_target
-from heads import eagle3
+from heads.eagle3 import model as eagle3
 
 OWN_KEYS = ("lengths", "steps", "--one")
 

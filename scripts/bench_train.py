@@ -54,13 +54,13 @@ from data_prep.prepare import capture_spec, draft_vocab_size
 from data_prep.sources import iter_samples
 from data_prep.stats import PrepStats
 from data_prep.target import resolve_target
-from heads.eagle3 import Eagle3Head, draft_layer_config
+from heads.eagle3.model import Eagle3Head, draft_layer_config
 from heads.folder import TargetSpec
 from heads.kinds import head_kind
 from trainer.batching import best_fit_rows, collate, collate_packed
 from trainer.distributed import mixed_precision
-from trainer.eagle3_trainee import Eagle3Trainee
-from trainer.kind_builders import build_trainee
+from trainer.kinds import build_trainee
+from trainer.kinds.eagle3 import Eagle3Trainee
 from trainer.loop import adamw
 from trainer.trainee import Batch, BatchIndex
 

@@ -168,7 +168,7 @@ def ours_on_export(
     from heads.export.write import detect_format, load_export
     from heads.kinds import format_kind
     from trainer.decoding import Chain, speculative_generate
-    from trainer.kind_builders import build_drafter
+    from trainer.kinds import build_drafter
 
     fmt = detect_format(export_dir)
     kind = format_kind(fmt)

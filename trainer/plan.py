@@ -94,7 +94,7 @@ from heads.kinds import head_kind
 from trainer.decoding import GREEDY, greedy_generate, speculative_generate
 from trainer.distributed import build_accelerator
 from trainer.evaluate.run import draft_shape, eval_prompts, load_drafter, pass_schedule, resolve_mode
-from trainer.kind_builders import build_trainee
+from trainer.kinds import build_trainee
 from trainer.loop import fit, steps_per_epoch
 
 MARGIN = 0.06  # of the budget, kept back for the export and the noise in the measured rates

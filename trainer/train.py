@@ -45,7 +45,7 @@ from trainer.checkpoint import checkpoint_step, latest_checkpoint
 from trainer.closing import closing_lines
 from trainer.distributed import build_accelerator
 from trainer.evaluate.run import evaluate
-from trainer.kind_builders import build_trainee
+from trainer.kinds import build_trainee
 from trainer.logger import RunLogger
 from trainer.loop import fit, read_history
 from trainer.plan import note_stop, plan_run, recheck

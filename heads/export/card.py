@@ -1,10 +1,9 @@
 """The README.md written next to every export: Hub metadata, measured acceptance, how to serve.
 
 Pure text assembly from plain dicts, so tests check it without a model; `export_head` gathers the
-facts (eval.json, the run's config, the aux-layer ids per engine) and passes them in, with the
-kind's record for what differs by kind (title, library, serve commands). The kinds' export modules
-import `CardFacts` to write their serve commands, so this module names `HeadKind` for type
-checkers only.
+facts (eval.json, the run's config, the aux-layer ids per engine) and passes them in, with what
+differs by kind from its record (title, library, serve commands): the kinds' export modules import
+`CardFacts` to write their serve commands, so this module imports no kind or record.
 """
 
 from __future__ import annotations
@@ -12,12 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from heads.eagle3 import NORM_FLAGS
-
-if TYPE_CHECKING:
-    from heads.kinds import HeadKind
+from heads.parts import NORM_FLAGS
 
 # Aliases of the project's embedded targets -> their Hub ids (for base_model and serve commands).
 HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -202,21 +197,20 @@ def training_section(training: dict | None) -> str:
     return "\n".join(["## Training", "", *lines, ""])
 
 
-def render(f: CardFacts, kind: HeadKind) -> str:
-    """The card of an export of `kind` (`f.kind` names it): its title, library and serve commands
-    come from the kind's record."""
-    title = kind.title
+def render(f: CardFacts, title: str, library: str, serve: list[str]) -> str:
+    """The card of an export (`f.kind` names its kind): its title, library and serve commands
+    come from the kind's record (`heads.export.write` reads them)."""
     intro = (
         f"{title} for `{hub_id(f.target_name) or f.target_name}`, trained and exported "
         f"(format `{f.fmt}`) with draftsmith. It only speeds up that target: the verifier "
         "decides every token, so outputs are the target's own."
     )
     parts = [
-        front_matter(f, kind.formats[f.fmt].library),
+        front_matter(f, library),
         f"# {title} for {hub_id(f.target_name) or f.target_name}",
         intro,
         acceptance_section(f.eval_report, f.picture),
-        serve_section(kind.serve_lines(f)),
+        serve_section(serve),
         layer_ids_section(f),
         data_section(f.data),
         training_section(f.training),

@@ -71,3 +71,16 @@ def check_layout(tensors: Tensors, expected: dict[str, tuple[int, ...]], where: 
     )
     if unknown or missing or wrong:
         raise UserError(f"{where}: unknown tensors {unknown}, missing {missing}, shapes {wrong}")
+
+
+def legacy_rope(rope_parameters: dict) -> tuple[float, dict | None]:
+    """transformers-5 `rope_parameters` -> (`rope_theta`, `rope_scaling`).
+
+    The legacy pair is what SGLang and TensorRT-LLM read, and transformers 5 (vLLM) converts it
+    back, so one spelling serves every engine.
+    """
+    params = dict(rope_parameters)
+    theta = float(params.pop("rope_theta"))
+    if params.get("rope_type", "default") == "default" and set(params) <= {"rope_type"}:
+        return theta, None
+    return theta, params

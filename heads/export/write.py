@@ -112,7 +112,8 @@ def export_head(
         )
         if facts.picture:
             shutil.copyfile(picture, tmp / PICTURE)
-        (tmp / "README.md").write_text(render(facts, kind))
+        card = render(facts, kind.title, kind.formats[fmt].library, kind.serve_lines(facts))
+        (tmp / "README.md").write_text(card)
     result = {"format": fmt, "out": str(out), **check}
     if push_to_hub:
         from heads.export.hub import push_folder

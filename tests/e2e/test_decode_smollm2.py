@@ -11,7 +11,7 @@ import torch
 from conf.compose import compose_root
 from conf.schema import Eagle3Config, EvalConfig
 from data_prep.target import eos_token_ids, load_target
-from heads.eagle3 import Eagle3Head
+from heads.eagle3.model import Eagle3Head
 from trainer.decoding import Chain, OracleDrafter, Tree, greedy_generate, speculative_generate
 from trainer.evaluate.run import evaluate, greedy_verdict
 from trainer.evaluate.tasks import encode, load_prompts

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from heads.medusa import TARGET_DIR, MedusaHead
+from heads.medusa.model import TARGET_DIR, MedusaHead
 from tests.support.cli import run_train_cli
 from tests.support.runs import tiny_run_args
 

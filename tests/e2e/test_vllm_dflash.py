@@ -25,8 +25,8 @@ from conf.schema import EvalConfig
 from data_prep.target import eos_token_ids, load_target
 from heads.export.write import export_head
 from trainer.decoding import greedy_generate
-from trainer.dflash_trainee import build_dflash_trainee
 from trainer.evaluate.tasks import encode, load_prompts
+from trainer.kinds.dflash import build_dflash_trainee
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -32,7 +32,7 @@ from conf.schema import Eagle3Config, PEagleConfig
 from data_prep.target import load_target
 from heads.export.write import export_head
 from heads.kinds import format_kind
-from heads.peagle import PEagleHead
+from heads.peagle.model import PEagleHead
 from tests.support.heads import make_eagle3_head, make_medusa_head, random_dflash_head
 from tests.support.targets import TINY_FAMILIES, vllm_family_target
 

@@ -27,11 +27,11 @@ from data_prep.target import eos_token_ids, load_target
 from data_prep.vocab import build_draft_vocab
 from heads.export.write import export_head
 from heads.kinds import head_kind
-from heads.peagle import PEagleHead
+from heads.peagle.model import PEagleHead
 from trainer.batching import collate
 from trainer.decoding import greedy_generate
 from trainer.evaluate.tasks import encode, load_prompts
-from trainer.peagle_trainee import PEagleTrainee
+from trainer.kinds.peagle import PEagleTrainee
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from conf.schema import Eagle3Config, MedusaConfig
-from heads.eagle3 import Eagle3Head
-from heads.medusa import MedusaHead
+from heads.eagle3.model import Eagle3Head
+from heads.medusa.model import MedusaHead
 from trainer.decoding import (
     Chain,
     Draft,

@@ -8,11 +8,14 @@ from pathlib import Path
 
 import torch
 
-from conf.schema import DFlashConfig, Eagle3Config, MedusaConfig
+from conf.schema import DFlashConfig, DSparkConfig, Eagle3Config, MedusaConfig
 from data_prep.target import load_target
-from heads.dflash import DFlashHead
-from heads.eagle3 import Eagle3Head
-from heads.medusa import MedusaHead
+from heads.dflash.model import DFlashHead
+from heads.dspark.model import DSparkHead
+from heads.eagle3.model import Eagle3Head
+from heads.medusa.model import MedusaHead
+from tests.support.targets import hf_greedy
+from trainer.decoding import Chain, speculative_generate
 
 DRAFT_VOCAB = 512
 # The original EAGLE-3 layout (no extra norms), which test_export's exact key sets describe; the
@@ -65,16 +68,23 @@ def make_medusa_head(target, name: str, out: Path, fc_bias: bool, seed: int = 0)
     return head.save_pretrained(out)
 
 
-def random_dflash_head(target, name: str = "tiny", seed: int = 0, **cfg) -> DFlashHead:
-    """A DFlash head (mask token 3) with every trainable tensor moved off its init, each layer's
-    norms their own, so that a dropped, swapped or shared tensor shows in its outputs."""
-    head = DFlashHead.from_target(target, name, DFlashConfig(**{"num_layers": 2, **cfg}), mask_token_id=3)
+def random_dflash_head(target, name: str = "tiny", seed: int = 0, head_class: type[DFlashHead] = DFlashHead,
+                       config_class: type[DFlashConfig] = DFlashConfig, **cfg) -> DFlashHead:
+    """A DFlash head (or a derived kind's: DSpark's) with mask token 3 and every trainable tensor
+    moved off its init, each layer's norms their own, so that a dropped, swapped or shared tensor
+    shows in its outputs."""
+    head = head_class.from_target(target, name, config_class(**{"num_layers": 2, **cfg}), mask_token_id=3)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in head.parameters():
             if p.requires_grad:
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
     return head
+
+
+def random_dspark_head(target, name: str = "tiny", seed: int = 0, **cfg) -> DSparkHead:
+    """`random_dflash_head` of DSpark (Markov rank 8 unless given): its bias is not zero."""
+    return random_dflash_head(target, name, seed, DSparkHead, DSparkConfig, **{"markov_rank": 8, **cfg})
 
 
 def cut_in_half(path: Path) -> None:
@@ -90,3 +100,42 @@ def without_target(path: Path) -> None:
     meta = json.loads(path.read_text())
     del meta["target"]
     path.write_text(json.dumps(meta))
+
+
+def features(target, head, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux features [B, T, n*H], final hidden [B, T, H]) of rows ids [B, T]."""
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+    return torch.cat([hs[i] for i in head.aux_layer_ids], -1), hs[-1]
+
+
+def batch_of(target, head, ids: torch.Tensor, loss_mask: torch.Tensor | None = None) -> dict:
+    aux, final = features(target, head, ids)
+    mask = torch.ones_like(ids, dtype=torch.bool) if loss_mask is None else loss_mask
+    return {"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones_like(ids),
+            "aux_hidden": aux, "final_hidden": final}
+
+
+SEEDS = torch.randint(0, 256, (8, 4), generator=torch.Generator().manual_seed(3))
+
+
+def assert_block_drafts_are_lossless(target, trainee, drafter_class) -> None:
+    """A block drafter's trainee fitted for 30 steps (seconds) to the target's own greedy
+    continuations of `SEEDS` (decoding from those prompts its head is accepted often, so that
+    verification has accepted drafts to get wrong); then greedy speculative decoding with its
+    drafter writes what transformers' `generate` does, token for token, and accepts some."""
+    head = trainee.head
+    rows = torch.stack([torch.cat([s, torch.tensor(hf_greedy(target, s.tolist(), 28))]) for s in SEEDS])
+    batch = batch_of(target, head, rows)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(30):
+        opt.zero_grad()
+        trainee(batch)["loss"].backward()
+        opt.step()
+    head.eval()
+    accepted = 0
+    for prompt in SEEDS[:4]:
+        run = speculative_generate(target, drafter_class(head), prompt, 24, Chain(3))
+        assert run.tokens == hf_greedy(target, prompt.tolist(), 24)
+        accepted += run.stats.accepted_tokens
+    assert accepted > 0

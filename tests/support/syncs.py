@@ -6,25 +6,38 @@ from __future__ import annotations
 import contextlib
 import traceback
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conf.schema import DFlashConfig, DistConfig, Eagle3Config, MedusaConfig, OptimConfig, PEagleConfig
+from conf.schema import (
+    DFlashConfig,
+    DistConfig,
+    DSparkConfig,
+    Eagle3Config,
+    MedusaConfig,
+    OptimConfig,
+    PEagleConfig,
+)
 from data_prep.capture import TOP, greedy_ids
-from heads.dflash import DFlashHead
-from heads.eagle3 import Eagle3Head
-from heads.medusa import MedusaHead
-from heads.peagle import PEagleHead
+from heads.dflash.model import DFlashHead
+from heads.dspark.model import DSparkHead
+from heads.eagle3.model import Eagle3Head
+from heads.kinds import KINDS
+from heads.medusa.model import MedusaHead
+from heads.peagle.model import PEagleHead
 from trainer.batching import batch_loader
-from trainer.dflash_trainee import DFlashTrainee
 from trainer.distributed import build_accelerator
-from trainer.eagle3_trainee import Eagle3Trainee
 from trainer.health import NonFiniteWatch
+from trainer.kinds.dflash import DFlashTrainee
+from trainer.kinds.dspark import DSparkTrainee
+from trainer.kinds.eagle3 import Eagle3Trainee
+from trainer.kinds.medusa import JointMedusaTrainee, MedusaTrainee
+from trainer.kinds.peagle import PEagleTrainee
 from trainer.loop import lr_lambda, train_step
-from trainer.medusa_trainee import JointMedusaTrainee, MedusaTrainee
-from trainer.peagle_trainee import PEagleTrainee
 from trainer.tally import Tally
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,12 +168,28 @@ def peagle(
     return trainee, ("aux_hidden", "final_hidden", TOP)
 
 
-def dflash(model, aux: tuple[int, ...] = (2, 4, 5), anchors_per_sample: int = 32):
+# A block drafter kind: its config, head and trainee classes, and config fields besides DFlash's.
+DFLASH = (DFlashConfig, DFlashHead, DFlashTrainee, {})
+DSPARK = (DSparkConfig, DSparkHead, DSparkTrainee, {"markov_rank": 8})
+
+
+def dflash(model, aux: tuple[int, ...] = (2, 4, 5), anchors_per_sample: int = 32, kind=DFLASH):
     """A one-layer DFlash trainee (blocks of 4, mask token 3; more anchors than the samples' answer
-    positions take every one) and the captured fields it reads."""
-    cfg = DFlashConfig(num_layers=1, aux_layer_ids=list(aux), anchors_per_sample=anchors_per_sample)
-    head = DFlashHead.from_target(model, "tiny", cfg, mask_token_id=3)
-    return DFlashTrainee(head, anchors_per_sample), ("aux_hidden", "final_hidden")
+    positions take every one), or a derived kind's (`kind`: config, head and trainee classes,
+    extra config fields), and the captured fields it reads."""
+    config_class, head_class, trainee_class, extra = kind
+    cfg = config_class(num_layers=1, aux_layer_ids=list(aux), anchors_per_sample=anchors_per_sample, **extra)
+    head = head_class.from_target(model, "tiny", cfg, mask_token_id=3)
+    with torch.no_grad():  # a derived kind's heads off their zero init (DSpark's Markov bias)
+        for p in head.parameters():
+            if p.requires_grad and not p.any():
+                p.normal_(0, 0.02)
+    return trainee_class(head, anchors_per_sample), ("aux_hidden", "final_hidden")
+
+
+def dspark(model, aux: tuple[int, ...] = (2, 4, 5), anchors_per_sample: int = 32):
+    """`dflash` of DSpark: rank-8 Markov bias and the confidence head."""
+    return dflash(model, aux, anchors_per_sample, DSPARK)
 
 
 def medusa1(model):
@@ -172,6 +201,27 @@ def medusa2(model):
     """LoRA, self-distilled, with one warm-up step: the counted steps take both branches."""
     cfg = MedusaConfig(num_heads=2, joint=True, lora_rank=4, head_warmup_steps=1)
     return JointMedusaTrainee(MedusaHead.from_target(model, "tiny", cfg), model, cfg), ()
+
+
+# Each kind's tiny trainees for the kind-wide tests here (the sync-free step).
+TINY = {"eagle3": (eagle3,), "medusa": (medusa1, medusa2), "peagle": (peagle,), "dflash": (dflash,),
+        "dspark": (dspark,)}
+
+
+def _untested(name: str):
+    def build(model):
+        pytest.fail(f"head kind {name!r} has no tiny trainee in this kind-wide test's table: add one "
+                    "so that the test runs on it")
+    build.__name__ = f"{name}-untested"
+    return build
+
+
+def kind_builds(table: dict[str, tuple] = TINY, kinds: Iterable[str] = KINDS) -> list:
+    """A kind-wide test's parameters, driven by the records (`heads.kinds.KINDS`): every tiny
+    trainee `table` lists for each kind, or for a kind it lacks a parameter that fails naming
+    the kind, so a new kind is tested by default."""
+    return [pytest.param(build, id=build.__name__) for name in kinds
+            for build in table.get(name, (_untested(name),))]
 
 
 def assert_steps_never_sync(

@@ -38,7 +38,7 @@ from trainer.evaluate.long_context import long_context_prompts
 from trainer.evaluate.progress import EvalProgress
 from trainer.evaluate.report import Record, summarise, write_outputs, write_report
 from trainer.evaluate.tasks import encode_all, load_prompts
-from trainer.kind_builders import build_drafter
+from trainer.kinds import build_drafter
 
 
 def resolve_mode(mode: str, kind: str) -> str:

@@ -15,7 +15,7 @@ from jinja2.exceptions import TemplateError
 from data_prep.stats import PrepStats
 from data_prep.template import tokenize_conversation
 from tests.support.templates import FAMILIES, TEMPLATES, family
-from trainer.eagle3_trainee import ttt_batch_index
+from trainer.kinds.eagle3 import ttt_batch_index
 from trainer.trainee import LABEL_INDEX
 
 pytestmark = pytest.mark.skipif(not TEMPLATES.is_dir(), reason=f"{TEMPLATES} is absent (the shared folder)")

@@ -17,7 +17,7 @@ from data_prep.prepare import capture_spec, prepare
 from data_prep.store import CapturedDataset, load_manifest, sha256_file
 from data_prep.target import load_target, resolve_target
 from data_prep.vocab import load_draft_vocab
-from heads.eagle3 import Eagle3Head
+from heads.eagle3.model import Eagle3Head
 from tests.support.runs import WORDS, conversations, tiny_prep_config
 from tests.support.targets import build_tiny_target
 from tests.support.templates import TEMPLATES

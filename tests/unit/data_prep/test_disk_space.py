@@ -89,7 +89,7 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_only_whole_folders(smal
     nothing half-written beside the whole folders."""
     from accelerate import Accelerator
 
-    from heads.eagle3 import Eagle3Config, Eagle3Head
+    from heads.eagle3.model import Eagle3Config, Eagle3Head
     from trainer.checkpoint import RESUME_THEN, TrainState, checkpoint_root, save_checkpoint
     from trainer.loop import save_best
 

@@ -36,12 +36,12 @@ from data_prep.prepare import prepare
 from data_prep.regen_engine import generate
 from data_prep.store import CapturedDataset, load_manifest
 from data_prep.target import load_target
-from heads.dflash import DFlashHead
-from heads.eagle3 import Eagle3Head
+from heads.dflash.model import DFlashHead
+from heads.eagle3.model import Eagle3Head
 from heads.export.write import load_export
 from heads.kinds import head_kind
-from heads.medusa import MedusaHead
-from heads.peagle import PEagleHead
+from heads.medusa.model import MedusaHead
+from heads.peagle.model import PEagleHead
 from tests.support.decode import SHAPES
 from tests.support.runs import assert_online_batch_is_the_offline_batch, tiny_run_args, train_losses
 from tests.support.targets import (

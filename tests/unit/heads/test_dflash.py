@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from conf.compose import compose_root
 from conf.errors import UserError
 from data_prep.target import load_target
-from heads.dflash import DFlashHead, captured_layers, default_mask_token_id
-from heads.export.dflash import read_native, read_speculators
+from heads.dflash.export import read_native, read_speculators
+from heads.dflash.model import DFlashHead, captured_layers, default_mask_token_id
 from heads.export.write import detect_format, export_head, load_export
 from heads.kinds import head_kind
 from tests.support.heads import random_dflash_head

@@ -14,21 +14,14 @@ from conf.errors import UserError
 from conf.schema import Eagle3Config
 from data_prep.capture import TOP, greedy_ids
 from data_prep.target import load_target
-from heads import eagle3
-from heads.eagle3 import (
-    NORM_FLAGS,
-    Branches,
-    Eagle3Head,
-    branch_attention,
-    default_aux_layer_ids,
-    norm_flags,
-    resolve_aux_layer_ids,
-)
+from heads.eagle3 import model as eagle3
+from heads.eagle3.model import Branches, Eagle3Head, branch_attention
 from heads.folder import CONFIG_NAME
+from heads.parts import NORM_FLAGS, default_aux_layer_ids, norm_flags, resolve_aux_layer_ids
 from heads.window import near, window_fields
 from tests.support.targets import build_tiny_target
 from trainer.decoding.drafters import Eagle3Drafter
-from trainer.eagle3_trainee import Eagle3Trainee, ttt_attention_mask
+from trainer.kinds.eagle3 import Eagle3Trainee, ttt_attention_mask
 from trainer.trainee import simulated_acceptance_length
 
 

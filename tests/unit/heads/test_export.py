@@ -19,11 +19,11 @@ from transformers import AutoConfig
 from conf.errors import UserError
 from conf.schema import EXPORT_DTYPES, HEAD_CONFIGS, Eagle3Config
 from data_prep.target import load_target
-from heads.eagle3 import Eagle3Head
+from heads.eagle3.export import engine_layer_ids, read_native, read_speculators, serving_notes
+from heads.eagle3.model import Eagle3Head
 from heads.export.card import CardFacts, render
 from heads.export.check import verify_export
 from heads.export.core import cast_weights
-from heads.export.eagle3 import engine_layer_ids, read_native, read_speculators, serving_notes
 from heads.export.write import DTYPES, detect_format, export_head, load_export
 from heads.folder import load_head
 from heads.kinds import KINDS, head_kind, layouts
@@ -177,7 +177,7 @@ def test_reader_refuses_wrong_sglang_ids(head_dir, tmp_path):
 
 
 def test_self_check_catches_a_changed_weight(head_dir, tmp_path, monkeypatch):
-    import heads.export.eagle3 as e3
+    import heads.eagle3.export as e3
 
     def corrupt(tensors, cfg, dtype):
         out = e3.rename_layer(cast_weights(tensors, dtype), "midlayer.", "layers.0.")
@@ -201,7 +201,7 @@ def test_every_format_belongs_to_one_kind_and_every_kind_to_the_schema():
     """The kinds' records name the formats (config checks, defaults): no format name is shared by
     two kinds (`format_kind` would pick the first), and the records are the schema's head groups."""
     names = [fmt for k in KINDS.values() for fmt in k.formats]
-    assert len(names) == len(set(names)) == len(layouts()) == 8
+    assert len(names) == len(set(names)) == len(layouts())
     assert {n: k.config for n, k in KINDS.items()} == HEAD_CONFIGS
     assert set(DTYPES) == set(EXPORT_DTYPES)
 
@@ -236,7 +236,8 @@ def test_model_card_states_metadata_acceptance_serving_and_data():
             "chat_template_kwargs": {"enable_thinking": False},
         },
     )
-    card = render(facts, head_kind("eagle3"))
+    kind = head_kind("eagle3")
+    card = render(facts, kind.title, kind.formats[facts.fmt].library, kind.serve_lines(facts))
     head, _, body = card.partition("\n---\n")
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in head
     assert "library_name: vllm" in head and "license: apache-2.0" in head and "- eagle3" in head

@@ -18,7 +18,7 @@ import torch
 
 from conf.schema import Eagle3Config
 from data_prep.target import load_target
-from heads.eagle3 import Eagle3Head
+from heads.eagle3.model import Eagle3Head
 from heads.export.write import export_head
 
 FAKE_TOKEN = "hf_draftsmithTestToken0123"

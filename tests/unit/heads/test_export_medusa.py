@@ -15,11 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from conf.errors import UserError
 from data_prep.target import load_target
-from heads.export.medusa import read_tgi, read_vllm
 from heads.export.write import detect_format, export_head, formats_for, load_export
 from heads.folder import load_head, save_head
 from heads.kinds import head_kind
-from heads.medusa import MedusaHead
+from heads.medusa.export import read_tgi, read_vllm
+from heads.medusa.model import MedusaHead
 from tests.support.heads import MEDUSA_HEADS as HEADS
 from tests.support.heads import MEDUSA_LAYERS as LAYERS
 from tests.support.heads import make_medusa_head

@@ -32,7 +32,7 @@ from tests.support.runs import QUICK, tiny_run_config, user_error_line
 from tests.support.targets import build_tiny_target
 from trainer.evaluate.__main__ import main as evaluate_main
 from trainer.evaluate.run import evaluate
-from trainer.kind_builders import build_trainee
+from trainer.kinds import build_trainee
 from trainer.train import run
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from conf.errors import UserError
 from conf.schema import Eagle3Config, MedusaConfig
 from data_prep.target import load_target
-from heads.eagle3 import Eagle3Head
-from heads.medusa import MedusaHead, load_joint_target
-from trainer.medusa_trainee import head_losses, offset_labels, token_loss
+from heads.eagle3.model import Eagle3Head
+from heads.medusa.model import MedusaHead, load_joint_target
+from trainer.kinds.medusa import head_losses, offset_labels, token_loss
 
 
 @pytest.fixture(scope="module")

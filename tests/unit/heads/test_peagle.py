@@ -16,7 +16,7 @@ from conf.schema import PEagleConfig
 from data_prep.target import load_target
 from heads.export.write import detect_format, export_head, load_export
 from heads.kinds import head_kind
-from heads.peagle import PEagleHead, load_for_decoding
+from heads.peagle.model import PEagleHead, load_for_decoding
 from tests.support.decode import chaotic_target
 from tests.support.heads import make_eagle3_head
 

@@ -16,7 +16,7 @@ from conf.schema import Eagle3Config, PEagleConfig
 from data_prep.target import load_target
 from heads.export.write import export_head, load_export
 from heads.kinds import head_kind
-from heads.peagle import PEagleHead
+from heads.peagle.model import PEagleHead
 from heads.window import SLIDING, window_of
 from tests.support.heads import make_eagle3_head, random_dflash_head
 from trainer.decoding.dflash import DFlashDrafter

@@ -16,7 +16,7 @@ from conf.errors import UserError
 from conf.schema import MedusaConfig
 from data_prep.target import load_target, resolve_target
 from heads.folder import CONFIG_NAME
-from heads.medusa import MedusaHead
+from heads.medusa.model import MedusaHead
 from tests.support.decode import (
     chaotic_target,
 )

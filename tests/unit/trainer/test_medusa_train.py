@@ -21,11 +21,11 @@ from conf.schema import (
     TargetConfig,
     derive,
 )
-from heads.medusa import TARGET_DIR, MedusaHead, load_joint_target
+from heads.medusa.model import TARGET_DIR, MedusaHead, load_joint_target
 from tests.support.targets import TINY
 from trainer.distributed import build_accelerator
+from trainer.kinds.medusa import build_medusa_trainee, greedy_token_drift
 from trainer.loop import FitReport, fit, validation_metrics
-from trainer.medusa_trainee import build_medusa_trainee, greedy_token_drift
 
 VOCAB, PROMPT, ANSWER = 1024, 8, 24
 

@@ -23,11 +23,12 @@ from data_prep.capture import (
     greedy_ids,
     hidden_states,
 )
-from heads.medusa import MedusaHead
+from heads.medusa.model import MedusaHead
 from tests.support.decode import chaotic_target
 from tests.support.runs import tiny_run_config, train_losses
-from tests.support.syncs import assert_steps_never_sync
+from tests.support.syncs import assert_steps_never_sync, kind_builds
 from tests.support.syncs import dflash as dflash_trainee
+from tests.support.syncs import dspark as dspark_trainee
 from tests.support.syncs import eagle3 as eagle3_trainee
 from tests.support.syncs import peagle as peagle_trainee
 from trainer.batching import (
@@ -39,7 +40,7 @@ from trainer.batching import (
     padding_share,
     shard_batches,
 )
-from trainer.medusa_trainee import JointMedusaTrainee, MedusaTrainee
+from trainer.kinds.medusa import JointMedusaTrainee, MedusaTrainee
 from trainer.train import run
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -94,6 +95,12 @@ def dflash(model):
     return dflash_trainee(model, aux=AUX)
 
 
+def dspark(model):
+    """As `dflash`, with DSpark's Markov bias and confidence head."""
+    torch.manual_seed(0)
+    return dspark_trainee(model, aux=AUX)
+
+
 def medusa1(model):
     torch.manual_seed(0)
     head = MedusaHead.from_target(model, "tiny", MedusaConfig(num_heads=3))
@@ -105,6 +112,10 @@ def medusa2(model):
     cfg = MedusaConfig(num_heads=2, joint=True)
     torch.manual_seed(0)
     return JointMedusaTrainee(MedusaHead.from_target(model, "tiny", cfg), model, cfg), ()
+
+
+PACKED = {"eagle3": (eagle3,), "medusa": (medusa1, medusa2), "peagle": (peagle,), "dflash": (dflash,),
+          "dspark": (dspark,)}
 
 
 def only(samples: list[dict[str, torch.Tensor]], d: int) -> list[dict[str, torch.Tensor]]:
@@ -121,10 +132,7 @@ def floats(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.float() if v.is_floating_point() else v for k, v in batch.items()}
 
 
-@pytest.mark.parametrize(
-    "build", [eagle3, medusa1, medusa2, peagle, dflash],
-    ids=["eagle3-ttt4", "medusa1", "medusa2", "peagle-k4", "dflash"],
-)
+@pytest.mark.parametrize("build", kind_builds(PACKED))
 def test_packed_batch_gives_each_sample_its_unpacked_loss(target, build):
     trainee, fields = build(target)
     trainee.eval()  # Medusa-2 counts training batches; nothing else differs
@@ -189,10 +197,7 @@ def test_online_capture_of_packed_rows_equals_each_sample_alone(target):
         assert not stored["final_hidden"][r, start:].any()  # zero on padding, as collate pads
 
 
-@pytest.mark.parametrize(
-    "build", [eagle3, medusa1, medusa2, peagle, dflash],
-    ids=["eagle3", "medusa1", "medusa2", "peagle", "dflash"],
-)
+@pytest.mark.parametrize("build", kind_builds(PACKED))
 def test_packed_training_steps_never_sync(target, build, tmp_path):
     trainee, fields = build(target)
     assert_steps_never_sync(trainee, items(target, fields)[:4], tmp_path, packed=True)

@@ -12,11 +12,11 @@ import torch
 from conf.errors import UserError
 from conf.schema import PEagleConfig
 from data_prep.capture import TOP, greedy_ids
-from heads.peagle import PEagleHead
+from heads.peagle.model import PEagleHead
 from tests.support.decode import chaotic_target
 from trainer.decoding import Chain, Sampling, Tree, speculative_generate
 from trainer.decoding.peagle import PEagleDrafter
-from trainer.peagle_trainee import PEagleTrainee, peagle_batch_index, peagle_drafter
+from trainer.kinds.peagle import PEagleTrainee, peagle_batch_index, peagle_drafter
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 AUX = [1, 2, 3]

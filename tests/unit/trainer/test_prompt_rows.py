@@ -10,12 +10,12 @@ import torch
 from conf.schema import Eagle3Config, MedusaConfig
 from data_prep.capture import TOP, greedy_ids
 from data_prep.target import load_target
-from heads.eagle3 import Eagle3Head
-from heads.medusa import MedusaHead
+from heads.eagle3.model import Eagle3Head
+from heads.medusa.model import MedusaHead
 from tests.support.syncs import assert_steps_never_sync
 from trainer.batching import collate, collate_packed
-from trainer.eagle3_trainee import Eagle3Trainee
-from trainer.medusa_trainee import MedusaTrainee
+from trainer.kinds.eagle3 import Eagle3Trainee
+from trainer.kinds.medusa import MedusaTrainee
 from trainer.objective import CROSS_ENTROPY, Objective
 
 PROMPT = 5

@@ -20,7 +20,7 @@ from data_prep.target import resolve_target
 from tests.support.runs import tiny_run_config, user_error_line
 from trainer.batching import collate, collate_packed
 from trainer.distributed import build_accelerator
-from trainer.kind_builders import build_trainee
+from trainer.kinds import build_trainee
 from trainer.loop import checked_device_batch
 from trainer.train import check_served_online, decide_sizes, held_target
 

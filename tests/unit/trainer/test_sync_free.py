@@ -20,15 +20,12 @@ from data_prep.target import load_target
 from tests.support.syncs import (
     assert_steps_never_sync,
     counting_syncs,
-    dflash,
     eagle3,
-    medusa1,
-    medusa2,
-    peagle,
+    kind_builds,
     samples,
 )
 from trainer.batching import collate
-from trainer.eagle3_trainee import Eagle3Trainee
+from trainer.kinds.eagle3 import Eagle3Trainee
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -51,10 +48,7 @@ def target(tiny_llama_dir):
     return model
 
 
-@pytest.mark.parametrize(
-    "build", [eagle3, medusa1, medusa2, peagle, dflash],
-    ids=["eagle3", "medusa1", "medusa2-lora", "peagle", "dflash"],
-)
+@pytest.mark.parametrize("build", kind_builds())
 def test_training_steps_never_sync(target, build, tmp_path):
     torch.manual_seed(0)
     trainee, fields = build(target)

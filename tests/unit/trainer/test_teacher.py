@@ -3,7 +3,7 @@
 Training used to multiply every labelled row's final hidden state by the target's whole lm_head in
 float32, for the target's argmax and the softmax over the draft columns. Now capture keeps the
 target's top-1 (`data_prep.capture.TOP`) and training multiplies by the draft rows alone
-(`trainer.eagle3_trainee.draft_teacher`). The old computation is written out here as the
+(`trainer.kinds.eagle3.draft_teacher`). The old computation is written out here as the
 reference; on offline and online batches of a tiny real target, loss and metrics are the same.
 """
 
@@ -19,10 +19,10 @@ from data_prep.capture import TOP, greedy_ids
 from data_prep.store import CapturedDataset, load_manifest, online_capture
 from data_prep.target import load_target
 from data_prep.vocab import load_draft_vocab
-from heads.eagle3 import Eagle3Head
+from heads.eagle3.model import Eagle3Head
 from tests.support.runs import tiny_prep_config
 from trainer.batching import batch_loader
-from trainer.eagle3_trainee import Eagle3Trainee, draft_teacher
+from trainer.kinds.eagle3 import Eagle3Trainee, draft_teacher
 from trainer.loop import device_batch
 from trainer.objective import CROSS_ENTROPY, Objective
 

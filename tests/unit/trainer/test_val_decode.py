@@ -16,13 +16,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conf.errors import UserError
 from conf.schema import EvalConfig, LoggingConfig, MedusaConfig, OptimConfig, RootConfig, TargetConfig
-from heads.medusa import MedusaHead
+from heads.medusa.model import MedusaHead
 from tests.support.targets import TINY
 from trainer.checkpoint import STATE_FILE
 from trainer.decoding import Chain, OracleDrafter
 from trainer.distributed import build_accelerator
+from trainer.kinds.medusa import MedusaTrainee
 from trainer.loop import FitReport, fit
-from trainer.medusa_trainee import MedusaTrainee
 from trainer.selection import DECODED, selection_score
 from trainer.val_decode import ValDecoder, build_val_decoder, prompt_ids, spread
 

@@ -28,11 +28,10 @@ import torch
 from transformers import Qwen3Config
 
 from conf.errors import UserError
-from heads.dflash import DFlashHead, build, qwen3_window
+from heads.dflash.model import DFlashHead, build, qwen3_window
 from heads.export.card import CardFacts, hub_id
 from heads.export.check import KindOps
-from heads.export.core import Layout, check_layout, read_folder
-from heads.export.eagle3 import legacy_rope
+from heads.export.core import Layout, check_layout, legacy_rope, read_folder
 from heads.folder import TargetSpec
 from heads.window import window_of
 
@@ -160,6 +159,11 @@ def read_native(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     where = f"dflash export {folder}"
     if top.get("architectures") != ["DFlashDraftModel"] or top.get("model_type") != "qwen3":
         raise UserError(f"{where}: expected architectures ['DFlashDraftModel'] and model_type qwen3")
+    return _checked(native_head(top, where), tensors, where)
+
+
+def native_head(top: dict, where: str) -> dict:
+    """Head config kwargs from a native config.json (`dflash_config` and the layer fields)."""
     flash = top.get("dflash_config") or {}
     missing = [k for k in ("mask_token_id", "target_layer_ids", "causal") if k not in flash]
     if missing:
@@ -171,15 +175,22 @@ def read_native(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         "causal": flash["causal"],
         "mask_token_id": flash["mask_token_id"],
     }
-    return _checked(_head_config(top, aux, head, where), tensors, where)
+    return _head_config(top, aux, head, where)
 
 
 def read_speculators(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """Our loader for the speculators layout: (head config kwargs, tensors in our names)."""
     top, tensors = read_folder(folder, WEIGHTS_FILE)
     where = f"dflash-speculators export {folder}"
-    if top.get("speculators_model_type") != "dflash" or top.get("sample_from_anchor"):
-        raise UserError(f"{where}: expected speculators_model_type dflash without sample_from_anchor")
+    if top.get("speculators_model_type") != "dflash":
+        raise UserError(f"{where}: expected speculators_model_type dflash")
+    return _checked(speculators_head(top, where), tensors, where)
+
+
+def speculators_head(top: dict, where: str) -> dict:
+    """Head config kwargs from a speculators config.json (the fill-in layout only)."""
+    if top.get("sample_from_anchor"):
+        raise UserError(f"{where}: sample_from_anchor is set; this head drafts slots 1.. of its block")
     if top.get("draft_vocab_size") != top["transformer_layer_config"].get("vocab_size"):
         raise UserError(f"{where}: draft_vocab_size must be the target's vocabulary (no d2t is written)")
     head = {
@@ -188,14 +199,14 @@ def read_speculators(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         "causal": not top["sliding_window_non_causal"],
         "mask_token_id": top["mask_token_id"],
     }
-    cfg = _head_config(top["transformer_layer_config"], top["aux_hidden_state_layer_ids"], head, where)
-    return _checked(cfg, tensors, where)
+    return _head_config(top["transformer_layer_config"], top["aux_hidden_state_layer_ids"], head, where)
 
 
-def build_head(cfg: dict, spec: TargetSpec, tensors: dict[str, torch.Tensor], target_model) -> DFlashHead:
-    """A `DFlashHead` from config kwargs and tensors, sharing the target's embeddings and lm_head
-    (or, without a target, a fixed random stand-in for both)."""
-    head = build(Qwen3Config(**cfg), spec, tensors, "dflash head")
+def build_head(cfg: dict, spec: TargetSpec, tensors: dict[str, torch.Tensor], target_model,
+               head_class: type[DFlashHead] = DFlashHead) -> DFlashHead:
+    """A head of `head_class` from config kwargs and tensors, sharing the target's embeddings and
+    lm_head (or, without a target, a fixed random stand-in for both)."""
+    head = build(Qwen3Config(**cfg), spec, tensors, f"{head_class.kind} head", head_class)
     if target_model is not None:
         return head.share_target(target_model).eval()
     g = torch.Generator().manual_seed(0)
@@ -262,13 +273,14 @@ def card_facts(cfg: dict, fmt: str) -> dict:
     }
 
 
-def serve_lines(f: CardFacts) -> list[str]:
-    """The model card's vLLM commands (the only engine these layouts are written for)."""
+def serve_lines(f: CardFacts, method: str = NATIVE) -> list[str]:
+    """The model card's vLLM commands (the only engine these layouts are written for); `method`:
+    vLLM's name for the kind, which is its native format's name too."""
     base = hub_id(f.target_name) or f.target_name
     k = f.num_speculative_tokens
-    spec = json.dumps({"method": "dflash", "model": f.location, "num_speculative_tokens": k})
+    spec = json.dumps({"method": method, "model": f.location, "num_speculative_tokens": k})
     lines = []
-    if f.fmt == SPECULATORS:
+    if f.fmt != method:  # the speculators layout
         lines += ["vLLM (the config names the target, so one argument is enough):", "", "```bash"]
         lines += [f"vllm serve {f.location}", "```", "", "or explicitly:", ""]
     else:
@@ -281,7 +293,7 @@ FORMATS = {
         WEIGHTS_FILE,
         lambda cfg, ctx: native_config(cfg, ctx.dtype),
         read_native,
-        lambda top: "dflash_config" in top and "speculators_model_type" not in top,
+        lambda top: top.get("architectures") == ["DFlashDraftModel"] and "speculators_model_type" not in top,
         "vllm",
     ),
     SPECULATORS: Layout(

@@ -21,7 +21,7 @@ from heads.export.card import CardFacts, hub_id
 from heads.export.check import KindOps
 from heads.export.core import Layout, Tensors, cast_weights, check_layout, read_folder
 from heads.folder import TargetSpec
-from heads.medusa import MedusaHead
+from heads.medusa.model import MedusaHead
 
 VLLM_WEIGHTS = "model.safetensors"
 TGI_WEIGHTS = "medusa_lm_head.safetensors"

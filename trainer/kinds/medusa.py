@@ -24,7 +24,7 @@ from conf.errors import UserError
 from conf.files import staged_dir
 from conf.schema import MedusaConfig
 from data_prep.capture import document_inputs
-from heads.medusa import TARGET_DIR, MedusaHead, write_target_checksums
+from heads.medusa.model import TARGET_DIR, MedusaHead, write_target_checksums
 from trainer.decoding import MedusaDrafter
 from trainer.decoding.drafters import Shape
 from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean

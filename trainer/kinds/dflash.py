@@ -1,7 +1,7 @@
 """How a DFlash head learns: blocks at random anchors, each drafted in one forward, against the
 target's distribution.
 
-The layout is what vLLM's proposer builds at inference (`heads/dflash.py`): a block starts at an
+The layout is what vLLM's proposer builds at inference (`heads/dflash/model.py`): a block starts at an
 anchor a (the last accepted token, whose target features do not exist yet), holds the anchor and
 block_size - 1 mask tokens at positions a .. a+B-1, and sees the context's K/V at the positions
 before a in its own sample. Slot k >= 1 predicts the token at a+k; its teacher is the target's
@@ -27,12 +27,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.dflash import DFlashHead, default_mask_token_id
+from heads.dflash.model import DFlashHead, default_mask_token_id
 from heads.window import near, window_of
 from trainer.decoding.dflash import DFlashDrafter
 from trainer.decoding.drafters import Shape
@@ -123,7 +124,20 @@ def block_attention_mask(
     return torch.cat([context, own], dim=2)[:, None]
 
 
+class Slots(NamedTuple):
+    """A batch's labelled slots, as the loss reads them: hidden states [N, H], the token before
+    each label [N], the draft's log-probabilities [N, V], the target's probabilities [N, V] and
+    each slot's weight [N] (slot weight times row weight)."""
+
+    hidden: torch.Tensor
+    prev: torch.Tensor
+    logq: torch.Tensor
+    teacher_p: torch.Tensor
+    weight: torch.Tensor
+
+
 class DFlashTrainee(HeadTrainee, nn.Module):
+    drafter_class: ClassVar[type[DFlashDrafter]] = DFlashDrafter  # what validation decodes with
     def __init__(
         self,
         head: DFlashHead,
@@ -170,10 +184,19 @@ class DFlashTrainee(HeadTrainee, nn.Module):
         suffix = prefix.flip(1).cumsum(1).flip(1).flatten()
         return suffix[rows]
 
+    def draft_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] of labelled slots' hidden states [N, H]; `prev` [N]: the token before
+        each slot's label (what a derived kind's draft may condition on, as DSpark's bias)."""
+        return self.head.logits(hidden)
+
+    def loss(self, slots: Slots) -> torch.Tensor:
+        """The `objective`'s weighted mean over the labelled slots."""
+        return weighted_mean(self.objective.soft(slots.logq, slots.teacher_p), slots.weight)
+
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Loss and metric sums for one batch: `correct[k]` / `total[k]` = draft top-1 == target
         top-1 at the answer labels of drafted token k (slot k+1); the loss is the `objective`'s
-        mean over the labelled slots, weighted by slot weight and row weight."""
+        mean over the labelled slots, weighted by slot weight and row weight (`loss`)."""
         batch = indexed(batch, self.batch_index)
         ids, anchors, rows, slots = batch["input_ids"], batch[ANCHORS], batch[ROWS], batch[SLOTS]
         bk, k_max = self.head.block_size, self.head.block_size - 1
@@ -185,12 +208,13 @@ class DFlashTrainee(HeadTrainee, nn.Module):
             final = batch["final_hidden"].flatten(0, 1).index_select(0, label - 1).float()
             teacher_logits = self.head.logits(final).float()
             teacher_p, teacher_top = F.softmax(teacher_logits, dim=-1), teacher_logits.argmax(-1)
-        logq = F.log_softmax(self.head.logits(hidden.flatten(0, 1).index_select(0, rows)).float(), dim=-1)
-        row_loss = self.objective.soft(logq, teacher_p)
+        labelled = hidden.flatten(0, 1).index_select(0, rows)
+        prev = ids.flatten().index_select(0, label - 1)
+        logq = F.log_softmax(self.draft_logits(labelled, prev).float(), dim=-1)
         answer = batch["loss_mask"].flatten().index_select(0, label).bool()
         confidence = logq.gather(1, teacher_top[:, None]).squeeze(1).exp()
         weight = self.slot_weights(slots, confidence, rows, hidden.shape[0] * hidden.shape[1])
-        loss = weighted_mean(row_loss, weight * self.objective.row_weights(answer))
+        loss = self.loss(Slots(labelled, prev, logq, teacher_p, weight * self.objective.row_weights(answer)))
         with torch.no_grad():
             hit = (logq.argmax(-1) == teacher_top) & answer
             at = slots - 1
@@ -199,7 +223,7 @@ class DFlashTrainee(HeadTrainee, nn.Module):
         return {"loss": loss, "correct": correct, "total": total}
 
     def drafter(self, target) -> tuple[DFlashDrafter, object]:
-        return DFlashDrafter(self.head), target
+        return self.drafter_class(self.head), target
 
 
 def mask_token_id(cfg) -> int:
@@ -207,25 +231,29 @@ def mask_token_id(cfg) -> int:
     from data_prep.target import resolve_target
 
     if cfg.head.mask_token_id is not None:
-        return cfg.head.mask_token_id  # checked against the vocabulary by `heads.dflash.draft_config`
+        return cfg.head.mask_token_id  # checked against the vocabulary by `heads.dflash.model.draft_config`
     target = resolve_target(cfg)
     return default_mask_token_id(target.tokenizer, target.config.get_text_config().vocab_size)
 
 
-def build_dflash_trainee(cfg, target, data_dir: Path | None) -> DFlashTrainee:
+def build_dflash_trainee(cfg, target, data_dir: Path | None, head_class: type[DFlashHead] = DFlashHead,
+                         trainee_class: type[DFlashTrainee] = DFlashTrainee, **extra) -> DFlashTrainee:
     """A fresh head for `target` (the data folder is not read: DFlash drafts over the target's
-    whole vocabulary through its lm_head)."""
+    whole vocabulary through its lm_head); a derived kind passes its classes and the extra
+    arguments its trainee takes."""
     h = cfg.head
-    head = DFlashHead.from_target(target, cfg.target.name_or_path, h, mask_token_id(cfg))
+    head = head_class.from_target(target, cfg.target.name_or_path, h, mask_token_id(cfg))
     objective = Objective.from_config(h)
-    return DFlashTrainee(
-        head, h.anchors_per_sample, h.position_weights, h.loss_decay, h.dpace_alpha, objective
+    return trainee_class(
+        head, h.anchors_per_sample, h.position_weights, h.loss_decay, h.dpace_alpha, objective, **extra
     )
 
 
-def dflash_drafter(head: DFlashHead, target, shapes: Sequence[Shape] = ()) -> DFlashDrafter:
-    """A loaded head as the decoding drafter, refusing shapes it cannot draft (trees)."""
-    drafter = DFlashDrafter(head)
+def dflash_drafter(head: DFlashHead, target, shapes: Sequence[Shape] = (),
+                   drafter_class: type[DFlashDrafter] = DFlashDrafter) -> DFlashDrafter:
+    """A loaded head as the decoding drafter (of `drafter_class`), refusing shapes it cannot
+    draft (trees)."""
+    drafter = drafter_class(head)
     for shape in shapes:
         drafter.check(shape)
     return drafter

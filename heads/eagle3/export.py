@@ -29,11 +29,12 @@ import torch
 from transformers import LlamaConfig
 
 from conf.errors import UserError
-from heads.eagle3 import NORM_FLAGS, Eagle3Head, norm_flags
+from heads.eagle3.model import Eagle3Head
 from heads.export.card import CardFacts, hub_id
 from heads.export.check import KindOps
-from heads.export.core import Layout, Tensors, cast_weights, check_layout, read_folder
+from heads.export.core import Layout, Tensors, cast_weights, check_layout, legacy_rope, read_folder
 from heads.folder import TargetSpec
+from heads.parts import NORM_FLAGS, norm_flags
 from heads.window import window_fields, window_of
 
 WEIGHTS_FILE = "model.safetensors"
@@ -59,19 +60,6 @@ def engine_layer_ids(aux_layer_ids: list[int]) -> dict[str, list[int]]:
         )
     shifted = [k - 1 for k in ids]
     return {"vllm": ids, "sglang": shifted, "trtllm": shifted}
-
-
-def legacy_rope(rope_parameters: dict) -> tuple[float, dict | None]:
-    """transformers-5 `rope_parameters` -> (`rope_theta`, `rope_scaling`).
-
-    The legacy pair is what SGLang and TensorRT-LLM read, and transformers 5 (vLLM) converts it
-    back, so one spelling serves every engine.
-    """
-    params = dict(rope_parameters)
-    theta = float(params.pop("rope_theta"))
-    if params.get("rope_type", "default") == "default" and set(params) <= {"rope_type"}:
-        return theta, None
-    return theta, params
 
 
 def layer_fields(cfg: dict) -> dict:

@@ -21,8 +21,8 @@ from transformers import LlamaConfig
 
 from conf.errors import UserError
 from conf.schema import PEagleConfig
-from heads import eagle3
-from heads.eagle3 import Eagle3Head
+from heads.eagle3 import model as eagle3
+from heads.eagle3.model import Eagle3Head
 
 # The same captured layers as EAGLE-3: three aux features and the final hidden state (teacher).
 captured_layers = eagle3.captured_layers

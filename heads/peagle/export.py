@@ -1,6 +1,6 @@
 """P-EAGLE heads in vLLM's two folder layouts: "peagle" (native) and "peagle-speculators".
 
-Both are the EAGLE-3 layouts (`heads/export/eagle3.py`) plus what parallel drafting reads (vLLM
+Both are the EAGLE-3 layouts (`heads/eagle3/export.py`) plus what parallel drafting reads (vLLM
 0.32 `llama_eagle3.py`, `v1/spec_decode/llm_base_proposer.py`,
 `transformers_utils/configs/speculators/algos.py`): the tensor `mask_hidden` [1, n_aux * Ht] and
 the mask token id, `pard_token` in the native config (what vLLM's own speculators conversion
@@ -21,12 +21,12 @@ import json
 from transformers import LlamaConfig
 
 from conf.errors import UserError
-from heads.eagle3 import norm_flags
-from heads.export import eagle3
+from heads.eagle3 import export as eagle3
 from heads.export.card import CardFacts, hub_id
 from heads.export.check import KindOps
 from heads.export.core import Layout
-from heads.peagle import PEagleHead
+from heads.parts import norm_flags
+from heads.peagle.model import PEagleHead
 
 PARALLEL = ("mask_token_id", "parallel_tokens")  # our config keys beyond EAGLE-3's
 

@@ -34,8 +34,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from conf.errors import UserError
 from conf.schema import DFlashConfig
-from heads.eagle3 import KV, Past, draft_rope, resolve_aux_layer_ids
 from heads.folder import TargetSpec, load_head, save_head
+from heads.parts import KV, KVStore, draft_rope, resolve_aux_layer_ids
 from heads.window import window_fields
 
 # Target-owned parts of the head: copied from the target, frozen, never saved (vLLM shares them).
@@ -147,7 +147,7 @@ class DFlashAttention(nn.Module):
         v = self._heads(x, self.v_proj, self.num_kv_heads).transpose(1, 2)
         return rotate(k, cos, sin), v
 
-    def forward(self, x, cos, sin, mask: torch.Tensor | None, past: Past | None) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask: torch.Tensor | None, past: KV | KVStore | None) -> torch.Tensor:
         b, t, _ = x.shape
         q = rotate(self.q_norm(self._heads(x, self.q_proj, self.num_heads)).transpose(1, 2), cos, sin)
         k, v = self.kv(x, cos, sin)
@@ -203,9 +203,15 @@ class DFlashHead(nn.Module):
     @classmethod
     def from_target(cls, target_model, target_name: str, cfg: DFlashConfig, mask_token_id: int) -> DFlashHead:
         """A fresh head for `target_model`, its embeddings and lm_head shared (copied, frozen)."""
-        config = draft_config(target_model.config, cfg, mask_token_id)
-        head = cls(config, TargetSpec.from_model(target_model, target_name))
+        head = cls(cls.head_config(target_model.config, cfg, mask_token_id),
+                   TargetSpec.from_model(target_model, target_name))
         return head.share_target(target_model)
+
+    @classmethod
+    def head_config(cls, target_config, cfg: DFlashConfig, mask_token_id: int) -> Qwen3Config:
+        """The head's saved config for this target and head config (`draft_config`); a derived
+        kind adds its own fields."""
+        return draft_config(target_config, cfg, mask_token_id)
 
     def share_target(self, target_model) -> DFlashHead:
         """Copy the target's embeddings and lm_head in: what vLLM gives a head that ships none."""
@@ -241,7 +247,8 @@ class DFlashHead(nn.Module):
         return torch.block_diag(*[inside] * n_blocks) if n_blocks > 1 else inside
 
     def block(
-        self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, past: list[Past]
+        self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
+        past: list[KV | KVStore],
     ) -> torch.Tensor:
         """The layers over block tokens ids [B, T] at position_ids [B, T] -> final-normed hidden
         [B, T, H]. past: per layer the context K/V (a tuple the block's own are appended to, or a
@@ -267,13 +274,15 @@ class DFlashHead(nn.Module):
         """Load a saved head against `target_model`; refuse one trained for another target."""
         config_dict, spec, tensors = load_head(path, cls.kind)
         spec.check(TargetSpec.from_model(target_model, target_name), f"head={str(path)!r}")
-        head = build(Qwen3Config(**config_dict), spec, tensors, f"head={str(path)!r}")
+        head = build(Qwen3Config(**config_dict), spec, tensors, f"head={str(path)!r}", cls)
         return head.share_target(target_model)
 
 
-def build(config: Qwen3Config, spec: TargetSpec, tensors: dict[str, torch.Tensor], where: str) -> DFlashHead:
-    """A head from its config and its own tensors (the shared parts left at their init)."""
-    head = DFlashHead(config, spec)
+def build(config: Qwen3Config, spec: TargetSpec, tensors: dict[str, torch.Tensor], where: str,
+          head_class: type[DFlashHead] = DFlashHead) -> DFlashHead:
+    """A head of `head_class` from its config and its own tensors (the shared parts left at
+    their init)."""
+    head = head_class(config, spec)
     missing, unexpected = head.load_state_dict(
         {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, strict=False
     )
@@ -283,10 +292,11 @@ def build(config: Qwen3Config, spec: TargetSpec, tensors: dict[str, torch.Tensor
     return head
 
 
-def load_for_decoding(path: str | Path, target_model, target_name: str) -> tuple[DFlashHead, object]:
+def load_for_decoding(path: str | Path, target_model, target_name: str,
+                      head_class: type[DFlashHead] = DFlashHead) -> tuple[DFlashHead, object]:
     """(head, the model that verifies its drafts): the head refuses a target other than its own,
     and aux layer ids this target lacks, before anything is decoded."""
-    head = DFlashHead.from_pretrained(path, target_model, target_name)
+    head = head_class.from_pretrained(path, target_model, target_name)
     n_layers = target_model.config.get_text_config().num_hidden_layers
     where = f"the head at {str(path)!r}: aux_layer_ids"
     resolve_aux_layer_ids(head.aux_layer_ids, n_layers, where, count=None)

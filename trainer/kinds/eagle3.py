@@ -18,7 +18,7 @@ from torch import nn
 
 from conf.errors import UserError
 from data_prep.capture import TOP
-from heads.eagle3 import Branches, Eagle3Head
+from heads.eagle3.model import Branches, Eagle3Head
 from heads.formats import read_init_head
 from heads.window import near, window_of
 from trainer.decoding import Eagle3Drafter

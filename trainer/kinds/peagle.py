@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from conf.errors import UserError
-from heads.peagle import PEagleHead
+from heads.peagle.model import PEagleHead
 from trainer.decoding.drafters import Shape, Tree
 from trainer.decoding.peagle import PEagleDrafter
-from trainer.eagle3_trainee import Eagle3Trainee, draft_vocab, ttt_batch_index
+from trainer.kinds.eagle3 import Eagle3Trainee, draft_vocab, ttt_batch_index
 from trainer.objective import CROSS_ENTROPY, Objective
 from trainer.trainee import Batch
 

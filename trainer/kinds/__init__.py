@@ -1,0 +1,60 @@
+"""The trainer's half of every head kind, listed once: `CATALOG` maps a kind's name to its
+trainee and drafter builders, each in its own module of this folder (`trainer/kinds/<kind>.py`).
+
+A kind's record (`heads.kinds.HeadKind`) lives in heads, a layer below the trainer, so it cannot
+name trainer code; this catalog is the trainer's list, kept equal to the records' by
+`tests/unit/trainer/test_kinds_catalog.py`, and nothing else in the trainer imports a kind's
+module to build it. A new kind adds its module here and one line to `CATALOG`; a derived kind
+(P-EAGLE of EAGLE-3) imports its parent's module and subclasses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from conf.schema import RootConfig
+from heads.formats import init_trainee_head
+from heads.kinds import HeadKind
+from trainer.decoding.drafters import Shape
+from trainer.kinds import dflash, dspark, eagle3, medusa, peagle
+
+
+@dataclass(frozen=True)
+class TrainerKind:
+    """How the trainer builds one kind's parts."""
+
+    # (cfg, target model, data folder or None) -> the trainee the loop trains
+    trainee: Callable[[RootConfig, Any, Path | None], nn.Module]
+    # (loaded head, target model, shapes to draft) -> the decoder's drafter
+    drafter: Callable[[Any, Any, Sequence[Shape]], Any]
+
+
+CATALOG: dict[str, TrainerKind] = {
+    "eagle3": TrainerKind(eagle3.build_eagle3_trainee, eagle3.eagle3_drafter),
+    "medusa": TrainerKind(medusa.build_medusa_trainee, medusa.medusa_drafter),
+    "peagle": TrainerKind(peagle.build_peagle_trainee, peagle.peagle_drafter),
+    "dflash": TrainerKind(dflash.build_dflash_trainee, dflash.dflash_drafter),
+    "dspark": TrainerKind(dspark.build_dspark_trainee, dspark.dspark_drafter),
+}
+
+
+def build_trainee(cfg: RootConfig, target, data_dir: Path | None) -> nn.Module:
+    """A fresh trainee of the configured kind for `target`, over the data folder `data_dir`
+    (None: no folder; a kind with a draft vocabulary then takes its lowest ids, for benchmarks).
+    With `head.init_from`, its head starts from that folder's weights (`heads.formats`): every
+    caller (the run, the planner's probes, the benchmarks) trains what the run will."""
+    trainee = CATALOG[cfg.head.name].trainee(cfg, target, data_dir)
+    if cfg.head.init_from:
+        init_trainee_head(cfg, trainee.head, target)
+    return trainee
+
+
+def build_drafter(kind: HeadKind, head: nn.Module, target, shapes: Sequence[Shape] = ()):
+    """The decoding drafter of a loaded `head` of `kind` on `target`, refusing `shapes` it cannot
+    draft before anything is decoded."""
+    return CATALOG[kind.name].drafter(head, target, shapes)
