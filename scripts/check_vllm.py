@@ -268,8 +268,9 @@ def vllm_generate(target_dir: str, prompt_ids, max_tokens, stop_ids, spec: dict 
 
 
 def error_line(err: BaseException) -> str:
-    """An exception as one short line: vLLM's messages can run to pages."""
-    lines = str(err).strip().splitlines()
+    """An exception as one short line: vLLM's messages can run to pages. A config validation
+    error's last line is pydantic's link; the line before it says what was refused."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if "errors.pydantic.dev" not in line]
     return f"{type(err).__name__}: {lines[-1] if lines else ''}"[:500]
 
 

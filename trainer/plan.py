@@ -81,6 +81,7 @@ from conf.errors import UserError
 from conf.files import atomic_write_text, read_json
 from conf.schema import OptimConfig, RootConfig, derive
 from conf.sizes import Sizes
+from data_prep.folder import DataFolder
 from data_prep.keys import regen_cache_file
 from data_prep.onepass import one_pass
 from data_prep.prepare import capture_spec, prepare
@@ -310,6 +311,14 @@ def _probe_config(cfg: RootConfig, samples: int, hidden_states: str, run_dir: Pa
     })
 
 
+def conversation_tokens(cfg: RootConfig, data: DataFolder, conversations: int) -> float:
+    """Tokens per conversation and answer in a probe's folder of the first `conversations`: the
+    plan counts conversations, and a multi-turn conversation whose template rewrites its history
+    is a row per turn (priced per row, a long-context run's capture came out 40% short: its 124
+    conversations were 169 rows). Where the source held fewer, this over-prices a little."""
+    return data.tokens / max(1, conversations * cfg.data.regenerate.num_samples)
+
+
 def answer_rounds(answered: dict[str, list[dict]]) -> list[list[tuple[int, int]]]:
     """Per round of `regenerate` (every conversation's n-th turn), the (prompt tokens, answer
     tokens) of the cached answers (`read_cache`)."""
@@ -331,7 +340,7 @@ def _regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> dict:
     holds now (`cached_spans`: free for the run, the probe's among them), how many were probed,
     and the engine's `RegenShape` (None: another backend, or nothing to time)."""
     d = cfg.data
-    probed = {"rate": math.inf, "answer_tokens": 0.0, "row_tokens": None, "cached": (), "samples": 0,
+    probed = {"rate": math.inf, "answer_tokens": 0.0, "row_tokens": None, "cached": (), "conversations": 0,
               "shape": None}
     if not d.regenerate.enabled:
         return probed
@@ -356,7 +365,7 @@ def _regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> dict:
         new = {uid: turns for uid, turns in answered.items() if uid not in before}
         replayed = shape.replay(answer_rounds(new))
         probed["shape"] = replace(shape, scale=data.stats.regenerate_seconds / replayed if replayed else 1.0)
-    probed["row_tokens"], probed["samples"] = data.tokens_per_sample, data.samples
+    probed["row_tokens"], probed["conversations"] = conversation_tokens(cfg, data, size), size
     shutil.rmtree(data.path, ignore_errors=True)
     made = data.stats.regenerated_tokens
     if made:  # else the source held nothing more to answer: the rate stays unknown
@@ -400,7 +409,7 @@ def _train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int) -
         "validate_s_per_token": between.per_validation() / max(sum(val_ds.lengths), 1),
         "save_best_s": between.per_best_save(),
         "checkpoint_s": between.per_checkpoint(),
-        "row_tokens": data.tokens_per_sample,
+        "row_tokens": conversation_tokens(cfg, data, samples),
         "head_bytes": head_bytes,
     }
 
@@ -414,7 +423,7 @@ def train_probe_samples(cfg: RootConfig, regenerated: dict) -> int:
         return PROBE_SAMPLES
     want = math.ceil((PROBE_STEPS + 1) * o.batch_tokens * o.grad_accum
                      / (regenerated["row_tokens"] * (1 - cfg.data.val_fraction)))
-    return max(PROBE_SAMPLES, min(want, regenerated["samples"]))
+    return max(PROBE_SAMPLES, min(want, regenerated["conversations"]))
 
 
 def _decode_rates(decode, ids: torch.Tensor, warm: bool) -> tuple[float, float]:

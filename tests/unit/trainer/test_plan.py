@@ -7,7 +7,9 @@ import json
 
 import pytest
 
+from conf.schema import derive
 from data_prep.keys import regen_cache_file
+from data_prep.prepare import prepare
 from data_prep.regen_cost import StepCost
 from data_prep.regenerate import read_cache
 from data_prep.rows import cached_spans, uncached_prefix
@@ -22,6 +24,7 @@ from trainer.plan import (
     RegenShape,
     Schedule,
     _regeneration_probe,
+    _train_probe,
     fit_steps,
     make_plan,
     train_cost,
@@ -153,3 +156,28 @@ def test_a_warm_cache_still_times_regeneration(tiny_llama_dir, tmp_path):
     assert warm["cached"] == ((0, 3 * PROBE_SAMPLES // 2),) and 0 < warm["rate"] < float("inf")
     assert warm["shape"] is not None
     assert len(read_cache(cache)) == 3 * PROBE_SAMPLES // 2
+
+
+def test_the_training_probe_prices_conversations_not_rows(tiny_llama_dir, tmp_path):
+    """A template that rewrites history makes a row per turn: the plan counts conversations, so
+    the probe's tokens are per conversation (priced per row, an 8k run's capture came out 40%
+    short: 124 conversations were 169 rows)."""
+    template = tmp_path / "counted.jinja"
+    template.write_text(
+        "{{ messages | length }}{% for m in messages %}{{ m['role'] + ':' + m['content'] + '<|im_end|>' }}"
+        "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    source = tmp_path / "chats.jsonl"
+    two_turns = [{"conversations": [{"from": "human", "value": f"Name a colour, {i}."},
+                                    {"from": "gpt", "value": "Blue " * (1 + i % 5)},
+                                    {"from": "human", "value": "And another?"},
+                                    {"from": "gpt", "value": "Red " * (1 + i % 3)}]}
+                 for i in range(PROBE_SAMPLES)]
+    source.write_text("".join(json.dumps(r) + "\n" for r in two_turns))
+    cfg = tiny_prep_config(tiny_llama_dir, source, tmp_path / "cache", f"data.chat_template={template}",
+                           "data.max_turns=0")
+    target = resolve_target(cfg)
+    data = prepare(derive(cfg, {"data.max_samples": PROBE_SAMPLES}), target=target)
+    assert data.samples == 2 * PROBE_SAMPLES  # a row per turn
+    probed = _train_probe(cfg, target, tmp_path / "run", PROBE_SAMPLES)
+    assert probed["row_tokens"] == pytest.approx(data.tokens / PROBE_SAMPLES)
