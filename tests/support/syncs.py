@@ -180,16 +180,16 @@ def dflash(model, aux: tuple[int, ...] = (2, 4, 5), anchors_per_sample: int = 32
     config_class, head_class, trainee_class, extra = kind
     cfg = config_class(num_layers=1, aux_layer_ids=list(aux), anchors_per_sample=anchors_per_sample, **extra)
     head = head_class.from_target(model, "tiny", cfg, mask_token_id=3)
-    with torch.no_grad():  # a derived kind's heads off their zero init (DSpark's Markov bias)
-        for p in head.parameters():
-            if p.requires_grad and not p.any():
-                p.normal_(0, 0.02)
     return trainee_class(head, anchors_per_sample), ("aux_hidden", "final_hidden")
 
 
 def dspark(model, aux: tuple[int, ...] = (2, 4, 5), anchors_per_sample: int = 32):
-    """`dflash` of DSpark: rank-8 Markov bias and the confidence head."""
-    return dflash(model, aux, anchors_per_sample, DSPARK)
+    """`dflash` of DSpark: rank-8 Markov bias (off its zero init, so that it counts) and the
+    confidence head."""
+    trainee, fields = dflash(model, aux, anchors_per_sample, DSPARK)
+    with torch.no_grad():
+        trainee.head.markov_head.markov_w2.weight.normal_(0, 0.02)
+    return trainee, fields
 
 
 def medusa1(model):
