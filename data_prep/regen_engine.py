@@ -279,27 +279,13 @@ def _cache_kwarg(model) -> str:
 
 @dataclass
 class EngineTimings:
-    """What engines timed while `timed_steps` was open: each decode step as (busy rows, cached
-    tokens the rows attend to, seconds), each prefill as (prompt tokens, seconds). The planner
-    fits the engine's step cost to them (`regen_cost`)."""
+    """What the engines of one `generate` call timed (its `timings`): each decode step as (busy
+    rows, cached tokens the rows attend to, seconds), each prefill as (prompt tokens, seconds).
+    Regeneration fits the engine's step cost to them (`regen_cost`) into the data folder's stats,
+    which the planner reads. List appends are atomic, so engines side by side need no lock."""
 
     decode: list[tuple[int, int, float]] = field(default_factory=list)
     prefill: list[tuple[int, float]] = field(default_factory=list)
-
-
-_timings: EngineTimings | None = None  # set while `timed_steps` is open
-
-
-@contextmanager
-def timed_steps() -> Iterator[EngineTimings]:
-    """Within: every engine, in any thread, times its decode steps and prefills into the
-    `EngineTimings` yielded (list appends are atomic, so engines side by side need no lock)."""
-    global _timings
-    _timings = EngineTimings()
-    try:
-        yield _timings
-    finally:
-        _timings = None
 
 
 def engine_shares(prompts: int, batch_size: int, workers: int) -> tuple[list[list[int]], int]:
@@ -404,6 +390,7 @@ def generate(
     matmul_dtype: torch.dtype | None = None,
     kept_layers: tuple[int, ...] = (),
     on_states: Callable[[int, list[int], torch.Tensor], None] | None = None,
+    timings: EngineTimings | None = None,
 ) -> list[list[int]]:
     """Each prompt's new token ids, through the first stop token (`eos_token_ids`), at most
     `max_new_tokens` in all.
@@ -460,23 +447,25 @@ def generate(
             with lock:
                 on_states(share[k], ids, states)
 
-        _decode_all(
-            model,
-            [prompts[i] for i in share],
-            max_new_tokens=max_new_tokens,
-            slots=min(slots, len(share)),
-            eos=eos,
-            temperature=temperature,
-            top_p=top_p,
-            seeds=None if seeds is None else [seeds[i] for i in share],
-            on_finish=finished,
-            on_states=kept if on_states is not None and kept_layers else None,
-            kept_layers=kept_layers,
-            prefill_tokens=prefill_tokens,
-            counted=counted,
-            layout=layout,
-            value_dtype=torch.bfloat16 if counted and matmul_dtype == torch.bfloat16 else None,
-        )
+        with torch.inference_mode():  # the whole engine: its cache, rows and every forward
+            _Engine(
+                model,
+                [prompts[i] for i in share],
+                max_new_tokens=max_new_tokens,
+                slots=min(slots, len(share)),
+                eos=eos,
+                temperature=temperature,
+                top_p=top_p,
+                seeds=None if seeds is None else [seeds[i] for i in share],
+                on_finish=finished,
+                on_states=kept if on_states is not None and kept_layers else None,
+                kept_layers=kept_layers,
+                prefill_tokens=prefill_tokens,
+                counted=counted,
+                layout=layout,
+                value_dtype=torch.bfloat16 if counted and matmul_dtype == torch.bfloat16 else None,
+                timings=timings,
+            ).run()
 
     linears = DataLinears(model, matmul_dtype, rows=slots)  # packed for the decode steps' row count
     with linears, slot_attention(model) as counted, _heap_frozen():
@@ -489,96 +478,110 @@ def generate(
     return results
 
 
-@torch.inference_mode()
-def _decode_all(
-    model,
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-    slots: int,
-    eos: set[int],
-    temperature: float,
-    top_p: float,
-    seeds: list[int] | None,
-    on_finish: Callable[[int, list[int]], None],
-    on_states: Callable[[int, list[int], torch.Tensor], None] | None,
-    kept_layers: tuple[int, ...],
-    prefill_tokens: int,
-    counted: bool,
-    layout: AttentionLayout,
-    value_dtype: torch.dtype | None,
-) -> None:
+class _Engine:
     """One engine: `slots` rows decoding `prompts` with continuous batching (see `generate`).
     `counted`: decode forwards pass each row's cache length as `slot_counts` (`slot_attention`).
     `layout`: which positions each layer sees (`masks.attention_layout`). `value_dtype`: the cached
-    values' (None: the model's). `on_states`: see `generate` (None: no states kept)."""
-    sampling = temperature > 0
-    device = input_device(model)
-    dtype = model.dtype
-    # The prefix every prompt shares is prefilled once, into one spare slot past the busy ones,
-    # and copied into each slot at admission (a quarter of a short chat prompt is its header).
-    shared = shared_prefix(prompts) if len(prompts) > 1 else 0
-    cache = SlotCache(slots + (shared > 0), max(len(p) for p in prompts) + max_new_tokens, value_dtype)
-    rows = _Rows(slots, device)
-    queue = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    cache_kwarg = _cache_kwarg(model)
-    timings = _timings
+    values' (None: the model's). `on_states`: see `generate` (None: no states kept).
+    Built and run under `torch.inference_mode()` (`generate`)."""
 
-    keeping = on_states is not None
-    prefix_states = None  # the shared prefix's, [shared, layers, H], when keeping
+    def __init__(
+        self,
+        model,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        slots: int,
+        eos: set[int],
+        temperature: float,
+        top_p: float,
+        seeds: list[int] | None,
+        on_finish: Callable[[int, list[int]], None],
+        on_states: Callable[[int, list[int], torch.Tensor], None] | None,
+        kept_layers: tuple[int, ...],
+        prefill_tokens: int,
+        counted: bool,
+        layout: AttentionLayout,
+        value_dtype: torch.dtype | None,
+        timings: EngineTimings | None,
+    ):
+        self.model, self.prompts, self.slots = model, prompts, slots
+        self.max_new_tokens, self.eos = max_new_tokens, eos
+        self.temperature, self.top_p, self.seeds = temperature, top_p, seeds
+        self.on_finish, self.on_states, self.kept_layers = on_finish, on_states, kept_layers
+        self.prefill_tokens, self.counted, self.layout = prefill_tokens, counted, layout
+        self.sampling = temperature > 0
+        self.device = input_device(model)
+        self.dtype = model.dtype
+        # The prefix every prompt shares is prefilled once, into one spare slot past the busy ones,
+        # and copied into each slot at admission (a quarter of a short chat prompt is its header).
+        self.shared = shared_prefix(prompts) if len(prompts) > 1 else 0
+        max_len = max(len(p) for p in prompts) + max_new_tokens
+        self.cache = SlotCache(slots + (self.shared > 0), max_len, value_dtype)
+        self.rows = _Rows(slots, self.device)
+        self.queue = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        self.cache_kwarg = _cache_kwarg(model)
+        self.timings = timings
+        self.keeping = on_states is not None
+        self.prefix_states: torch.Tensor | None = None  # the shared prefix's, [shared, layers, H], if keeping
 
-    def forward(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keep, **counts):
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keep, **counts
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each row's logits at its last kept position, and when `keeping` the kept layers'
         states of every input position [rows, T, layers, H] on the CPU (else None); `mask`: one
         per kind of layer (see `prefill_mask`); `counts`: `slot_counts` on decode steps."""
-        out = model(
+        out = self.model(
             input_ids=ids,
             position_ids=positions,
-            attention_mask=layout.argument(mask),
+            attention_mask=self.layout.argument(mask),
             use_cache=True,
             logits_to_keep=keep,
-            output_hidden_states=keeping,
-            **{cache_kwarg: cache},
+            output_hidden_states=self.keeping,
+            **{self.cache_kwarg: self.cache},
             **counts,
         )
         states = None
-        if keeping:
-            states = torch.stack([out.hidden_states[i] for i in kept_layers], dim=2).float().cpu()
+        if self.keeping:
+            states = torch.stack([out.hidden_states[i] for i in self.kept_layers], dim=2).float().cpu()
         return out.logits[:, -1], states
 
-    def draw(logits: torch.Tensor, chosen: list[int]) -> torch.Tensor:
+    def draw(self, logits: torch.Tensor, chosen: list[int]) -> torch.Tensor:
         """The next token of the rows in slots `chosen` (their generators give the noise)."""
         noise = None
-        if sampling:
+        if self.sampling:
             noise = torch.empty(len(chosen), noise_size(logits.shape[-1]))
             for row, slot in enumerate(chosen):
-                noise[row].exponential_(generator=rows.generator[slot])
-            noise = noise.to(device)
-        return sample_next(logits, temperature, top_p, noise)
+                noise[row].exponential_(generator=self.rows.generator[slot])
+            noise = noise.to(self.device)
+        return sample_next(logits, self.temperature, self.top_p, noise)
 
-    def record(slot: int, token: int) -> None:
+    def record(self, slot: int, token: int) -> None:
         """Append a token to the slot's answer (a stop token too: the answer's ids are what the
         target emits); free the slot when the answer is done, or when keeping states mark it
         closing: the next step feeds the last token for its states."""
+        rows = self.rows
         made = rows.made[slot]
         made.append(token)
-        if token in eos or len(made) == max_new_tokens:
-            on_finish(rows.owner[slot], made)
-            if keeping:
+        if token in self.eos or len(made) == self.max_new_tokens:
+            self.on_finish(rows.owner[slot], made)
+            if self.keeping:
                 rows.closing[slot] = True
             else:
                 rows.release(slot)
 
-    def close(slot: int) -> None:
+    def close(self, slot: int) -> None:
         """Hand over a closing row's states (its last token's now among them) and free it."""
+        rows = self.rows
         i = rows.owner[slot]
-        on_states(i, prompts[i] + rows.made[slot], torch.cat(rows.states[slot]))
+        self.on_states(i, self.prompts[i] + rows.made[slot], torch.cat(rows.states[slot]))
         rows.release(slot)
 
-    def admit() -> None:
+    def admit(self) -> None:
         """Prefill the next prompts of the queue into the free slots, lowest first, in groups."""
+        prompts, queue, rows, shared, device = self.prompts, self.queue, self.rows, self.shared, self.device
         while queue and (free := rows.free()):
-            group = prefill_group([len(prompts[i]) for i in queue[: len(free)]], prefill_tokens)
+            group = prefill_group([len(prompts[i]) for i in queue[: len(free)]], self.prefill_tokens)
             index, chosen = queue[:group], free[:group]
             width = len(prompts[index[0]])
             del queue[:group]
@@ -586,70 +589,75 @@ def _decode_all(
             ids = torch.tensor(padded, device=device)
             lengths = torch.tensor([len(prompts[i]) for i in index], device=device)
             where = torch.tensor(chosen, device=device)
-            cache.prefill(where, shared, slots)
+            self.cache.prefill(where, shared, self.slots)
             positions = torch.arange(shared, width, device=device).expand(group, width - shared)
-            mask = prefill_mask(layout, lengths, width, dtype, shared)
+            mask = prefill_mask(self.layout, lengths, width, self.dtype, shared)
             began = time.perf_counter()
-            logits, states = forward(ids, positions, mask, (lengths - 1 - shared)[:, None])
+            logits, states = self.forward(ids, positions, mask, (lengths - 1 - shared)[:, None])
             for row, (slot, i) in enumerate(zip(chosen, index)):
                 rows.owner[slot], rows.length[slot] = i, len(prompts[i])
-                if sampling:
-                    rows.generator[slot] = torch.Generator().manual_seed(seeds[i])
-                if keeping:
+                if self.sampling:
+                    rows.generator[slot] = torch.Generator().manual_seed(self.seeds[i])
+                if self.keeping:
                     own = states[row, : len(prompts[i]) - shared]
-                    rows.states[slot] = [own] if prefix_states is None else [prefix_states, own]
-            new = draw(logits, chosen)
+                    rows.states[slot] = [own] if self.prefix_states is None else [self.prefix_states, own]
+            new = self.draw(logits, chosen)
             rows.tokens[where], rows.positions[where] = new, lengths
             for slot, token in zip(chosen, new.tolist()):
-                record(slot, token)
-            if timings is not None:
-                timings.prefill.append((int(lengths.sum()), time.perf_counter() - began))
+                self.record(slot, token)
+            if self.timings is not None:
+                self.timings.prefill.append((int(lengths.sum()), time.perf_counter() - began))
 
-    def compact() -> None:
+    def compact(self) -> None:
         """Move the highest busy rows into the lowest free slots, so busy slots are a prefix."""
+        rows = self.rows
         while (free := rows.free()) and free[0] < (n := rows.busy()):
-            cache.move(n - 1, free[0], rows.length[n - 1])
+            self.cache.move(n - 1, free[0], rows.length[n - 1])
             rows.move(n - 1, free[0])
 
-    def prefill_prefix() -> None:
+    def prefill_prefix(self) -> None:
         """The shared prefix's K/V (and kept states), once, into the spare slot that admissions
         copy from."""
-        nonlocal prefix_states
-        cache.prefill(torch.tensor([slots], device=device))
-        ids = torch.tensor([prompts[0][:shared]], device=device)
-        mask = prefill_mask(layout, torch.tensor([shared], device=device), shared, dtype)
-        _, states = forward(ids, torch.arange(shared, device=device)[None], mask, 1)
-        prefix_states = None if states is None else states[0]
+        shared, device = self.shared, self.device
+        self.cache.prefill(torch.tensor([self.slots], device=device))
+        ids = torch.tensor([self.prompts[0][:shared]], device=device)
+        mask = prefill_mask(self.layout, torch.tensor([shared], device=device), shared, self.dtype)
+        _, states = self.forward(ids, torch.arange(shared, device=device)[None], mask, 1)
+        self.prefix_states = None if states is None else states[0]
 
-    def step(n: int) -> None:
+    def step(self, n: int) -> None:
         """One decode forward over the busy slots 0..n-1."""
+        rows = self.rows
         began = time.perf_counter()
         context = sum(rows.length[:n]) + n
         width = max(rows.length[:n]) + 1
         positions = rows.positions[:n]
-        cache.decode(positions, width)
-        mask = decode_mask(layout, positions, width, dtype)
-        counts = {"slot_counts": positions + 1} if counted else {}
-        logits, states = forward(rows.tokens[:n, None], positions[:, None], mask, 1, **counts)
-        new = draw(logits, list(range(n)))
+        self.cache.decode(positions, width)
+        mask = decode_mask(self.layout, positions, width, self.dtype)
+        counts = {"slot_counts": positions + 1} if self.counted else {}
+        logits, states = self.forward(rows.tokens[:n, None], positions[:, None], mask, 1, **counts)
+        new = self.draw(logits, list(range(n)))
         rows.tokens[:n] = new
         rows.positions[:n] += 1
         for slot, token in enumerate(new.tolist()):  # the step's one read-back
             rows.length[slot] += 1
-            if keeping:
+            if self.keeping:
                 rows.states[slot].append(states[slot])
                 if rows.closing[slot]:  # its last token was this step's input: done
-                    close(slot)
+                    self.close(slot)
                     continue
-            record(slot, token)
-        if timings is not None:
-            timings.decode.append((n, context, time.perf_counter() - began))
+            self.record(slot, token)
+        if self.timings is not None:
+            self.timings.decode.append((n, context, time.perf_counter() - began))
 
-    if shared:
-        prefill_prefix()
-    while True:
-        admit()
-        compact()
-        if (n := rows.busy()) == 0:
-            return
-        step(n)
+    def run(self) -> None:
+        """Decode every prompt: the shared prefix once, then refill free slots and step until
+        no row is busy."""
+        if self.shared:
+            self.prefill_prefix()
+        while True:
+            self.admit()
+            self.compact()
+            if (n := self.rows.busy()) == 0:
+                return
+            self.step(n)

@@ -396,3 +396,7 @@ class ServerAnswerer:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         return {f"ep{k}": f"{ep.tokens / elapsed:.0f}tok/s" + (" dead" if ep.dead else "")
                 for k, ep in enumerate(self.endpoints)}
+
+    def step_cost(self) -> None:
+        """Servers' steps are not seen from here: the planner prices them at the probe's rate."""
+        return None

@@ -18,6 +18,7 @@ Runs that share the cache (a sweep started together) take turns under a lock fil
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -33,7 +34,8 @@ from conf.files import build_lock, lock_path
 from conf.schema import RegenerateConfig
 from data_prep.onepass import StateStore
 from data_prep.ranks import Ranks
-from data_prep.regen_engine import generate
+from data_prep.regen_cost import StepCost
+from data_prep.regen_engine import EngineTimings, generate
 from data_prep.regen_server import ServerAnswerer
 from data_prep.sources import Sample, answer_uid
 from data_prep.stats import PrepStats
@@ -104,6 +106,12 @@ class Answerer(Protocol):
         """What the progress bar shows besides the overall rate."""
         ...
 
+    def step_cost(self) -> StepCost | None:
+        """The cost of one decode step fitted from the steps it took (`data_prep.regen_cost`),
+        which the time budget replays for a larger regeneration; None where its steps are not
+        seen (vLLM, servers) or it took none."""
+        ...
+
 
 @dataclass
 class EngineAnswerer:
@@ -114,10 +122,12 @@ class EngineAnswerer:
     cfg: RegenerateConfig
     matmul_dtype: torch.dtype | None = None
     states: StateStore | None = None  # keeps each answered conversation's states (one pass)
+    timings: EngineTimings = field(default_factory=EngineTimings)  # every round's steps
 
     def __call__(self, prompts, eos, seeds, on_finish) -> None:
         c, keep = self.cfg, self.states
         generate(self.model, prompts, batch_size=c.batch_size, workers=c.workers, on_finish=on_finish,
+                 timings=self.timings,
                  matmul_dtype=self.matmul_dtype, max_new_tokens=c.max_new_tokens, eos_token_ids=eos,
                  temperature=c.temperature, top_p=c.top_p, seeds=seeds,
                  kept_layers=keep.layers if keep else (),
@@ -125,6 +135,9 @@ class EngineAnswerer:
 
     def postfix(self) -> dict[str, str]:
         return {}
+
+    def step_cost(self) -> StepCost | None:
+        return StepCost.fit(self.timings)
 
 
 @dataclass
@@ -146,6 +159,9 @@ class VllmAnswerer:
 
     def postfix(self) -> dict[str, str]:
         return {}
+
+    def step_cost(self) -> None:
+        return None
 
 
 def backend_answerer(cfg: RegenerateConfig, target: Target, matmul_dtype: torch.dtype | None,
@@ -247,6 +263,8 @@ def regenerate(
             bar.close()
         stats.regenerated_tokens += new_tokens
         stats.regenerate_seconds += round(time.perf_counter() - started, 2)
+        if answer is not None and (cost := answer.step_cost()) is not None:
+            stats.regenerate_step_cost = dataclasses.asdict(cost)
         return answered_turns(wanted, done, stats)
 
 

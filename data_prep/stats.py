@@ -34,6 +34,10 @@ class PrepStats:
     regenerated_from_cache: int = 0  # answers the regeneration cache held already
     regenerated_tokens: int = 0  # new tokens the target wrote in this build
     regenerate_seconds: float = 0.0  # the time it took
+    # The hf engine's decode-step cost fitted from this build's steps (`regen_cost.StepCost`'s
+    # fields), which the time budget replays for the run's regeneration; None: no engine steps
+    # (all cached, another backend).
+    regenerate_step_cost: dict | None = None
 
     def dropped_turns(self) -> int:
         """Assistant turns of conversations used as they are that could not be trained."""

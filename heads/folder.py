@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from conf.compose import compose_root
 from conf.errors import UserError, first_line
 from conf.files import check_sha256, read_json, sha256_file, staged_dir
-from conf.schema import HEAD_CONFIGS, TEMPLATE_FIELDS, RootConfig, derive
+from conf.kinds import HEAD_CONFIGS
+from conf.schema import TEMPLATE_FIELDS, RootConfig, derive
 
 CONFIG_NAME = "draftsmith_head.json"
 WEIGHTS_NAME = "model.safetensors"

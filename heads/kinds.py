@@ -9,9 +9,10 @@ by `trainer.kinds.CATALOG`). Each answer is a field of the record, so no module 
 own branches on the kind's name (`tests/unit/test_kind_branches.py` holds the line).
 
 A kind is one folder per layer. A new kind (DSpark, ...) supplies:
-- its config class in `conf/schema.py` (its `name` default is the kind's name) with the YAML
-  group `conf/head/<name>.yaml`, listed in `conf.schema.HEAD_CONFIGS`: the one schema stays in
-  conf, which cannot import heads;
+- its config class in `conf/kinds.py` (its `name` default is the kind's name; a derived kind
+  subclasses its parent's) with the YAML group `conf/head/<name>.yaml` (its `/kinds/<name>`
+  defaults entry and the knobs a user tunes), listed in `conf.kinds.HEAD_CONFIGS`: the schema
+  stays in conf, which cannot import heads;
 - `heads/<name>/`: `model.py` (the head module, `kind = <name>`, `save_pretrained` /
   `from_pretrained`, `captured_layers`, `load_for_decoding`), `export.py` (its formats' `Layout`s,
   the self-check's `KindOps`, `serve_lines`, and `card_facts` / `served_tokens` / `engine_keys`

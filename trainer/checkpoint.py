@@ -1,5 +1,7 @@
 """Training checkpoints for exact resume: accelerate's state (model, optimizer, scheduler, RNG)
-plus where the data order stood. A checkpoint appears under its final name only when complete;
+plus where the data order stood, and what the run hands in to keep with it (the loop's history,
+so that a resumed run's curve is the one of the step it restores, whenever it was killed). A
+checkpoint appears under its final name only when complete, its files all written first;
 one that fails (a full disk: one line, `RESUME_THEN`) leaves nothing beside the whole ones.
 accelerate writes the optimizer and RNG states with torch.save but reads them back with
 weights_only=True, so resuming never unpickles arbitrary objects (tests/unit/trainer/test_checkpoint.py)."""
@@ -44,8 +46,10 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(done, key=checkpoint_step, default=None)
 
 
-def save_checkpoint(accelerator, run_dir: Path, state: TrainState) -> Path:
-    """Collective: every rank calls it (DeepSpeed saves shards from each rank)."""
+def save_checkpoint(accelerator, run_dir: Path, state: TrainState,
+                    files: dict[str, str] | None = None) -> Path:
+    """Collective: every rank calls it (DeepSpeed saves shards from each rank). `files`: name ->
+    text, written into the checkpoint by the main process before it takes its final name."""
     root = checkpoint_root(run_dir)
     final = root / f"step-{state.step:07d}"
     tmp = root / f".tmp-step-{state.step:07d}"
@@ -60,6 +64,8 @@ def save_checkpoint(accelerator, run_dir: Path, state: TrainState) -> Path:
         raise
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state)))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

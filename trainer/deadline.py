@@ -1,4 +1,4 @@
-"""The time budget's last guard on training (`trainer.plan.training_deadline`): the step that
+"""The time budget's last guard on training (`trainer.plan.policy.PlanRecord.deadline`): the step that
 ends past the deadline is the run's last, validated and saved as a planned last step is. The
 budget plans single-process runs only: ranks would read their clocks apart."""
 

@@ -174,13 +174,10 @@ def replica_checksums(accelerator, trainee) -> list[float]:
     return [round(v, 6) for v in gathered.tolist()]
 
 
-def read_history(run_dir: Path, upto: int) -> list[dict]:
-    path = run_dir / HISTORY
+def read_history(folder: Path, upto: int) -> list[dict]:
+    """The history a run_dir or a checkpoint holds, up to step `upto` ([] where it holds none)."""
+    path = folder / HISTORY
     return [h for h in json.loads(path.read_text()) if h["step"] <= upto] if path.exists() else []
-
-
-def write_history(run_dir: Path, history: list[dict]) -> None:
-    atomic_write_text(run_dir / HISTORY, json.dumps(history))
 
 
 def train_step(
@@ -297,10 +294,9 @@ def fit(
         )
     sizes = Sizes.of(cfg)  # the run's, or the defaults of sizes left unset
     total = sizes.max_steps or sizes.epochs * per_epoch
-    trainee, opt, sched, params, state = prepare_training(cfg, accelerator, trainee, run_dir, total)
-    run = start(
-        cfg, accelerator, trainee, train_ds, val_ds, run_dir, capture, val_decode, state, total, logger
-    )
+    trainee, opt, sched, params, state, history = prepare_training(cfg, accelerator, trainee, run_dir, total)
+    run = start(cfg, accelerator, trainee, train_ds, val_ds, run_dir, capture, val_decode, state, history,
+                total, logger)
     first_step = state.step
     for loss in optimizer_steps(run, train_ds, opt, params, total):
         run.say(run.guard.skip_line())
@@ -336,8 +332,9 @@ def adamw(groups: list[dict], optim: OptimConfig) -> torch.optim.AdamW:
 
 
 def prepare_training(cfg: RootConfig, accelerator, trainee, run_dir: Path, total: int):
-    """(trainee, optimizer, LR schedule, trained parameters, state) for `total` steps, wrapped by
-    accelerate; with `resume`, restored from the latest checkpoint (else a fresh `TrainState`)."""
+    """(trainee, optimizer, LR schedule, trained parameters, state, history) for `total` steps,
+    wrapped by accelerate; with `resume`, restored from the latest checkpoint, with the history
+    saved in it (else a fresh `TrainState` and no history)."""
     optim = cfg.optim
     groups = trainee.param_groups(optim.lr, optim.weight_decay)
     opt = adamw(groups, optim)
@@ -346,7 +343,7 @@ def prepare_training(cfg: RootConfig, accelerator, trainee, run_dir: Path, total
     params = [p for g in groups for p in g["params"]]
     ckpt = latest_checkpoint(run_dir) if cfg.resume else None
     if ckpt is None:
-        return trainee, opt, sched, params, TrainState()
+        return trainee, opt, sched, params, TrainState(), []
     state = load_checkpoint(accelerator, ckpt)
     # The schedule is a function of the step: replay it rather than unpickle it. torch warns
     # that no optimizer step preceded these; here that is the point. (`message` is a regex.)
@@ -354,19 +351,16 @@ def prepare_training(cfg: RootConfig, accelerator, trainee, run_dir: Path, total
         warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
         for _ in range(state.step):
             sched.step()
-    return trainee, opt, sched, params, state
+    return trainee, opt, sched, params, state, read_history(ckpt, state.step)
 
 
 def start(
     cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path, capture, val_decode,
-    state: TrainState, total: int, logger: RunLogger | None = None,
+    state: TrainState, history: list[dict], total: int, logger: RunLogger | None = None,
 ) -> Run:
-    """The `Run` of a fit about to take its first step (`state.step`: a resumed run's next),
-    logging to `logger` (None: a `RunLogger` of its own)."""
+    """The `Run` of a fit about to take its first step (`state.step`: a resumed run's next, with
+    the `history` its checkpoint kept), logging to `logger` (None: a `RunLogger` of its own)."""
     shown = cfg.logging.progress and accelerator.is_main_process
-    # Resumed runs keep the curve of the steps they restore (history.json is written just before
-    # every checkpoint, so a killed run leaves it at least as far as its last checkpoint).
-    history = read_history(run_dir, state.step) if state.step else []
     trainee.train()
     return Run(
         cfg, accelerator, trainee, val_ds, run_dir, capture, val_decode, state,
@@ -446,11 +440,10 @@ def checkpoint(run: Run) -> None:
     run.guard.check()
     with run.costs.timed("checkpoint"):
         run.state.skipped = run.guard.watch.skipped
-        # The history first: a run killed between the two resumes from the checkpoint before,
-        # which reads the history only as far as its own step.
-        if run.accelerator.is_main_process:
-            write_history(run.run_dir, run.history)
-        save_checkpoint(run.accelerator, run.run_dir, run.state)
+        history = json.dumps(run.history)
+        save_checkpoint(run.accelerator, run.run_dir, run.state, {HISTORY: history})
+        if run.accelerator.is_main_process:  # the run_dir's copy, for its readers (training.png)
+            atomic_write_text(run.run_dir / HISTORY, history)
 
 
 def report(run: Run, first_step: int) -> FitReport:

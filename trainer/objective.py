@@ -92,8 +92,8 @@ def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> tuple[torch.Ten
 
 @dataclass(frozen=True)
 class Objective:
-    """The configured objective (`conf.schema.ObjectiveConfig`): `loss` one of
-    conf.schema.LOSSES, its knobs, and the weight of prompt rows against answer rows."""
+    """The configured objective (`conf.kinds.ObjectiveConfig`): `loss` one of
+    conf.kinds.LOSSES, its knobs, and the weight of prompt rows against answer rows."""
 
     loss: str = "ce"
     tv_weight: float = 1.0

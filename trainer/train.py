@@ -38,7 +38,7 @@ from data_prep.prepare import capture_spec, check_source, prepare
 from data_prep.ranks import Ranks
 from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target, check_max_length, resolve_target
-from heads.export.write import export_head, formats_for
+from heads.export.write import default_formats, export_head, formats_for
 from heads.formats import check_init_from
 from heads.kinds import check_export_formats, head_kind
 from trainer.checkpoint import checkpoint_step, latest_checkpoint
@@ -49,6 +49,7 @@ from trainer.kinds import build_trainee
 from trainer.logger import RunLogger
 from trainer.loop import fit, read_history
 from trainer.plan import note_stop, plan_run, recheck
+from trainer.plan.policy import PlanRecord
 from trainer.training_plot import plot_training
 from trainer.val_decode import build_val_decoder
 
@@ -84,7 +85,7 @@ class Stages:
         self._last = now
 
 
-def decide_sizes(cfg: RootConfig, acc, target: Target, started: float) -> tuple[Sizes, dict | None]:
+def decide_sizes(cfg: RootConfig, acc, target: Target, started: float) -> tuple[Sizes, PlanRecord | None]:
     """The run's sizes, decided once: the user's (or their defaults), or the time budget's plan
     (`trainer.plan`) with its record. The probes run in one process, with the whole target in
     it, so a multi-process run, or one whose states come from servers (`check_served_online`),
@@ -161,7 +162,7 @@ def check_push(cfg: RootConfig) -> None:
     """`export.push_to_hub`: one Hub repo holds one export format, as `heads.export` requires."""
     repo = cfg.export.push_to_hub
     if repo and cfg.head is not None:
-        formats = cfg.export.formats or list(head_kind(cfg.head.name).formats)
+        formats = cfg.export.formats or default_formats(head_kind(cfg.head.name))
         if len(formats) != 1:
             raise UserError(
                 f"export.push_to_hub={repo}: one repo holds one format; add export.formats=[<one of "
@@ -242,7 +243,7 @@ def run(cfg: RootConfig) -> dict:
     train_ds = CapturedDataset(data.path, "train")
     val_ds = CapturedDataset(data.path, "validation")
     if budget is not None:
-        sizes = recheck(cfg, budget, started, train_ds, val_ds, data.samples)
+        sizes, budget = recheck(cfg, budget, started, train_ds, val_ds, data.samples)
         cfg = sizes.apply(cfg)
     trainee = build_trainee(cfg, model, data.path)
     val_decode = build_val_decoder(cfg, trainee, (model, target.tokenizer), val_ds)
@@ -250,10 +251,11 @@ def run(cfg: RootConfig) -> dict:
         capture = served_capture(cfg, target, data.manifest, model)
     else:
         capture = online_capture(data.manifest, model)
-    tracker = RunLogger(cfg, run_dir, acc.is_main_process, plan=budget)  # finished after evaluation
+    plan = None if budget is None else budget.as_dict()
+    tracker = RunLogger(cfg, run_dir, acc.is_main_process, plan=plan)  # finished after evaluation
     result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode, sizes.deadline, tracker)
     if budget is not None:
-        note_stop(cfg, budget, result.steps)
+        budget = note_stop(cfg, budget, result.steps)
     stages.done("train")
     summary = {
         "run_dir": str(run_dir),
@@ -279,7 +281,7 @@ def run(cfg: RootConfig) -> dict:
         # not the deadline: a clock reading of this process, meaningless in a file
         summary["sizes"] = {k: v for k, v in dataclasses.asdict(sizes).items() if k != "deadline"}
         if budget is not None:
-            summary["budget"] = budget
+            summary["budget"] = budget.as_dict()
         summary["wall_time_s"] = round(time.perf_counter() - started, 1)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))

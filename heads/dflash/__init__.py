@@ -3,7 +3,7 @@ formats, and `KIND` its record, which `heads.kinds` lists."""
 
 from __future__ import annotations
 
-from conf.schema import DFlashConfig
+from conf.kinds import DFlashConfig
 from heads.dflash import export, model
 from heads.record import HeadKind
 
@@ -12,6 +12,7 @@ KIND = HeadKind(
     captured_layers=model.captured_layers,
     draft_vocab=False,  # the target's whole vocabulary, through its own lm_head (vLLM shares it)
     served_shape="chain",
+    chains_only=True,
     static_tree=False,
     load_for_decoding=model.load_for_decoding,
     formats=export.FORMATS,

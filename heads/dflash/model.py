@@ -33,7 +33,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from conf.errors import UserError
-from conf.schema import DFlashConfig
+from conf.kinds import DFlashConfig
 from heads.folder import TargetSpec, load_head, save_head
 from heads.parts import KV, KVStore, draft_rope, resolve_aux_layer_ids
 from heads.window import window_fields

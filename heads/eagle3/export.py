@@ -1,4 +1,5 @@
-"""EAGLE-3 heads in the engines' two folder layouts: "native" (yuhuili/SpecForge) and "speculators".
+"""EAGLE-3 heads in the engines' two folder layouts, "native" (yuhuili/SpecForge) and "speculators",
+and as llama.cpp's GGUF draft (`gguf`: `heads.eagle3.llama_cpp`, which documents its own keys).
 
 Every key below was read off the loaders (vLLM 0.32 `llama_eagle3.py` and
 `transformers_utils/configs/speculators/`, SGLang `llama_eagle3.py` + `model_runner.py`,
@@ -9,7 +10,7 @@ config carries vLLM's ids (the project's own) at the top level and SGLang's (one
 `eagle_config`; TensorRT-LLM takes `eagle3_layers_to_capture` (one less) at serve time, which
 the model card prints.
 
-Both layouts carry the same tensors; only the decoder layer's prefix differs (`midlayer.` vs
+Both folder layouts carry the same tensors; only the decoder layer's prefix differs (`midlayer.` vs
 `layers.0.`). Reading a folder back is strict: an unknown or missing name is an error, because
 engine loaders may drop a misnamed tensor without a word. The layer-variant flags are written
 explicitly in every config and read back the same way: an engine fills a missing one with its own
@@ -29,6 +30,7 @@ import torch
 from transformers import LlamaConfig
 
 from conf.errors import UserError
+from heads.eagle3 import llama_cpp
 from heads.eagle3.model import Eagle3Head
 from heads.export.card import CardFacts, hub_id
 from heads.export.check import KindOps
@@ -473,15 +475,17 @@ def target_embed(cfg: dict, target_model) -> torch.Tensor:
 
 
 def config_fields(cfg: dict) -> dict:
-    """The fields an exported config must reproduce for the self-check."""
+    """The fields an exported config must reproduce for the self-check. `rms_norm_eps` as the
+    float32 the norms add it in: a GGUF stores only that (and a target converted from a GGUF
+    holds it as its config's value), finer digits change no output."""
     c = LlamaConfig(**cfg)
     keys = (
         "hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim "
-        "rms_norm_eps max_position_embeddings vocab_size rope_parameters draft_vocab_size "
-        "target_hidden_size"
+        "max_position_embeddings vocab_size rope_parameters draft_vocab_size target_hidden_size"
     ).split()
     return (
         {k: getattr(c, k) for k in keys}
+        | {"rms_norm_eps": float(torch.tensor(c.rms_norm_eps, dtype=torch.float32))}
         | {"aux_layer_ids": sorted(cfg["aux_layer_ids"]), "sliding_window": window_of(cfg)}
         | norm_flags(cfg)
     )
@@ -496,14 +500,21 @@ CHECK = KindOps(
 
 def card_facts(cfg: dict, fmt: str) -> dict:
     """The model card's EAGLE-3 facts: each engine's aux-layer ids (the native format is the one
-    SGLang and TensorRT-LLM read) and the notes on engines that would serve the head wrongly."""
-    ids = engine_layer_ids(cfg["aux_layer_ids"]) if fmt == "eagle3" else {}
+    SGLang and TensorRT-LLM read; llama.cpp's GGUF numbers them as we do) and the notes on engines
+    that would serve the head wrongly."""
+    ids = {}
+    if fmt == "eagle3":
+        ids = engine_layer_ids(cfg["aux_layer_ids"])
+    elif fmt == "gguf":
+        ids = {"llama.cpp": sorted(cfg["aux_layer_ids"])}
     return {"layer_ids": ids, "notes": serving_notes(cfg, fmt)}
 
 
 def serve_lines(f: CardFacts) -> list[str]:
-    """The model card's serve commands: vLLM for both formats, SGLang and TensorRT-LLM for the
-    native one."""
+    """The model card's serve commands: vLLM for the two folder formats, SGLang and TensorRT-LLM
+    for the native one, llama.cpp for the GGUF."""
+    if f.fmt == "gguf":
+        return llama_cpp.serve_lines(f)
     base = hub_id(f.target_name) or f.target_name
     k, loc = f.num_speculative_tokens, f.location
     spec = json.dumps({"method": "eagle3", "model": loc, "num_speculative_tokens": k} | f.speculative_keys)
@@ -574,4 +585,5 @@ FORMATS = {
         speculators_tensors,
         speculators_as_vllm_reads,
     ),
+    "gguf": llama_cpp.LAYOUT,
 }

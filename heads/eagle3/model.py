@@ -32,7 +32,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from conf.errors import UserError
-from conf.schema import Eagle3Config
+from conf.kinds import Eagle3Config
 from heads.folder import TargetSpec, load_head, save_head
 from heads.parts import KV, NORM_FLAGS, KVStore, draft_rope, norm_flags, resolve_aux_layer_ids
 from heads.window import window_fields

@@ -119,21 +119,25 @@ def serve_section(lines: list[str]) -> str:
     return "\n".join(["## Serve", "", *lines, ""])
 
 
+# Engine -> (its numbering of the captured layers, where it reads the ids), in the card's order.
+LAYER_ID_ROWS = {
+    "vllm": ("draftsmith / vLLM (`hidden_states[k]` = residual stream after k layers)",
+             "`eagle_aux_hidden_state_layer_ids`"),
+    "sglang": ("SGLang (adds one before capturing)", "`eagle_config.eagle_aux_hidden_state_layer_ids`"),
+    "trtllm": ("TensorRT-LLM (output of layer i)", "`eagle3_layers_to_capture` at serve time"),
+    "llama.cpp": ("llama.cpp (input of layer k = draftsmith's `hidden_states[k]`)",
+                  "`eagle3.target_layers` in the GGUF"),
+}
+
+
 def layer_ids_section(f: CardFacts) -> str:
     if not f.layer_ids:
         return ""
-    ids = f.layer_ids
     rows = [
-        f"| draftsmith / vLLM (`hidden_states[k]` = residual stream after k layers) | "
-        f"{ids['vllm']} | `eagle_aux_hidden_state_layer_ids` |",
+        f"| {convention} | {f.layer_ids[engine]} | {where} |"
+        for engine, (convention, where) in LAYER_ID_ROWS.items()
+        if engine in f.layer_ids
     ]
-    if "sglang" in ids:
-        rows += [
-            f"| SGLang (adds one before capturing) | {ids['sglang']} | "
-            "`eagle_config.eagle_aux_hidden_state_layer_ids` |",
-            f"| TensorRT-LLM (output of layer i) | {ids['trtllm']} | "
-            "`eagle3_layers_to_capture` at serve time |",
-        ]
     return "\n".join(
         [
             "## Target layers the head reads",

@@ -1,18 +1,21 @@
-"""What every export layout shares: its description (`Layout`), the storage cast, reading a folder,
-the strict name check."""
+"""What every export layout shares: its description (`Layout`), the storage cast, writing and reading
+a folder, the strict name check."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from conf.errors import UserError
 from conf.files import read_json
-from heads.folder import read_weights
+from heads.export.gguf_file import read_gguf
+from heads.folder import TargetSpec, read_weights
 
 Tensors = dict[str, torch.Tensor]
 
@@ -34,6 +37,14 @@ class ExportContext:
     num_speculative_tokens: int
     verifier: str  # the target as the engine should load it: a Hub id or a path
     verifier_architectures: list[str]
+    target: TargetSpec  # the head's target (llama.cpp captures no layer past its last)
+
+
+def write_folder(folder: Path, weights_file: str, config: dict, tensors: Tensors) -> None:
+    """An engine folder as most formats are: `config` as config.json, `tensors` as safetensors."""
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(tensors, folder / weights_file, metadata={"format": "pt"})
 
 
 @dataclass(frozen=True)
@@ -51,12 +62,21 @@ class Layout:
     # key out (`heads.formats`): (config.json, tensors, the target's text config, where) -> both,
     # then read by `read(folder, loaded=...)`. None: such folders are read as our exports are.
     defaults: Callable[[dict, Tensors, Any, str], tuple[dict, Tensors]] | None = None
+    # Writes the folder: (folder, weights_file, what `config` returned, what `tensors` returned).
+    # A GGUF layout's config is the file's metadata, and its folder one file beside a marker.
+    save: Callable[[Path, str, Any, Tensors], None] = write_folder
+    # Written where `export.formats` is null (every format of the kind). A format that only some
+    # heads fit, or that needs more than the head, is written where it is asked for.
+    by_default: bool = True
 
 
 def read_folder(folder: Path, weights: str) -> tuple[dict, Tensors]:
-    """An export folder's config.json and weights file, or one line naming the one that is
-    missing, cut off or not UTF-8 (engine checks and evaluations read folders copied around)."""
-    return read_json(folder / "config.json", "export"), read_weights(folder / weights, "export")
+    """An export folder's config.json and weights file (safetensors, or a .gguf's tensors in the
+    file's names), or one line naming the one that is missing, cut off or not UTF-8 (engine checks
+    and evaluations read folders copied around)."""
+    path = folder / weights
+    tensors = read_gguf(path, "export")[1] if weights.endswith(".gguf") else read_weights(path, "export")
+    return read_json(folder / "config.json", "export"), tensors
 
 
 def check_layout(tensors: Tensors, expected: dict[str, tuple[int, ...]], where: str) -> None:

@@ -1,21 +1,19 @@
 """Export a trained head for the serving engines: `python -m heads.export head=<path> format=<fmt>`.
 
 Formats: `eagle3` (native LlamaForCausalLMEagle3 folder: vLLM, SGLang, TensorRT-LLM),
-`speculators` (vLLM's one-command format), `medusa-vllm`, `medusa-tgi`, and P-EAGLE's `peagle` and
-`peagle-speculators`. Each export is written to a
-temporary folder, reloaded by the format's own strict reader and compared with the trained head
-(tensors, config, outputs) before it is renamed into place; then a model card is added and,
-with `push_to_hub=<repo_id>`, the folder is uploaded.
+`speculators` (vLLM's one-command format), `gguf` (llama.cpp's EAGLE-3 draft, written only where
+asked for), `medusa-vllm`, `medusa-tgi`, and P-EAGLE's `peagle` and `peagle-speculators`. Each
+export is written to a temporary folder (`Layout.save`), reloaded by the format's own strict reader
+and compared with the trained head (tensors, config, outputs) before it is renamed into place; then
+a model card is added and, with `push_to_hub=<repo_id>`, the folder is uploaded.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from conf.errors import UserError
 from conf.files import disk_full_is_one_line, read_json, staged_dir
@@ -23,15 +21,22 @@ from conf.schema import EXPORT_DTYPES
 from heads import kinds
 from heads.export.card import PICTURE, CardFacts, hub_id, render
 from heads.export.check import verify_export
-from heads.export.core import ExportContext, Layout, Tensors
+from heads.export.core import ExportContext
 from heads.folder import TargetSpec, load_head, run_config
+from heads.record import HeadKind
 
 DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
 
 
+def default_formats(kind: HeadKind) -> list[str]:
+    """The formats `export.formats=null` writes: the kind's `Layout.by_default` ones (not `gguf`,
+    which fits only some EAGLE-3 heads)."""
+    return [fmt for fmt, layout in kind.formats.items() if layout.by_default]
+
+
 def formats_for(head_path: str | Path, formats: list[str] | None) -> list[str]:
-    """The formats to write for a head: those asked for, or every one that holds its kind."""
-    return list(formats or kinds.saved_head_kind(head_path).formats)
+    """The formats to write for a head: those asked for, or its kind's defaults."""
+    return list(formats or default_formats(kinds.saved_head_kind(head_path)))
 
 
 def _verifier(spec: TargetSpec, target_model) -> tuple[str, list[str]]:
@@ -40,12 +45,6 @@ def _verifier(spec: TargetSpec, target_model) -> tuple[str, list[str]]:
         return name, list(target_model.config.architectures or [])
     local = Path(spec.name_or_path).expanduser() / "config.json"
     return name, (read_json(local, "target").get("architectures", []) if local.exists() else [])
-
-
-def _write(folder: Path, layout: Layout, config: dict, tensors: Tensors) -> None:
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    save_file(tensors, folder / layout.weights_file, metadata={"format": "pt"})
 
 
 def check_out_dir(out: Path) -> None:
@@ -83,7 +82,7 @@ def export_head(
             TargetSpec.from_model(target_model, spec.name_or_path), f"head={str(head_path)!r}"
         )
     verifier, arch = _verifier(spec, target_model)
-    ctx = ExportContext(dtype, num_speculative_tokens, verifier, arch)
+    ctx = ExportContext(dtype, num_speculative_tokens, verifier, arch, spec)
     config = layout.config(src_cfg, ctx)
     report = read_json(Path(eval_json), "eval") if eval_json else None
     picture = Path(eval_json).with_name(PICTURE) if eval_json else None
@@ -91,7 +90,7 @@ def export_head(
 
     full = "free space and export again (nothing was written under it)"
     with disk_full_is_one_line(out.parent, full), staged_dir(out) as tmp:
-        _write(tmp, layout, config, layout.tensors(src_tensors, src_cfg, DTYPES[dtype]))
+        layout.save(tmp, layout.weights_file, config, layout.tensors(src_tensors, src_cfg, DTYPES[dtype]))
         where = f"format={fmt} out={str(out)!r}"
         check = verify_export(
             kind.check, src_cfg, spec, src_tensors, layout.read(tmp), DTYPES[dtype], target_model, where

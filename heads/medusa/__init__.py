@@ -3,7 +3,7 @@ and `KIND` its record, which `heads.kinds` lists."""
 
 from __future__ import annotations
 
-from conf.schema import MedusaConfig
+from conf.kinds import MedusaConfig
 from heads.medusa import export, model
 from heads.record import HeadKind
 
@@ -12,6 +12,7 @@ KIND = HeadKind(
     captured_layers=model.captured_layers,
     draft_vocab=False,
     served_shape="tree",
+    chains_only=False,
     static_tree=True,
     load_for_decoding=model.load_for_decoding,
     formats=export.FORMATS,

@@ -23,7 +23,7 @@ from torch import nn
 
 from conf.errors import UserError
 from conf.files import check_sha256, read_json, sha256_file
-from conf.schema import MedusaConfig
+from conf.kinds import MedusaConfig
 from heads.folder import TargetSpec, load_head, read_head_meta, retrain_hint, save_head
 
 TARGET_DIR = "target"

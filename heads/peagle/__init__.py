@@ -3,7 +3,7 @@ its formats, and `KIND` its record, which `heads.kinds` lists."""
 
 from __future__ import annotations
 
-from conf.schema import PEagleConfig
+from conf.kinds import PEagleConfig
 from heads.peagle import export, model
 from heads.record import HeadKind
 
@@ -12,6 +12,7 @@ KIND = HeadKind(
     captured_layers=model.captured_layers,
     draft_vocab=True,
     served_shape="chain",
+    chains_only=True,
     static_tree=False,
     load_for_decoding=model.load_for_decoding,
     formats=export.FORMATS,

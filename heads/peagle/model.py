@@ -20,7 +20,7 @@ from torch import nn
 from transformers import LlamaConfig
 
 from conf.errors import UserError
-from conf.schema import PEagleConfig
+from conf.kinds import PEagleConfig
 from heads.eagle3 import model as eagle3
 from heads.eagle3.model import Eagle3Head
 
@@ -30,7 +30,7 @@ captured_layers = eagle3.captured_layers
 
 def resolve_mask_token_id(asked: int | None, target_config) -> int:
     """`head.mask_token_id`, checked against the target's vocabulary, or its default: the
-    target's pad token, else its eos (see `conf.schema.PEagleConfig`)."""
+    target's pad token, else its eos (see `conf.kinds.PEagleConfig`)."""
     text = target_config.get_text_config()
     vocab = text.vocab_size
     if asked is None:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conf.compose import compose_root
-from conf.schema import Eagle3Config, EvalConfig
+from conf.kinds import Eagle3Config
+from conf.schema import EvalConfig
 from data_prep.target import eos_token_ids, load_target
 from heads.eagle3.model import Eagle3Head
 from trainer.decoding import Chain, OracleDrafter, Tree, greedy_generate, speculative_generate

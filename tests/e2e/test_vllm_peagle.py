@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conf.schema import EvalConfig, PEagleConfig
+from conf.kinds import PEagleConfig
+from conf.schema import EvalConfig
 from data_prep.capture import TOP, greedy_ids
 from data_prep.target import eos_token_ids, load_target
 from data_prep.vocab import build_draft_vocab

@@ -12,7 +12,7 @@ import random
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from conf.schema import Eagle3Config, MedusaConfig
+from conf.kinds import Eagle3Config, MedusaConfig
 from heads.eagle3.model import Eagle3Head
 from heads.medusa.model import MedusaHead
 from trainer.decoding import (

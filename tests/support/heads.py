@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from conf.schema import DFlashConfig, DSparkConfig, Eagle3Config, MedusaConfig
+from conf.kinds import DFlashConfig, DSparkConfig, Eagle3Config, MedusaConfig
 from data_prep.target import load_target
 from heads.dflash.model import DFlashHead
 from heads.dspark.model import DSparkHead

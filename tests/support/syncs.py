@@ -13,15 +13,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conf.schema import (
-    DFlashConfig,
-    DistConfig,
-    DSparkConfig,
-    Eagle3Config,
-    MedusaConfig,
-    OptimConfig,
-    PEagleConfig,
-)
+from conf.kinds import DFlashConfig, DSparkConfig, Eagle3Config, MedusaConfig, PEagleConfig
+from conf.schema import DistConfig, OptimConfig
 from data_prep.capture import TOP, greedy_ids
 from heads.dflash.model import DFlashHead
 from heads.dspark.model import DSparkHead

@@ -17,10 +17,11 @@ from typing import Any
 
 from torch import nn
 
+from conf.errors import UserError
 from conf.schema import RootConfig
 from heads.formats import init_trainee_head
 from heads.kinds import HeadKind
-from trainer.decoding.drafters import Shape
+from trainer.decoding.drafters import Shape, Tree
 from trainer.kinds import dflash, dspark, eagle3, medusa, peagle
 
 
@@ -56,5 +57,8 @@ def build_trainee(cfg: RootConfig, target, data_dir: Path | None) -> nn.Module:
 
 def build_drafter(kind: HeadKind, head: nn.Module, target, shapes: Sequence[Shape] = ()):
     """The decoding drafter of a loaded `head` of `kind` on `target`, refusing `shapes` it cannot
-    draft before anything is decoded."""
+    draft before anything is decoded: a tree for a kind that drafts chains only."""
+    if kind.chains_only and any(isinstance(shape, Tree) for shape in shapes):
+        raise UserError(f"eval.mode=tree: a {kind.name} head drafts one chain per forward; use "
+                        "eval.mode=chain or auto")
     return CATALOG[kind.name].drafter(head, target, shapes)

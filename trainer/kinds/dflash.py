@@ -251,9 +251,6 @@ def build_dflash_trainee(cfg, target, data_dir: Path | None, head_class: type[DF
 
 def dflash_drafter(head: DFlashHead, target, shapes: Sequence[Shape] = (),
                    drafter_class: type[DFlashDrafter] = DFlashDrafter) -> DFlashDrafter:
-    """A loaded head as the decoding drafter (of `drafter_class`), refusing shapes it cannot
-    draft (trees)."""
-    drafter = drafter_class(head)
-    for shape in shapes:
-        drafter.check(shape)
-    return drafter
+    """A loaded head as the decoding drafter (of `drafter_class`); chains only, its record's
+    `chains_only`."""
+    return drafter_class(head)

@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 
-from conf.errors import UserError
 from heads.peagle.model import PEagleHead
-from trainer.decoding.drafters import Shape, Tree
+from trainer.decoding.drafters import Shape
 from trainer.decoding.peagle import PEagleDrafter
 from trainer.kinds.eagle3 import Eagle3Trainee, draft_vocab, ttt_batch_index
 from trainer.objective import CROSS_ENTROPY, Objective
@@ -102,9 +101,6 @@ def build_peagle_trainee(cfg, target, data_dir: Path | None) -> PEagleTrainee:
 
 
 def peagle_drafter(head: PEagleHead, target, shapes: Sequence[Shape] = ()) -> PEagleDrafter:
-    """A loaded head as the decoding drafter: chains only (vLLM drafts P-EAGLE as one chain)."""
-    if any(isinstance(shape, Tree) for shape in shapes):
-        raise UserError(
-            "eval.mode=tree: a peagle head drafts one chain per forward; use eval.mode=chain or auto"
-        )
+    """A loaded head as the decoding drafter (chains only, as vLLM drafts P-EAGLE: its record's
+    `chains_only`)."""
     return PEagleDrafter(head)

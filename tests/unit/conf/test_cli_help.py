@@ -16,7 +16,8 @@ import pytest
 
 from conf.compose import compose_root, compose_with_choices
 from conf.errors import UserError
-from conf.schema import HEAD_CONFIGS, DistConfig, TargetConfig, leaf_fields, schema_keys
+from conf.kinds import HEAD_CONFIGS
+from conf.schema import DistConfig, TargetConfig, leaf_fields, schema_keys
 from conf.usage import CONF, config_keys, help_lines, meanings, options, schema_comment, yaml_comments
 from tests.support.cli import cli_env, error_lines, finish, start_cli
 
@@ -161,8 +162,10 @@ def test_schema_comments_beside_a_field_else_the_first_sentence_above():
     assert schema_comment(peagle, "loss") == schema_comment(medusa, "loss")
     assert schema_comment(medusa, "loss").startswith("The per-row loss: ce")
     # the first sentence of a long block, cut to one line
-    assert schema_comment(peagle, "prompt_loss_weight").startswith("EAGLE-3 trains on every captured")
+    assert schema_comment(peagle, "prompt_loss_weight").startswith("Rows that train, as the shared")
     assert len(schema_comment(medusa, "prompt_loss_weight")) <= 110
+    # a head's keys mean what `conf/kinds.py` says: their YAML carries no comment
+    assert schema_comment(HEAD_CONFIGS["dspark"], "num_layers").startswith("Qwen3-style draft layers")
 
 
 def test_leaf_fields_are_the_schema_keys():

@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from conf.kinds import Eagle3Config
 from conf.schema import (
     TEMPLATE_FIELDS,
     CaptureConfig,
     DataConfig,
-    Eagle3Config,
     LoggingConfig,
     RegenerateConfig,
     RootConfig,

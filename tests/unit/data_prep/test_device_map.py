@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conf.errors import UserError
-from conf.schema import MedusaConfig, OptimConfig, RootConfig, TargetConfig
+from conf.kinds import MedusaConfig
+from conf.schema import OptimConfig, RootConfig, TargetConfig
 from data_prep.capture import CaptureSpec, HfCapturer, capture_shard, checked_capture, pad_batch
 from data_prep.prepare import check_source
 from data_prep.target import input_device, output_device, resolve_target

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from data_prep.regen_cost import StepCost, engine_schedule, engine_seconds, generate_seconds
-from data_prep.regen_engine import EngineTimings, engine_shares, generate, timed_steps
+from data_prep.regen_engine import EngineTimings, engine_shares, generate
 from tests.support.decode import chaotic_target
 
 
@@ -20,9 +20,9 @@ def test_the_replayed_schedule_is_the_engines_own():
     prompts = [[rng.randrange(1, 200) for _ in range(rng.randint(3, 40))] for _ in range(23)]
     eos = set(range(0, 256, 9))
     for workers, batch_size in ((1, 4), (2, 10)):
-        with timed_steps() as timings:
-            answers = generate(model, prompts, max_new_tokens=12, batch_size=batch_size, eos_token_ids=eos,
-                               workers=workers)
+        timings = EngineTimings()
+        answers = generate(model, prompts, max_new_tokens=12, batch_size=batch_size, eos_token_ids=eos,
+                           workers=workers, timings=timings)
         pairs = [(len(p), len(a)) for p, a in zip(prompts, answers)]
         assert len({len(a) for a in answers}) >= 5  # slots free at many different steps
         shares, slots = engine_shares(len(prompts), batch_size, workers)

@@ -7,11 +7,11 @@ tokenizer (259 ids), so the vocabulary costs nothing. For each family:
 
 - capture: the features offline capture stores are the target's own forward's (its windows and
   layer types), and online training computes the very batches offline training reads, every kind;
-- every head kind (EAGLE-3, Medusa, P-EAGLE, DFlash) trains a few steps in the main job
+- every head kind of the catalog (`heads.kinds.KINDS`) trains a few steps in the main job
   (`trainer.train.run`, in process);
 - the regeneration engine, plain greedy decoding and speculative decoding with every trained head
-  (chain, and tree where the kind drafts trees) write what transformers' `generate` writes, 72 new
-  tokens, far past a window;
+  (chain, and tree unless the kind's record says `chains_only`) write what transformers'
+  `generate` writes, 72 new tokens, far past a window;
 - every export format of every kind, read back by its strict reader, is the trained head;
 - the exported draft config's `max_position_embeddings`, `rope_theta` and `rope_scaling` are the
   target's (Gemma 3: its global layers').
@@ -29,19 +29,17 @@ from transformers import AutoConfig, LlamaConfig
 
 from conf.compose import compose_root
 from conf.errors import first_line
-from conf.schema import MedusaConfig
+from conf.kinds import MedusaConfig
 from data_prep.capture import length_batches
 from data_prep.masks import attention_layout
 from data_prep.prepare import prepare
 from data_prep.regen_engine import generate
 from data_prep.store import CapturedDataset, load_manifest
 from data_prep.target import load_target
-from heads.dflash.model import DFlashHead
 from heads.eagle3.model import Eagle3Head
-from heads.export.write import load_export
-from heads.kinds import head_kind
+from heads.export.write import default_formats, load_export
+from heads.kinds import KINDS
 from heads.medusa.model import MedusaHead
-from heads.peagle.model import PEagleHead
 from tests.support.decode import SHAPES
 from tests.support.runs import assert_online_batch_is_the_offline_batch, tiny_run_args, train_losses
 from tests.support.targets import (
@@ -57,9 +55,6 @@ from trainer.evaluate.run import load_drafter
 from trainer.train import run
 
 LAYERS, STEPS, NEW = 4, 4, 72
-HEADS = {"eagle3": Eagle3Head, "medusa": MedusaHead, "peagle": PEagleHead, "dflash": DFlashHead}
-# Kinds that draft one chain per forward: a tree is refused (their own tests), so they decode chains.
-CHAIN_ONLY = {"peagle", "dflash"}
 SLIDING = {"mistral", "gemma3_text", "gpt_oss"}
 # Families transformers may fail to build or run on a CPU: skipped there, with the reason.
 CPU_OPTIONAL = {"gpt_oss"}
@@ -78,6 +73,10 @@ class Family:
     def exports(self, head: str) -> dict[str, Path]:
         """format -> the folder the main job exported it to."""
         return {Path(p).name: Path(p) for p in self.runs[head]["exports"]}
+
+    def trained(self, head: str) -> torch.nn.Module:
+        """The head `head`'s main job kept, loaded as the evaluator loads it."""
+        return KINDS[head].load_for_decoding(self.runs[head]["head_dir"], self.model, str(self.target_dir))[0]
 
 
 def main_job_args(head: str, target: Path, chat_file: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -111,7 +110,7 @@ def family(request, tmp_path_factory, chat_file, single_thread) -> Family:
     root = tmp_path_factory.mktemp(request.param)
     target_dir = build_target(request.param, root / "target")
     runs = {
-        head: run(compose_root(main_job_args(head, target_dir, chat_file, root / head))) for head in HEADS
+        head: run(compose_root(main_job_args(head, target_dir, chat_file, root / head))) for head in KINDS
     }
     model, tokenizer = load_target(str(target_dir), dtype="float32", device="cpu")
     return Family(request.param, target_dir, model, tokenizer, runs)
@@ -141,7 +140,7 @@ def capture_batches(folder: Path) -> list[list[int]]:
     return length_batches(data.lengths[:first], data.manifest["data"]["capture_batch_tokens"])
 
 
-@pytest.mark.parametrize("head", list(HEADS))
+@pytest.mark.parametrize("head", list(KINDS))
 def test_capture_is_the_target_offline_and_online(family, head, chat_file):
     summary = family.runs[head]
     assert summary["hidden_states"] == "offline"
@@ -154,13 +153,13 @@ def test_capture_is_the_target_offline_and_online(family, head, chat_file):
     assert_online_batch_is_the_offline_batch(offline, online, family.model, capture_batches(offline))
 
 
-@pytest.mark.parametrize("head", list(HEADS))
+@pytest.mark.parametrize("head", list(KINDS))
 def test_every_kind_trains(family, head):
     summary = family.runs[head]
     assert summary["steps"] == STEPS and summary["skipped_steps"] == 0
     losses = train_losses(Path(summary["run_dir"]))
     assert len(losses) == STEPS and torch.isfinite(torch.tensor(losses)).all()
-    trained = HEADS[head].from_pretrained(summary["head_dir"], family.model, str(family.target_dir))
+    trained = family.trained(head)
     if head in ("eagle3", "peagle"):  # the default ids of a 4-layer target: distinct, each a layer's
         assert trained.aux_layer_ids == [1, 2, 3] and trained.config.draft_vocab_size == 128
     if head != "medusa":
@@ -187,8 +186,8 @@ def test_engine_and_decoders_write_what_generate_writes_past_the_window(family):
     assert got == want
     for prompt, answer in zip(prompts, want):
         assert greedy_generate(model, torch.tensor(prompt), NEW).tokens == answer
-    for head in HEADS:
-        shapes = SHAPES[:1] if head in CHAIN_ONLY else SHAPES
+    for head, kind in KINDS.items():
+        shapes = SHAPES[:1] if kind.chains_only else SHAPES
         drafter, verifier = load_drafter(family.runs[head]["head_dir"], model, str(family.target_dir), shapes)
         for shape in shapes:
             for prompt, answer in zip(prompts[:2], want[:2]):
@@ -196,15 +195,13 @@ def test_engine_and_decoders_write_what_generate_writes_past_the_window(family):
                 assert tokens == answer, (head, shape)
 
 
-@pytest.mark.parametrize("head", list(HEADS))
+@pytest.mark.parametrize("head", list(KINDS))
 def test_every_export_reads_back_as_the_trained_head(family, head):
     exports = family.exports(head)
-    assert sorted(exports) == sorted(head_kind(head).formats)
-    name = str(family.target_dir)
-    trained = HEADS[head].from_pretrained(family.runs[head]["head_dir"], family.model, name).eval()
-    want = head_kind(head).check.outputs(trained)
+    assert sorted(exports) == sorted(default_formats(KINDS[head]))
+    want = KINDS[head].check.outputs(family.trained(head).eval())
     for fmt, folder in exports.items():
-        got = head_kind(head).check.outputs(load_export(folder, family.model, name).eval())
+        got = KINDS[head].check.outputs(load_export(folder, family.model, str(family.target_dir)).eval())
         assert all(torch.equal(want[k], got[k]) for k in want), fmt
 
 

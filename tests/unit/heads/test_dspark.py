@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from conf.compose import compose_root
 from conf.errors import UserError
-from conf.schema import DSparkConfig
+from conf.kinds import DSparkConfig
 from data_prep.target import load_target
 from heads.dspark.export import read_native
 from heads.dspark.model import DSparkHead

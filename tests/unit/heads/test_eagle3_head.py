@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from conf.errors import UserError
-from conf.schema import Eagle3Config
+from conf.kinds import Eagle3Config
 from data_prep.capture import TOP, greedy_ids
 from data_prep.target import load_target
 from heads.eagle3 import model as eagle3

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from conf.errors import UserError
-from conf.schema import EXPORT_DTYPES, HEAD_CONFIGS, Eagle3Config
+from conf.kinds import HEAD_CONFIGS, Eagle3Config
+from conf.schema import EXPORT_DTYPES
 from data_prep.target import load_target
 from heads.eagle3.export import engine_layer_ids, read_native, read_speculators, serving_notes
 from heads.eagle3.model import Eagle3Head
@@ -289,7 +290,7 @@ def test_cli_bad_format_exits_2_with_one_line(head_dir, capsys):
         main([f"head={head_dir}", "format=onnx"])
     assert done.value.code == 2
     assert capsys.readouterr().err == (
-        "error: format=onnx: expected one of eagle3, speculators (the formats of eagle3 heads)\n"
+        "error: format=onnx: expected one of eagle3, speculators, gguf (the formats of eagle3 heads)\n"
     )
 
 

@@ -16,7 +16,7 @@ import huggingface_hub
 import pytest
 import torch
 
-from conf.schema import Eagle3Config
+from conf.kinds import Eagle3Config
 from data_prep.target import load_target
 from heads.eagle3.model import Eagle3Head
 from heads.export.write import export_head

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conf.compose import compose_root
-from conf.schema import Eagle3Config
+from conf.kinds import Eagle3Config
 from data_prep.target import load_target
 from heads.export.write import export_head
 from heads.folder import load_head

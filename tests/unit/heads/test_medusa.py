@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conf.errors import UserError
-from conf.schema import Eagle3Config, MedusaConfig
+from conf.kinds import Eagle3Config, MedusaConfig
 from data_prep.target import load_target
 from heads.eagle3.model import Eagle3Head
 from heads.medusa.model import MedusaHead, load_joint_target

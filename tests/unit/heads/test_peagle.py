@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conf.errors import UserError
-from conf.schema import PEagleConfig
+from conf.kinds import PEagleConfig
 from data_prep.target import load_target
 from heads.export.write import detect_format, export_head, load_export
 from heads.kinds import head_kind

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig, Qwen3Config
 
-from conf.schema import Eagle3Config, PEagleConfig
+from conf.kinds import Eagle3Config, PEagleConfig
 from data_prep.target import load_target
-from heads.export.write import export_head, load_export
+from heads.export.write import default_formats, export_head, load_export
 from heads.kinds import head_kind
 from heads.peagle.model import PEagleHead
 from heads.window import SLIDING, window_of
@@ -49,7 +49,7 @@ def heads(target, tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
     }
 
 
-@pytest.mark.parametrize("kind,fmt", [(k, f) for k in KINDS for f in head_kind(k).formats])
+@pytest.mark.parametrize("kind,fmt", [(k, f) for k in KINDS for f in default_formats(head_kind(k))])
 def test_every_export_carries_the_window_where_vllm_reads_it(heads, target, tiny_llama_dir, tmp_path,
                                                              kind, fmt):
     engine_config, drafter = KINDS[kind]

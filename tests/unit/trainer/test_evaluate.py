@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conf.compose import compose_root
 from conf.errors import UserError
-from conf.schema import MedusaConfig
+from conf.kinds import MedusaConfig
 from data_prep.target import load_target, resolve_target
 from heads.folder import CONFIG_NAME
 from heads.medusa.model import MedusaHead

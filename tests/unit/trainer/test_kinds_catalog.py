@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from conf.errors import UserError
 from data_prep.target import load_target
 from heads.kinds import KINDS
 from tests.support.runs import tiny_run_config
 from tests.support.syncs import TINY, kind_builds
+from trainer.decoding.drafters import Chain, Tree
 from trainer.kinds import CATALOG, build_drafter, build_trainee
 
 
@@ -23,8 +25,11 @@ def test_each_catalog_entry_builds_its_own_kind(name, tiny_qwen2_dir, chat_file,
     target = load_target(str(tiny_qwen2_dir))[0]
     trainee = build_trainee(cfg, target, None)
     assert trainee.head.kind == name
-    drafter = build_drafter(KINDS[name], trainee.head, target)
+    drafter = build_drafter(KINDS[name], trainee.head, target, [Chain(3)])
     assert drafter.head is trainee.head
+    if KINDS[name].chains_only:  # refused before the drafter is built, for every such kind
+        with pytest.raises(UserError, match=f"^eval.mode=tree: a {name} head drafts one chain per forward"):
+            build_drafter(KINDS[name], trainee.head, target, [Chain(3), Tree()])
 
 
 def test_a_kind_without_tiny_trainees_fails_the_kind_wide_tests():

@@ -17,7 +17,7 @@ from tests.support.heads import eagle_head
 from tests.support.runs import user_error_line
 from trainer.evaluate.long_context import TASK, bucket_of, buckets, label, long_context_prompts
 from trainer.evaluate.run import evaluate, slide
-from trainer.plan import _evaluation_probe
+from trainer.plan.probes import evaluation_probe
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 SHORT = ["eval.tasks=[]", "eval.max_new_tokens=8", "eval.max_prompts_per_task=2"]
@@ -104,8 +104,8 @@ def test_the_planner_prices_the_long_prompts(tiny_llama_dir, eagle_dir):
     """The same prompt count costs more seconds when it is longer: prefill and every step grow
     with the context."""
     target = resolve_target(config(tiny_llama_dir))
-    short = _evaluation_probe(config(tiny_llama_dir, "eval.context_lengths=[256]"), target, eagle_dir)
-    long = _evaluation_probe(config(tiny_llama_dir, "eval.context_lengths=[1536]"), target, eagle_dir)
+    short = evaluation_probe(config(tiny_llama_dir, "eval.context_lengths=[256]"), target, eagle_dir)
+    long = evaluation_probe(config(tiny_llama_dir, "eval.context_lengths=[1536]"), target, eagle_dir)
     assert long > 1.5 * short, (short, long)
 
 

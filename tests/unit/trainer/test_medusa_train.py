@@ -12,15 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conf.errors import UserError
-from conf.schema import (
-    DistConfig,
-    LoggingConfig,
-    MedusaConfig,
-    OptimConfig,
-    RootConfig,
-    TargetConfig,
-    derive,
-)
+from conf.kinds import MedusaConfig
+from conf.schema import DistConfig, LoggingConfig, OptimConfig, RootConfig, TargetConfig, derive
 from heads.medusa.model import TARGET_DIR, MedusaHead, load_joint_target
 from tests.support.targets import TINY
 from trainer.distributed import build_accelerator

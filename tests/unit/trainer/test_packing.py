@@ -13,7 +13,7 @@ from functools import partial
 import pytest
 import torch
 
-from conf.schema import MedusaConfig
+from conf.kinds import MedusaConfig
 from data_prep.capture import (
     TOP,
     CaptureSpec,

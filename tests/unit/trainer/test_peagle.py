@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conf.errors import UserError
-from conf.schema import PEagleConfig
+from conf.kinds import PEagleConfig
 from data_prep.capture import TOP, greedy_ids
 from heads.peagle.model import PEagleHead
 from tests.support.decode import chaotic_target
-from trainer.decoding import Chain, Sampling, Tree, speculative_generate
+from trainer.decoding import Chain, Sampling, speculative_generate
 from trainer.decoding.peagle import PEagleDrafter
 from trainer.kinds.peagle import PEagleTrainee, peagle_batch_index, peagle_drafter
 
@@ -177,8 +176,3 @@ def test_briefly_trained_head_decodes_losslessly_and_is_accepted(target):
     assert run.tokens == ref[0, 6:].tolist()
     assert run.stats.mean_acceptance_length > 1.5
     assert all(n > 0 for n in run.stats.accepted_per_position), run.stats.accepted_per_position
-
-
-def test_drafter_refuses_a_tree(target):
-    with pytest.raises(UserError, match="eval.mode=tree: a peagle head drafts one chain"):
-        peagle_drafter(fresh_head(target), target, [Chain(3), Tree()])

@@ -1,13 +1,16 @@
-"""The time budget (`trainer/plan.py`): the plan's arithmetic, and the regeneration probe on a
-warm cache."""
+"""The time budget (`trainer/plan/`): the plan's arithmetic and its record, pure, and the probes on a
+tiny target."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from conf.schema import derive
+from conf.compose import compose_root
+from conf.errors import UserError
+from conf.schema import OptimConfig, derive
 from data_prep.keys import regen_cache_file
 from data_prep.prepare import prepare
 from data_prep.regen_cost import StepCost
@@ -15,20 +18,21 @@ from data_prep.regenerate import read_cache
 from data_prep.rows import cached_spans, uncached_prefix
 from data_prep.target import resolve_target
 from tests.support.runs import conversations, tiny_prep_config
-from trainer.plan import (
+from trainer.plan.policy import (
     MARGIN,
     MAX_EPOCHS,
     MIN_CONVERSATIONS,
-    PROBE_SAMPLES,
+    PlanRecord,
     Rates,
     RegenShape,
     Schedule,
-    _regeneration_probe,
-    _train_probe,
+    decide_recheck,
     fit_steps,
+    fitting_plan,
     make_plan,
     train_cost,
 )
+from trainer.plan.probes import PROBE_SAMPLES, regeneration_probe, train_probe
 
 
 def rates(**kw) -> Rates:
@@ -95,6 +99,19 @@ def test_slower_rates_buy_fewer_conversations_and_a_tiny_budget_keeps_a_minimum(
     assert plan(60, 50).conversations == MIN_CONVERSATIONS
 
 
+def test_a_smallest_plan_over_the_budget_stops_in_one_line_already_from_a_lower_bound():
+    """What the probes measured so far (the stages not yet probed free) already shows the smallest
+    plan over the budget: the job stops there, saying "at least", instead of probing on."""
+    cfg = compose_root(["+head=eagle3", "budget=10m"])
+    slow = rates(regenerate_tokens_per_s=1.0, evaluate_s=0.0)  # 48 x 200 answer tokens: 160 min
+    with pytest.raises(UserError) as stopped:
+        fitting_plan(cfg, 60, slow, None, bound=True)
+    line = str(stopped.value)
+    assert line.startswith("budget=10m: even the smallest plan (48 conversations, 2 epochs) takes at least ")
+    assert "regenerate alone ~160 min; it would fit with budget=" in line and "\n" not in line
+    assert fitting_plan(cfg, 60, rates(), None).conversations > MIN_CONVERSATIONS  # fast: a plan
+
+
 def test_validation_and_saves_are_paid_at_their_cadence():
     """A slow validation (it grows with the data) and heavy saves buy fewer conversations, and
     the plan still fits: its training share counts them."""
@@ -130,6 +147,29 @@ def test_the_recheck_trims_steps_and_grows_epochs_only_when_data_ran_short():
     assert fit_steps(70, 2.0, 10.0, 10, 2, short_of_data=True) == (3, 30)
 
 
+def test_the_plan_record_is_frozen_reads_back_and_decides_the_sizes(tmp_path):
+    """The record a resumed run follows: plan.json's JSON reads back as the record written (the
+    cached spans as tuples again), the re-check is a new record, not an edit of the old one, and
+    a plan.json this version did not write is refused in one line."""
+    planned = PlanRecord(plan(cached_spans=((0, 5), (9, 12))), rates(cached_spans=((0, 5), (9, 12))))
+    optim = OptimConfig(epochs=planned.plan.epochs, val_every=50)
+    checked = decide_recheck(planned.plan, planned.rates, left_s=30.0, per_epoch=10, samples=1,
+                             train_tokens=10_000, val_tokens=0, optim=optim)
+    assert checked.short_of_data and checked.steps == 15  # 1,000 tokens a step at 500 tokens/s: 15 in 30 s
+    rechecked = dataclasses.replace(planned, recheck=checked)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rechecked.plan = None
+    assert planned.recheck is None and planned.sizes(1).max_steps == 0
+    sizes = rechecked.sizes(1)
+    assert sizes.max_steps == 15 and sizes.conversations == planned.plan.conversations
+    stopped = dataclasses.replace(rechecked, recheck=dataclasses.replace(checked, stopped_at=7))
+    assert stopped.sizes(1).max_steps == 7
+    again = PlanRecord.from_dict(json.loads(json.dumps(stopped.as_dict())), "plan.json")
+    assert again == stopped
+    with pytest.raises(UserError, match="^plan.json: not a plan this version"):
+        PlanRecord.from_dict({"plan": {"conversations": 3}, "rates": {}}, "plan.json")
+
+
 
 
 def test_a_warm_cache_still_times_regeneration(tiny_llama_dir, tmp_path):
@@ -142,8 +182,8 @@ def test_a_warm_cache_still_times_regeneration(tiny_llama_dir, tmp_path):
     cfg = tiny_prep_config(tiny_llama_dir, source, tmp_path / "cache", "data.regenerate.enabled=true",
                            "data.regenerate.max_new_tokens=4", "data.regenerate.batch_size=8")
     target = resolve_target(cfg)
-    cold = _regeneration_probe(cfg, target, tmp_path / "run")
-    assert cold["cached"] == ((0, PROBE_SAMPLES),) and 0 < cold["rate"] < float("inf")
+    cold = regeneration_probe(cfg, target, tmp_path / "run")
+    assert cold.cached == ((0, PROBE_SAMPLES),) and 0 < cold.tokens_per_s < float("inf")
     cache = regen_cache_file(cfg, target.identity, target.chat_template)
     # keep the answers at even positions (uid: the source's line number), as a killed multi-turn
     # run leaves them scattered
@@ -152,9 +192,9 @@ def test_a_warm_cache_still_times_regeneration(tiny_llama_dir, tmp_path):
     evens = tuple((i, i + 1) for i in range(0, PROBE_SAMPLES, 2))
     assert cached_spans(cfg, target.chat_template, read_cache(cache)) == evens
     assert uncached_prefix(evens, PROBE_SAMPLES) == 3 * PROBE_SAMPLES // 2
-    warm = _regeneration_probe(cfg, target, tmp_path / "run")
-    assert warm["cached"] == ((0, 3 * PROBE_SAMPLES // 2),) and 0 < warm["rate"] < float("inf")
-    assert warm["shape"] is not None
+    warm = regeneration_probe(cfg, target, tmp_path / "run")
+    assert warm.cached == ((0, 3 * PROBE_SAMPLES // 2),) and 0 < warm.tokens_per_s < float("inf")
+    assert warm.shape is not None
     assert len(read_cache(cache)) == 3 * PROBE_SAMPLES // 2
 
 
@@ -179,5 +219,5 @@ def test_the_training_probe_prices_conversations_not_rows(tiny_llama_dir, tmp_pa
     target = resolve_target(cfg)
     data = prepare(derive(cfg, {"data.max_samples": PROBE_SAMPLES}), target=target)
     assert data.samples == 2 * PROBE_SAMPLES  # a row per turn
-    probed = _train_probe(cfg, target, tmp_path / "run", PROBE_SAMPLES)
-    assert probed["row_tokens"] == pytest.approx(data.tokens / PROBE_SAMPLES)
+    probed = train_probe(cfg, target, tmp_path / "run", PROBE_SAMPLES)
+    assert probed.row_tokens == pytest.approx(data.tokens / PROBE_SAMPLES)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conf.schema import Eagle3Config, MedusaConfig
+from conf.kinds import Eagle3Config, MedusaConfig
 from data_prep.capture import TOP, greedy_ids
 from data_prep.target import load_target
 from heads.eagle3.model import Eagle3Head

@@ -7,6 +7,7 @@ shows its curves."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -45,9 +46,16 @@ def test_a_reused_run_dir_is_refused_and_resume_continues_it(sharp_target, chat_
     assert code == 2 and error_lines(err) == [want]
     assert files(run_dir) == before
 
+    # The history a resumed run continues is the one saved inside its checkpoint, not the
+    # run_dir's copy (which a run killed between the two writes left out of step).
+    (run_dir / "history.json").write_text('[{"step": 99, "loss": 0.0}]')
     more = run(tiny_run_config("eagle3", sharp_target, chat_file, run_dir, *STEPS, "optim.max_steps=6",
-                               "resume=true"))
+                               "resume=true", "logging.log_every=1"))
     assert more["steps"] == 6
+    history = json.loads((run_dir / "history.json").read_text())
+    assert [h["step"] for h in history if "val" in h] == [2, 4, 6]
+    assert json.loads((run_dir / "checkpoints" / "step-0000004" / "history.json").read_text()) == [
+        h for h in history if h["step"] <= 4]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-0000004", "step-0000006"]
 
     # A finished run whose checkpoints were cleared still holds its head and summary.

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import data_prep.prepare as P
-from conf.schema import Eagle3Config
+from conf.kinds import Eagle3Config
 from data_prep.capture import TOP, greedy_ids
 from data_prep.store import CapturedDataset, load_manifest, online_capture
 from data_prep.target import load_target

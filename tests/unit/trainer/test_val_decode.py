@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conf.errors import UserError
-from conf.schema import EvalConfig, LoggingConfig, MedusaConfig, OptimConfig, RootConfig, TargetConfig
+from conf.kinds import MedusaConfig
+from conf.schema import EvalConfig, LoggingConfig, OptimConfig, RootConfig, TargetConfig
 from heads.medusa.model import MedusaHead
 from tests.support.targets import TINY
 from trainer.checkpoint import STATE_FILE
@@ -168,7 +169,7 @@ def test_medusa_heads_decode_with_their_tree(target):
 
 
 def test_a_deadline_makes_the_step_that_passes_it_the_last(target, tmp_path):
-    """The time budget's last guard (`trainer.plan.training_deadline`): a step ending past the
+    """The time budget's last guard (`trainer.plan.policy.PlanRecord.deadline`): a step ending past the
     deadline is validated, kept and checkpointed as the planned last step would be."""
     result, validations = medusa_fit(target, tmp_path, "simulated", None, deadline=time.perf_counter())
     assert result.steps == 1 and result.best_step == 1 and len(validations) == 1
