@@ -45,11 +45,11 @@ from pathlib import Path
 import heads.export.write as E
 point = sys.argv[1]
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
-real_write, real_replace, real_rmtree = E._write, os.replace, shutil.rmtree
-def write(folder, *args):
-    real_write(folder, *args)
+real_verify, real_replace, real_rmtree = E.verify_export, os.replace, shutil.rmtree
+def verify(*args):
     if point == "writing":
         die()
+    return real_verify(*args)
 def replace(src, dst):
     real_replace(src, dst)
     if point == "swapping" and ".old-" in str(dst):
@@ -59,7 +59,7 @@ def rmtree(path, *args, **kwargs):
         next(p for p in Path(path).iterdir() if p.is_file()).unlink()
         die()
     real_rmtree(path, *args, **kwargs)
-E._write, os.replace, shutil.rmtree = write, replace, rmtree
+E.verify_export, os.replace, shutil.rmtree = verify, replace, rmtree
 from heads.export.__main__ import main
 main(sys.argv[2:])
 """
