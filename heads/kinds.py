@@ -80,3 +80,8 @@ def check_export_formats(cfg: RootConfig) -> None:
         wrong = [f for f in asked if f not in own]
         if wrong:
             raise UserError(f"export.formats={wrong}: a {cfg.head.name} head exports as {', '.join(own)}")
+        for fmt in asked:
+            refuses = own[fmt].refuses
+            reason = refuses and refuses(vars(cfg.head), None)
+            if reason:
+                raise UserError(f"export.formats={fmt}: {reason}")

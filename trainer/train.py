@@ -162,7 +162,7 @@ def check_push(cfg: RootConfig) -> None:
     """`export.push_to_hub`: one Hub repo holds one export format, as `heads.export` requires."""
     repo = cfg.export.push_to_hub
     if repo and cfg.head is not None:
-        formats = cfg.export.formats or default_formats(head_kind(cfg.head.name))
+        formats = cfg.export.formats or default_formats(head_kind(cfg.head.name), vars(cfg.head))
         if len(formats) != 1:
             raise UserError(
                 f"export.push_to_hub={repo}: one repo holds one format; add export.formats=[<one of "

@@ -122,32 +122,31 @@ ROPE_ROWS = {
 }
 
 
-def check_expressible(cfg: dict, target_layers: int) -> None:
-    """Refuse, before anything is written, a head llama.cpp's EAGLE-3 graph would serve as another
-    head (module docstring), in one line naming the field."""
-    where, instead = "export.formats=gguf", "export eagle3 or speculators (vLLM) instead"
+def refusal(cfg: dict, target_layers: int | None = None) -> str | None:
+    """Why llama.cpp's EAGLE-3 graph would serve a head of these settings as another head (module
+    docstring), or None. `cfg` is a saved head's config, or the `head.*` settings of a command
+    not yet run (its rope and aux layer ids, the target's, are then checked at export)."""
     off = [k for k, v in norm_flags(cfg).items() if v and k not in EXPRESSIBLE]
     if off:
-        raise UserError(
-            f"{where}: head.{off[0]}=true, which llama.cpp's EAGLE-3 draft cannot express (it reads "
-            f"only {' and '.join(EXPRESSIBLE)}); {instead}"
-        )
+        return (f"head.{off[0]}=true, which llama.cpp's EAGLE-3 draft cannot express (it reads only "
+                f"{' and '.join(EXPRESSIBLE)})")
     if window_of(cfg) is not None:
-        raise UserError(
-            f"{where}: head.sliding_window={window_of(cfg)}: llama.cpp's EAGLE-3 draft attends over "
-            f"every position; {instead}"
-        )
-    if legacy_rope(cfg["rope_parameters"])[1] is not None:
-        raise UserError(
-            f"{where}: the draft layer's rope_parameters {cfg['rope_parameters']} (its target's) "
-            f"scale positions, which this export does not write for llama.cpp; {instead}"
-        )
-    ids = sorted(cfg["aux_layer_ids"])
-    if len(ids) != 3 or ids[-1] >= target_layers:
-        raise UserError(
-            f"{where}: head.aux_layer_ids={ids}: llama.cpp captures exactly 3 layer inputs of the "
-            f"{target_layers}-layer target, ids 0..{target_layers - 1}"
-        )
+        return f"head.sliding_window={window_of(cfg)}: llama.cpp's EAGLE-3 draft attends over every position"
+    if "rope_parameters" in cfg and legacy_rope(cfg["rope_parameters"])[1] is not None:
+        return (f"the draft layer's rope_parameters {cfg['rope_parameters']} (its target's) scale "
+                "positions, which this export does not write for llama.cpp")
+    ids = sorted(cfg.get("aux_layer_ids") or ())
+    if target_layers is not None and (len(ids) != 3 or ids[-1] >= target_layers):
+        return (f"head.aux_layer_ids={ids}: llama.cpp captures exactly 3 layer inputs of the "
+                f"{target_layers}-layer target, ids 0..{target_layers - 1}")
+    return None
+
+
+def check_expressible(cfg: dict, target_layers: int) -> None:
+    """Refuse, before anything is written, a head llama.cpp would serve as another, in one line."""
+    reason = refusal(cfg, target_layers)
+    if reason is not None:
+        raise UserError(f"export.formats=gguf: {reason}; export eagle3 or speculators (vLLM) instead")
 
 
 def has_d2t(cfg: dict) -> bool:
@@ -346,5 +345,5 @@ LAYOUT = Layout(
     "gguf",
     gguf_tensors,
     save=save,
-    by_default=False,
+    refuses=refusal,
 )

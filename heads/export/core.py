@@ -65,9 +65,11 @@ class Layout:
     # Writes the folder: (folder, weights_file, what `config` returned, what `tensors` returned).
     # A GGUF layout's config is the file's metadata, and its folder one file beside a marker.
     save: Callable[[Path, str, Any, Tensors], None] = write_folder
-    # Written where `export.formats` is null (every format of the kind). A format that only some
-    # heads fit, or that needs more than the head, is written where it is asked for.
-    by_default: bool = True
+    # Why a head of these settings cannot be written in this format (None: it can): (a saved
+    # head's config or a command's `head.*` settings, the target's layer count or None) -> reason.
+    # `export.formats=null` writes every format of the kind that does not refuse the head; one
+    # asked for that refuses it is refused when the command starts.
+    refuses: Callable[[dict, int | None], str | None] | None = None
 
 
 def read_folder(folder: Path, weights: str) -> tuple[dict, Tensors]:

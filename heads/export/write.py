@@ -1,8 +1,8 @@
 """Export a trained head for the serving engines: `python -m heads.export head=<path> format=<fmt>`.
 
 Formats: `eagle3` (native LlamaForCausalLMEagle3 folder: vLLM, SGLang, TensorRT-LLM),
-`speculators` (vLLM's one-command format), `gguf` (llama.cpp's EAGLE-3 draft, written only where
-asked for), `medusa-vllm`, `medusa-tgi`, and P-EAGLE's `peagle` and `peagle-speculators`. Each
+`speculators` (vLLM's one-command format), `gguf` (llama.cpp's EAGLE-3 draft, for the heads its
+graph expresses), `medusa-vllm`, `medusa-tgi`, and P-EAGLE's `peagle` and `peagle-speculators`. Each
 export is written to a temporary folder (`Layout.save`), reloaded by the format's own strict reader
 and compared with the trained head (tensors, config, outputs) before it is renamed into place; then
 a model card is added and, with `push_to_hub=<repo_id>`, the folder is uploaded.
@@ -22,21 +22,26 @@ from heads import kinds
 from heads.export.card import PICTURE, CardFacts, hub_id, render
 from heads.export.check import verify_export
 from heads.export.core import ExportContext
-from heads.folder import TargetSpec, load_head, run_config
+from heads.folder import TargetSpec, load_head, read_head_meta, run_config
 from heads.record import HeadKind
 
 DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
 
 
-def default_formats(kind: HeadKind) -> list[str]:
-    """The formats `export.formats=null` writes: the kind's `Layout.by_default` ones (not `gguf`,
-    which fits only some EAGLE-3 heads)."""
-    return [fmt for fmt, layout in kind.formats.items() if layout.by_default]
+def default_formats(kind: HeadKind, head: dict, target_layers: int | None = None) -> list[str]:
+    """The formats `export.formats=null` writes: every one of the kind's that does not refuse the
+    head (`Layout.refuses`: `gguf` takes only the EAGLE-3 heads llama.cpp's graph expresses).
+    `head`: a saved head's config, or a command's `head.*` settings before it trains."""
+    return [fmt for fmt, layout in kind.formats.items()
+            if layout.refuses is None or layout.refuses(head, target_layers) is None]
 
 
 def formats_for(head_path: str | Path, formats: list[str] | None) -> list[str]:
-    """The formats to write for a head: those asked for, or its kind's defaults."""
-    return list(formats or default_formats(kinds.saved_head_kind(head_path)))
+    """The formats to write for a head: those asked for, or its kind's defaults for it."""
+    if formats:
+        return list(formats)
+    meta = read_head_meta(head_path)
+    return default_formats(kinds.head_kind(meta["kind"]), meta["config"], meta["target"]["num_hidden_layers"])
 
 
 def _verifier(spec: TargetSpec, target_model) -> tuple[str, list[str]]:

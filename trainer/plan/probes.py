@@ -305,7 +305,7 @@ def measure(cfg: RootConfig, target: Target, run_started: float) -> tuple[Rates,
 def rates_of(cfg: RootConfig, regenerated: RegenProbe, trained: TrainProbe, evaluate_s: float,
              started: float) -> Rates:
     """The plan's `Rates` from the probes' values (`started`: when the probes began)."""
-    written = cfg.export.formats or default_formats(head_kind(cfg.head.name))
+    written = cfg.export.formats or default_formats(head_kind(cfg.head.name), vars(cfg.head))
     formats = len(written) if cfg.pipeline.export else 0
     shape = regenerated.shape
     return Rates(

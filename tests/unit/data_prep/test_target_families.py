@@ -37,7 +37,7 @@ from data_prep.regen_engine import generate
 from data_prep.store import CapturedDataset, load_manifest
 from data_prep.target import load_target
 from heads.eagle3.model import Eagle3Head
-from heads.export.write import default_formats, load_export
+from heads.export.write import formats_for, load_export
 from heads.kinds import KINDS
 from heads.medusa.model import MedusaHead
 from tests.support.decode import SHAPES
@@ -198,7 +198,7 @@ def test_engine_and_decoders_write_what_generate_writes_past_the_window(family):
 @pytest.mark.parametrize("head", list(KINDS))
 def test_every_export_reads_back_as_the_trained_head(family, head):
     exports = family.exports(head)
-    assert sorted(exports) == sorted(default_formats(KINDS[head]))
+    assert sorted(exports) == sorted(formats_for(family.runs[head]["head_dir"], None))
     want = KINDS[head].check.outputs(family.trained(head).eval())
     for fmt, folder in exports.items():
         got = KINDS[head].check.outputs(load_export(folder, family.model, str(family.target_dir)).eval())

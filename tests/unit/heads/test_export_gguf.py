@@ -16,6 +16,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
+from conf.compose import compose_root
 from conf.errors import UserError
 from conf.kinds import Eagle3Config
 from data_prep.target import load_target
@@ -27,7 +28,7 @@ from heads.export.gguf_file import Value, read_gguf, write_gguf
 from heads.export.write import detect_format, export_head, formats_for, load_export
 from heads.folder import load_head
 from heads.formats import load_for_decoding
-from heads.kinds import head_kind
+from heads.kinds import check_export_formats, head_kind
 from tests.support.heads import ORIGINAL_LAYOUT, make_eagle3_head
 from tests.support.targets import LLAMA3_ROPE, build_tiny_target
 
@@ -153,10 +154,23 @@ def test_a_full_draft_vocabulary_writes_no_d2t(tiny_llama_dir, tiny_target, tmp_
     assert "d2t" not in names and "output.weight" in names
 
 
-def test_gguf_is_written_only_where_asked_for(head_dir):
-    """A default head (norm_output on) cannot be expressed, so `export.formats=null` skips it."""
-    assert "gguf" in EAGLE3.formats and "gguf" not in formats_for(head_dir, None)
-    assert formats_for(head_dir, ["gguf"]) == ["gguf"]
+def test_gguf_is_a_default_format_of_the_heads_llama_cpp_expresses(head_dir, tiny_llama_dir, tmp_path):
+    """`export.formats=null` (the main job's) writes gguf for a head llama.cpp's graph expresses,
+    and skips it for a default head (norm_output on), which it would serve as another head."""
+    assert formats_for(head_dir, None) == ["eagle3", "speculators", "gguf"]
+    default = make_eagle3_head(tiny_llama_dir, tmp_path / "default", cfg=Eagle3Config())
+    assert formats_for(default, None) == ["eagle3", "speculators"]
+    assert formats_for(default, ["gguf"]) == ["gguf"]  # asked for: refused by the writer, below
+
+
+@pytest.mark.parametrize("override,field", [("head.norm_output=true", "head.norm_output"),
+                                            ("head.fc_norm=true", "head.fc_norm")])
+def test_gguf_asked_for_a_head_it_cannot_express_is_refused_when_the_command_starts(override, field):
+    cfg = compose_root(["+head=eagle3", "head.norm_output=false", override, "export.formats=[gguf]"])
+    with pytest.raises(UserError, match=f"^export.formats=gguf: {field}=true, which llama.cpp") as err:
+        check_export_formats(cfg)
+    assert "\n" not in str(err.value)
+    check_export_formats(compose_root(["+head=eagle3", "head.norm_output=false", "export.formats=[gguf]"]))
 
 
 def _cfg(head_dir: Path, **edit) -> dict:

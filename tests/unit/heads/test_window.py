@@ -49,7 +49,10 @@ def heads(target, tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
     }
 
 
-@pytest.mark.parametrize("kind,fmt", [(k, f) for k in KINDS for f in default_formats(head_kind(k))])
+WINDOWED = {"layer_types": [SLIDING], "sliding_window": W}  # what a windowed head saves
+
+
+@pytest.mark.parametrize("kind,fmt", [(k, f) for k in KINDS for f in default_formats(head_kind(k), WINDOWED)])
 def test_every_export_carries_the_window_where_vllm_reads_it(heads, target, tiny_llama_dir, tmp_path,
                                                              kind, fmt):
     engine_config, drafter = KINDS[kind]
