@@ -19,19 +19,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from conf.kinds import PEagleConfig
-from conf.schema import EvalConfig
-from data_prep.capture import TOP, greedy_ids
-from data_prep.target import eos_token_ids, load_target
-from data_prep.vocab import build_draft_vocab
+from data_prep.target import load_target
 from heads.export.write import export_head
 from heads.kinds import head_kind
 from heads.peagle.model import PEagleHead
-from trainer.batching import collate
-from trainer.decoding import greedy_generate
-from trainer.evaluate.tasks import encode, load_prompts
+from tests.support.rigged import rigged_head
 from trainer.kinds.peagle import PEagleTrainee
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,48 +42,11 @@ pytestmark = [
 ]
 
 
-def check_prompts(tokenizer) -> list[torch.Tensor]:
-    """The token ids scripts/check_vllm.py decodes with `--prompts PROMPTS`."""
-    cfg = EvalConfig(max_prompts_per_task=-(-PROMPTS // 3), max_new_tokens=MAX_TOKENS)
-    prompts = [p for ps in load_prompts(cfg).values() for p in ps][:PROMPTS]
-    return [encode(tokenizer, p) for p in prompts]
-
-
-def rigged_head(model, tokenizer, out: Path) -> Path:
-    """A P-EAGLE head (K=3, 2,048 draft ids) trained on the target's greedy answers to the check's
-    prompts, saved in the project's folder format."""
-    eos = eos_token_ids(model, tokenizer)
-    prompts = check_prompts(tokenizer)
-    texts = [torch.cat([x, torch.tensor(greedy_generate(model, x, MAX_TOKENS, eos).tokens)]) for x in prompts]
-    v = model.config.vocab_size
-    d2t, t2d = build_draft_vocab(torch.bincount(torch.cat(texts), minlength=v), 2048)
-    cfg = PEagleConfig(parallel_tokens=K)
-    torch.manual_seed(0)
-    head = PEagleHead.from_target(model, TARGET, cfg, d2t, t2d)
-    trainee = PEagleTrainee(head, model.get_output_embeddings().weight, K, cfg.step_weight)
-    samples = []
-    with torch.no_grad():
-        for x, ids in zip(prompts, texts):
-            hs = model(ids[None], output_hidden_states=True).hidden_states
-            aux = torch.cat([hs[i][0] for i in head.aux_layer_ids], -1)
-            answer = torch.arange(ids.numel()) >= x.numel()  # the teacher's rows: answers only
-            samples.append(
-                {"input_ids": ids, "loss_mask": answer, "aux_hidden": aux, "final_hidden": hs[-1][0],
-                 TOP: greedy_ids(model.get_output_embeddings(), hs[-1][0])}
-            )
-    batch = collate(samples, trainee.batch_index)
-    opt = torch.optim.AdamW(trainee.head.parameters(), lr=2e-3)
-    for _ in range(60):
-        loss = trainee(batch)["loss"]
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return head.eval().save_pretrained(out)
-
-
 def test_vllm_serves_a_peagle_head_in_parallel_losslessly_with_our_acceptance(tmp_path):
     model, tokenizer = load_target(TARGET, dtype="float32", device="cpu")
-    head = rigged_head(model, tokenizer, tmp_path / "head")
+    cfg = PEagleConfig(parallel_tokens=K)
+    head = rigged_head(model, tokenizer, TARGET, tmp_path / "head", PEagleHead, cfg,
+                       lambda h, lm: PEagleTrainee(h, lm, K, cfg.step_weight), PROMPTS, MAX_TOKENS)
     formats = list(head_kind("peagle").formats)
     exports = [export_head(head, fmt, tmp_path / fmt, model)[0] for fmt in formats]
     cmd = [str(VLLM_PYTHON), str(SCRIPT), *map(str, exports), "--prompts", str(PROMPTS),

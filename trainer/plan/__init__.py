@@ -42,8 +42,10 @@ what each stage then took goes into summary.json; the plan also goes into the ru
 plan.json, which `resume=true` follows instead of planning again.
 
 The parts: `trainer.plan.probes` measures (each probe returns a typed value), `trainer.plan.policy`
-is the arithmetic, pure (rates in, a frozen `PlanRecord` out, unit-tested without a pipeline), and
-this module runs them for the main job and keeps the record in plan.json.
+is the arithmetic, pure (rates in, a frozen `PlanRecord` out, unit-tested without a pipeline),
+`trainer.plan.reuse` keeps the rates for the next run of the same settings on the same machine
+(which then plans at once), and this module runs them for the main job and keeps the record in
+plan.json.
 
 The planner keeps its word or says so, before the data stage: probes that take more than
 `PROBE_SHARE` of the budget stop the job (`probes.within_share`), and so does a plan whose smallest size
@@ -78,7 +80,8 @@ from conf.schema import RootConfig
 from conf.sizes import Sizes
 from data_prep.target import Target
 from trainer.loop import steps_per_epoch
-from trainer.plan.policy import PlanRecord, decide_recheck, fitting_plan
+from trainer.plan import reuse
+from trainer.plan.policy import PlanRecord, Rates, RegenShape, decide_recheck, fitting_plan
 from trainer.plan.probes import measure
 
 PLAN_FILE = "plan.json"  # in the run_dir: what a resumed run plans with
@@ -107,11 +110,25 @@ def plan_run(cfg: RootConfig, target: Target, started: float) -> tuple[Sizes, Pl
         print(f"plan: {sizes.conversations:,} conversations, {sizes.epochs} epochs, as planned "
               f"before the interruption ({where})", flush=True)
         return sizes, record
-    rates, shape = measure(cfg, target, started)
+    rates, shape = probed_rates(cfg, target, started)
     plan = fitting_plan(cfg, time.perf_counter() - started, rates, shape)
     record = _keep(cfg, PlanRecord(plan, rates))
     print(plan.line(), flush=True)
     return record.sizes(answers), record
+
+
+def probed_rates(cfg: RootConfig, target: Target, started: float) -> tuple[Rates, RegenShape | None]:
+    """The probes' rates: an earlier run's on this machine, target and settings (`reuse`), or
+    measured now and kept for the next run."""
+    found = reuse.kept(cfg, target)
+    if found is not None:
+        rates, shape, path = found
+        print(f"plan: the probes' rates of an earlier run on this machine, target and settings, reused "
+              f"(delete {path} to measure them again)", flush=True)
+        return rates, shape
+    rates, shape = measure(cfg, target, started)
+    reuse.keep(cfg, target, rates, shape)
+    return rates, shape
 
 
 def note_stop(cfg: RootConfig, record: PlanRecord, steps: int) -> PlanRecord:

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+import trainer.plan
 from conf.compose import compose_root
 from conf.errors import UserError
 from conf.schema import OptimConfig, derive
@@ -18,6 +19,7 @@ from data_prep.regenerate import read_cache
 from data_prep.rows import cached_spans, uncached_prefix
 from data_prep.target import resolve_target
 from tests.support.runs import conversations, tiny_prep_config
+from trainer.plan import reuse
 from trainer.plan.policy import (
     MARGIN,
     MAX_EPOCHS,
@@ -221,3 +223,35 @@ def test_the_training_probe_prices_conversations_not_rows(tiny_llama_dir, tmp_pa
     assert data.samples == 2 * PROBE_SAMPLES  # a row per turn
     probed = train_probe(cfg, target, tmp_path / "run", PROBE_SAMPLES)
     assert probed.row_tokens == pytest.approx(data.tokens / PROBE_SAMPLES)
+
+
+def test_a_second_run_of_the_same_settings_plans_with_the_first_runs_rates(tiny_llama_dir, tmp_path,
+                                                                           monkeypatch, capsys):
+    """The probes' rates are kept under everything they depend on: a second run that differs only
+    in what changes no rate (run_dir, budget, logging) plans with them without probing, the
+    regeneration cache read afresh; another head, another machine or another file measure."""
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in conversations(3 * PROBE_SAMPLES)))
+    cfg = tiny_prep_config(tiny_llama_dir, source, tmp_path / "cache", "data.regenerate.enabled=true",
+                           "data.regenerate.max_new_tokens=4", "budget=20m")
+    target = resolve_target(cfg)
+    shape = RegenShape(StepCost(0.01, 0.0, 1e-6, 1e-5), [[(12, 4), (9, 4)]], 2, 8, 1, 1.02)
+    first = rates(cached_spans=((0, 3),), probe_s=240.0, regenerate_step_cost={"per_step": 0.01})
+    path = reuse.keep(cfg, target, first, shape)
+    assert path.parent == tmp_path / "cache" / "plans"
+
+    def refused(*args):
+        raise AssertionError("probed again")
+
+    monkeypatch.setattr(trainer.plan, "measure", refused)
+    second = derive(cfg, {"run_dir": str(tmp_path / "second"), "budget": "30m", "logging.progress": True})
+    again, again_shape = trainer.plan.probed_rates(second, target, 0.0)
+    assert again == dataclasses.replace(first, cached_spans=(), probe_s=0.0)  # the cache holds none now
+    assert again_shape == shape
+    assert str(path) in capsys.readouterr().out
+    assert reuse.kept(derive(cfg, {"head.ttt_length": 2}), target) is None
+    monkeypatch.setattr(reuse, "machine", lambda: {"cpu": "another"})
+    assert reuse.kept(cfg, target) is None
+    monkeypatch.undo()
+    path.write_text("{")  # cut off: measured again, not an error
+    assert reuse.kept(cfg, target) is None

@@ -1,0 +1,62 @@
+"""An EAGLE-3 head on the real SmolLM2 target, exported as `gguf` and served by llama.cpp's own
+server beside SmolLM2's GGUF: greedy text identical with and without the draft on 10 prompts,
+and llama.cpp's acceptance length within 10% of ours on the same prompts and weights.
+
+The head has the layout llama.cpp's graph expresses (`head.norm_output=false`: the main job's
+`export.formats=null` then writes `gguf` too) and is rigged to be accepted (`tests.support.rigged`).
+Runs where scripts/setup_llama_cpp.sh built `.llama-cpp/bin/llama-server`; elsewhere it is
+skipped with that reason (CI does not build it: 7 minutes of both cores past its time limit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conf.kinds import Eagle3Config
+from data_prep.target import load_target
+from heads.eagle3.model import Eagle3Head
+from heads.export.write import export_head, formats_for
+from tests.support.rigged import rigged_head
+from trainer.kinds.eagle3 import Eagle3Trainee
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVER = ROOT / ".llama-cpp" / "bin" / "llama-server"
+SCRIPT = ROOT / "scripts" / "check_llama_cpp.py"
+TARGET = "smollm2-135m-instruct"
+PROMPTS, MAX_TOKENS, K = 10, 48, 3
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not SERVER.exists(), reason=f"no llama-server at {SERVER} (scripts/setup_llama_cpp.sh)"
+    ),
+]
+
+
+def test_llama_cpp_serves_the_gguf_export_losslessly_at_our_acceptance(tmp_path):
+    model, tokenizer = load_target(TARGET, dtype="float32", device="cpu")
+    cfg = Eagle3Config(norm_output=False)
+    head = rigged_head(model, tokenizer, TARGET, tmp_path / "head", Eagle3Head, cfg,
+                       lambda h, lm: Eagle3Trainee(h, lm, cfg.ttt_length, cfg.step_weight),
+                       PROMPTS, MAX_TOKENS)
+    assert "gguf" in formats_for(head, None)  # what the main job writes for such a head
+    export, _ = export_head(head, "gguf", tmp_path / "gguf", model, dtype="float32")
+    cmd = [sys.executable, str(SCRIPT), str(export), "--prompts", str(PROMPTS),
+           "--max-tokens", str(MAX_TOKENS), "--k", str(K)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1500, env=env)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, f"rc={done.returncode}\n{done.stderr[-4000:]}"
+    line = lines[0]
+    print(json.dumps(line))
+    assert line["loaded"], line.get("error")
+    assert line["ours_lossless"], line
+    assert line["identical"] == [PROMPTS, PROMPTS], line  # with the draft as without it
+    assert line["ours_tau"] > 1.5, line  # rigged: accepted often, so every slot is compared
+    assert line["within_10pct"], line
