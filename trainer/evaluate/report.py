@@ -217,6 +217,11 @@ def markdown(result: dict) -> str:
         "",
         *_table("task", {**result["tasks"], "overall": result["overall"]}),
         "",
+        "The tokens/s are this evaluator's (PyTorch, one prompt at a time, on the machine that ran "
+        "it): what the head costs and saves in our decoder, not in an engine. An engine's own "
+        "figures, on the same prompts and weights: `scripts/check_vllm.py` (vLLM), "
+        "`scripts/check_llama_cpp.py` (llama.cpp, the engine of CPUs and laptops).",
+        "",
         f"![Per-position acceptance]({PICTURE})",
     ]
     if result.get("by_context"):
