@@ -21,7 +21,7 @@ prompt is one /completion request at temperature 0, its token ids returned. Per 
 - `tokens_per_s` without and with the draft (llama.cpp's own `predicted_per_second`, pooled
   over the prompts), `speedup` their ratio, and `ngram_speedup` with `--ngram`.
 
-The target is `--target` (an alias such as smollm2-135m-instruct or qwen2.5-coder-0.5b, or a
+The target is `--target` (an alias: smollm2-135m-instruct or qwen2.5-coder-0.5b-instruct, or a
 .gguf file), as llama.cpp runs it (SmolLM2's Q4_1, Qwen's Q4_K_M); our side runs the same
 weights dequantized to float32 by transformers, so the two greedy texts may part at a near-tie:
 `identical` compares llama.cpp with itself, as the lossless claim is the engine's.
