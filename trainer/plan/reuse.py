@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 import torch
@@ -30,7 +30,7 @@ from conf.schema import RootConfig
 from data_prep.keys import data_base, digest, regen_cache_file
 from data_prep.regen_cost import StepCost
 from data_prep.regenerate import read_cache
-from data_prep.rows import cached_spans
+from data_prep.rows import Spans, cached_spans
 from data_prep.target import Target
 from trainer.plan.policy import Rates, RegenShape
 
@@ -53,20 +53,21 @@ def machine() -> dict:
 def rates_key(cfg: RootConfig, target: Target) -> dict:
     """Everything the probes' rates depend on (module docstring)."""
     settings = {name: getattr(cfg, name) for name in SETTINGS}
-    as_json = json.loads(json.dumps({k: asdict(v) if hasattr(v, "__dataclass_fields__") else v
-                                     for k, v in settings.items()}, default=str))
+    as_json = json.loads(json.dumps({k: asdict(v) if is_dataclass(v) else v for k, v in settings.items()},
+                                    default=str))
     return {"version": VERSION, "machine": machine(), "target": target.identity, "settings": as_json}
 
 
-def rates_file(cfg: RootConfig, target: Target) -> Path:
-    return data_base(cfg) / "plans" / f"{digest(rates_key(cfg, target))}.json"
+def rates_file(cfg: RootConfig, key: dict) -> Path:
+    return data_base(cfg) / "plans" / f"{digest(key)}.json"
 
 
 def keep(cfg: RootConfig, target: Target, rates: Rates, shape: RegenShape | None) -> Path:
     """Write what `measure` returned under the run's key."""
-    path = rates_file(cfg, target)
+    key = rates_key(cfg, target)
+    path = rates_file(cfg, key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"key": rates_key(cfg, target), "rates": asdict(rates),
+    record = {"key": key, "rates": asdict(rates),
               "shape": None if shape is None else asdict(shape)}
     atomic_write_text(path, json.dumps(record))
     return path
@@ -75,10 +76,11 @@ def keep(cfg: RootConfig, target: Target, rates: Rates, shape: RegenShape | None
 def kept(cfg: RootConfig, target: Target) -> tuple[Rates, RegenShape | None, Path] | None:
     """The rates an earlier run kept under this run's key, its regeneration cache read now, or
     None (none kept, or a file this version cannot read: the probes then run and replace it)."""
-    path = rates_file(cfg, target)
+    key = rates_key(cfg, target)
+    path = rates_file(cfg, key)
     try:
         record = json.loads(path.read_text())
-        if record["key"] != rates_key(cfg, target):
+        if record["key"] != key:
             return None
         rates = Rates(**{**record["rates"], "cached_spans": held_now(cfg, target), "probe_s": 0.0})
         shape = record["shape"]
@@ -90,7 +92,7 @@ def kept(cfg: RootConfig, target: Target) -> tuple[Rates, RegenShape | None, Pat
     return rates, shape, path
 
 
-def held_now(cfg: RootConfig, target: Target) -> tuple[tuple[int, int], ...]:
+def held_now(cfg: RootConfig, target: Target) -> Spans:
     """The selected conversations the regeneration cache holds now (free for the run)."""
     if not cfg.data.regenerate.enabled:
         return ()
