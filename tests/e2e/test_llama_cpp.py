@@ -11,8 +11,6 @@ skipped with that reason (CI does not build it: 7 minutes of both cores past its
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from conf.kinds import Eagle3Config
 from data_prep.target import load_target
 from heads.eagle3.model import Eagle3Head
 from heads.export.write import export_head, formats_for
-from tests.support.rigged import rigged_head
+from tests.support.rigged import check_lines, rigged_head
 from trainer.kinds.eagle3 import Eagle3Trainee
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,11 +52,7 @@ def test_llama_cpp_serves_the_gguf_export_losslessly_at_our_acceptance(tmp_path)
     export, _ = export_head(head, "gguf", tmp_path / "gguf", model, dtype="float32")
     cmd = [sys.executable, str(SCRIPT), str(export), "--prompts", str(PROMPTS),
            "--max-tokens", str(MAX_TOKENS), "--k", str(K)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1500, env=env)
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 1, f"rc={done.returncode}\n{done.stderr[-4000:]}"
-    line = lines[0]
+    line = check_lines(cmd, 1, ROOT)[0]
     print(json.dumps(line))
     assert line["loaded"], line.get("error")
     assert line["ours_lossless"], line

@@ -13,8 +13,6 @@ the folders as sequential EAGLE-3. Runs only where `.venv-vllm/bin/python` exist
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from data_prep.target import load_target
 from heads.export.write import export_head
 from heads.kinds import head_kind
 from heads.peagle.model import PEagleHead
-from tests.support.rigged import rigged_head
+from tests.support.rigged import check_lines, rigged_head
 from trainer.kinds.peagle import PEagleTrainee
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,11 +49,7 @@ def test_vllm_serves_a_peagle_head_in_parallel_losslessly_with_our_acceptance(tm
     exports = [export_head(head, fmt, tmp_path / fmt, model)[0] for fmt in formats]
     cmd = [str(VLLM_PYTHON), str(SCRIPT), *map(str, exports), "--prompts", str(PROMPTS),
            "--max-tokens", str(MAX_TOKENS), "--k", str(K), "--main-python", sys.executable]
-    # PYTHONPATH: our side (`--role ours`) imports this checkout's modules, not an installed copy.
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1500, env=env)
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == len(exports), f"rc={done.returncode}\n{done.stderr[-4000:]}"
+    lines = check_lines(cmd, len(exports), ROOT, OMP_NUM_THREADS="2")
     for line in lines:
         print(json.dumps({k: line.get(k) for k in (
             "format", "ours_mean_acceptance_length", "vllm_mean_acceptance_length",

@@ -9,6 +9,9 @@ evaluator's first MT-Bench, HumanEval and GSM8K prompts, encoded as the check en
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,3 +62,13 @@ def rigged_head(model, tokenizer, name: str, out: Path, head_class, cfg, trainee
         loss.backward()
         opt.step()
     return head.eval().save_pretrained(out)
+
+
+def check_lines(cmd: list[str], count: int, root: Path, **env: str) -> list[dict]:
+    """An engine check run as a user runs it from the checkout `root` (its own side importing
+    this checkout's modules, `env` added): its JSON lines, `count` of them or its stderr's end."""
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=1500,
+                          env={**os.environ, "PYTHONPATH": str(root), **env})
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == count, f"rc={done.returncode}\n{done.stderr[-4000:]}"
+    return lines
