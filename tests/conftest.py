@@ -1,6 +1,7 @@
-"""Fixtures of both tiers: tiny random-weight target folders with SmolLM2's real tokenizer, a
-sharp target, a chat file, one torch thread, a fresh accelerator state per test (the builders
-behind them live in tests/support/), and each test's tier marker, taken from its folder.
+"""Fixtures of both tiers: tiny random-weight target folders with SmolLM2's real tokenizer, the
+tiny llama target loaded once for every test that reads it (`tiny_llama`, `tiny_model`), a sharp
+target, a chat file, one torch thread, a fresh accelerator state per test (the builders behind
+them live in tests/support/), and each test's tier marker, taken from its folder.
 
 Real transformers models and real tokenizers, built from a config in seconds; the weights are
 seeded so every test sees the same model.
@@ -14,6 +15,7 @@ terminal; tests/unit/data_prep/test_data_regenerate.py draws regeneration's bar 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -24,7 +26,7 @@ import pytest
 import torch
 
 from conf.schema import RootConfig, TargetConfig
-from data_prep.target import resolve_target
+from data_prep.target import Target, resolve_target
 from tests.support.disk import SmallDisk
 from tests.support.targets import build_tiny_target
 
@@ -88,6 +90,48 @@ def smol_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smol_tokenizer) -> Path:
     return build_tiny_target(tmp_path_factory.mktemp("tiny-llama"), "llama", smol_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_llama_dir) -> Target:
+    """The tiny llama target, loaded once per test process: float32 on the CPU, one torch thread
+    (the tiers run one process per core), eval mode, no gradients. Every test that only reads the
+    target shares it; one that changes it (weights, mode, attention) is failed by name after it
+    ran (`_shared_target_unchanged`) and the target restored, so no later test reads its change."""
+    settings = TargetConfig(name_or_path=str(tiny_llama_dir), device="cpu", dtype="float32", num_threads=1)
+    target = resolve_target(RootConfig(target=settings))
+    _SHARED.append((target.model, _fingerprint(target.model), copy.deepcopy(target.model.state_dict())))
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_llama: Target):
+    """`tiny_llama`'s model."""
+    return tiny_llama.model
+
+
+_SHARED: list = []  # (model, its fingerprint, its weights) of the shared target, once loaded
+
+
+def _fingerprint(model) -> tuple:
+    """What a test could change in a shared target: each tensor's sum and sum of squares (float64),
+    which tensors take gradients, the mode and the attention implementation."""
+    with torch.no_grad():
+        sums = tuple((n, float(t.double().sum()), float(t.double().square().sum()), t.requires_grad)
+                     for n, t in model.state_dict(keep_vars=True).items())
+    return sums, model.training, model.config._attn_implementation
+
+
+@pytest.fixture(autouse=True)
+def _shared_target_unchanged(request):
+    yield
+    for model, before, weights in _SHARED:
+        if _fingerprint(model) != before:
+            model.load_state_dict(weights)
+            model.eval().requires_grad_(False)
+            model.config._attn_implementation = before[2]
+            pytest.fail(f"{request.node.nodeid} changed the shared tiny target (tests/conftest.py "
+                        f"tiny_llama): copy it, or build its own", pytrace=False)
 
 
 @pytest.fixture(scope="session")

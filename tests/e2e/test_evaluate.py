@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from data_prep.target import load_target
 from tests.support.heads import eagle_head
 from tests.support.runs import QUICK
 
 
 @pytest.fixture(scope="module")
-def eagle_dir(tiny_llama_dir, tmp_path_factory) -> Path:
-    model, _ = load_target(str(tiny_llama_dir))
+def eagle_dir(tiny_model, tiny_llama_dir, tmp_path_factory) -> Path:
+    model = tiny_model
     return eagle_head(model, str(tiny_llama_dir), tmp_path_factory.mktemp("h") / "eagle3")
 
 

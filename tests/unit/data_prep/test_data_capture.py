@@ -16,14 +16,7 @@ from data_prep.capture import (
     length_batches,
     quantize_fp8,
 )
-from data_prep.target import load_target
 from data_prep.template import Tokenized
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    model, _ = load_target(str(tiny_llama_dir), num_threads=1)
-    return model
 
 
 def samples(lengths, seed=0):
@@ -52,11 +45,12 @@ def test_fp8_round_trip_keeps_about_three_bits_per_row():
 
 
 @pytest.mark.parametrize("storage", ["bfloat16", "fp8"])
-def test_shard_holds_each_samples_own_hidden_states(tiny, storage):
-    aux_ids, n = (2, 4, 5), tiny.config.num_hidden_layers
+def test_shard_holds_each_samples_own_hidden_states(tiny_model, storage):
+    aux_ids, n = (2, 4, 5), tiny_model.config.num_hidden_layers
     spec = CaptureSpec(aux_ids, n, storage)
     batch = samples([5, 9, 9, 17, 30])
-    shard = capture_shard(HfCapturer(tiny, spec, batch_tokens=40), batch, spec)  # several padded batches
+    # several padded batches
+    shard = capture_shard(HfCapturer(tiny_model, spec, batch_tokens=40), batch, spec)
     offsets = shard["offsets"].tolist()
     assert offsets == [0, 5, 14, 23, 40, 70]
     assert shard["input_ids"].dtype == torch.int32 and shard["loss_mask"].dtype == torch.bool
@@ -65,21 +59,21 @@ def test_shard_holds_each_samples_own_hidden_states(tiny, storage):
     for s, a, b in zip(batch, offsets, offsets[1:]):
         ids = torch.tensor([s.input_ids])
         with torch.no_grad():
-            out = tiny(ids, output_hidden_states=True)
+            out = tiny_model(ids, output_hidden_states=True)
         hs = out.hidden_states
         want = torch.cat([hs[i] for i in aux_ids], -1)[0]
         assert torch.allclose(aux[a:b], want, rtol=tol, atol=tol * want.abs().max())
         assert torch.allclose(final[a:b], hs[n][0], rtol=tol, atol=tol * hs[n].abs().max())
         # hidden_states[N] is what lm_head reads (after the final norm).
-        assert torch.allclose(tiny.lm_head(hs[n])[0], out.logits[0], atol=1e-4)
+        assert torch.allclose(tiny_model.lm_head(hs[n])[0], out.logits[0], atol=1e-4)
         assert shard["input_ids"][a:b].tolist() == s.input_ids
         assert shard["loss_mask"][a:b].tolist() == s.loss_mask
 
 
-def test_medusa_final_only_and_joint_tokens_only(tiny):
+def test_medusa_final_only_and_joint_tokens_only(tiny_model):
     batch = samples([4, 6])
     final = CaptureSpec((), 8)
-    final_only = capture_shard(HfCapturer(tiny, final, 4096), batch, final)
+    final_only = capture_shard(HfCapturer(tiny_model, final, 4096), batch, final)
     assert set(final_only) == {"input_ids", "loss_mask", "offsets", "final_hidden"}
     assert final_only["final_hidden"].shape == (10, 64)
     tokens = capture_shard(None, batch, CaptureSpec((), None))

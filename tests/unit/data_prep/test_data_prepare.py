@@ -15,7 +15,7 @@ from data_prep.capture import TOP
 from data_prep.keys import folder_key, regen_cache_file
 from data_prep.prepare import capture_spec, prepare
 from data_prep.store import CapturedDataset, load_manifest, sha256_file
-from data_prep.target import load_target, resolve_target
+from data_prep.target import resolve_target
 from data_prep.vocab import load_draft_vocab
 from heads.eagle3.model import Eagle3Head
 from tests.support.runs import WORDS, conversations, tiny_prep_config
@@ -36,7 +36,7 @@ REGENERATE = (
 )
 
 
-def test_eagle3_folder_manifest_dataset_and_vocab(tiny_llama_dir, source, tmp_path, capsys):
+def test_eagle3_folder_manifest_dataset_and_vocab(tiny_model, tiny_llama_dir, source, tmp_path, capsys):
     cfg = tiny_prep_config(tiny_llama_dir, source, tmp_path)
     data = prepare(cfg)
     folder, m = data.path, load_manifest(data.path)
@@ -68,7 +68,7 @@ def test_eagle3_folder_manifest_dataset_and_vocab(tiny_llama_dir, source, tmp_pa
     d2t, t2d = load_draft_vocab(folder)
     assert d2t.numel() == int(t2d.sum()) <= 300  # capped, and only ids the answers contain
     assert m["draft_vocab"]["size"] == d2t.numel()
-    model, _ = load_target(str(tiny_llama_dir), num_threads=1)
+    model = tiny_model
     head = Eagle3Head.from_target(model, str(tiny_llama_dir), cfg.head, d2t, t2d)
     assert head.aux_layer_ids == m["aux_layer_ids"]
 

@@ -10,14 +10,13 @@ from conf.schema import RegenerateConfig
 from data_prep.regenerate import EngineAnswerer, read_cache, regenerate
 from data_prep.sources import Sample, answer_uid, prompt_uid
 from data_prep.stats import PrepStats
-from data_prep.target import load_target
 from data_prep.template import build_rows, load_chat_template
 from tests.support.split import validation_uids
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    model, tok = load_target(str(tiny_llama_dir), num_threads=1)
+def tiny(tiny_llama):
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
     return model, load_chat_template(tok, None, {}, "2026-01-01")
 
 

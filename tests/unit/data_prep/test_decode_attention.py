@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from data_prep import decode_attention as da
-from data_prep.target import load_target
 
 
 @pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 4, 128), (2, 1, 16), (1, 4, 8)])
@@ -88,8 +87,8 @@ def test_kernel_on_a_sliding_layer_reads_only_each_rows_window(window):
     assert torch.equal(da.decode_attention(query, keys, values, counts, scale=0.25, window=window), got)
 
 
-def test_slot_attention_applies_to_a_float32_cpu_model_only_and_restores_it(tiny_llama_dir):
-    model, _ = load_target(str(tiny_llama_dir), dtype="float32", num_threads=1)
+def test_slot_attention_applies_to_a_float32_cpu_model_only_and_restores_it(tiny_model):
+    model = tiny_model
     before = model.config._attn_implementation
     with da.slot_attention(model) as counted:
         assert counted == (shutil.which("cc") is not None)  # CI has a compiler: the kernel runs there

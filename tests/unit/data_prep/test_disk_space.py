@@ -16,7 +16,7 @@ import data_prep.prepare as P
 import data_prep.store as store
 from conf.errors import UserError
 from data_prep.store import load_manifest
-from data_prep.target import Target, load_target
+from data_prep.target import Target
 from tests.support.runs import shard_bytes, tiny_prep_config
 
 # What safetensors raises on a full disk (captured on a 1 MB tmpfs): its own error type, the
@@ -83,7 +83,7 @@ def test_a_disk_that_fills_mid_capture_is_one_line_and_resumes(
     assert load_manifest(resumed)["splits"] == load_manifest(clean)["splits"]
 
 
-def test_a_full_disk_while_saving_is_one_line_and_leaves_only_whole_folders(small_disk, tiny_llama_dir):
+def test_a_full_disk_while_saving_is_one_line_and_leaves_only_whole_folders(small_disk, tiny_model):
     """A checkpoint (accelerate's state: weights and AdamW moments, 3 MB) and the best head (a
     12 MB lm_head), saved on a 1 MB disk: one line naming the folder and how to go on, and
     nothing half-written beside the whole folders."""
@@ -104,7 +104,7 @@ def test_a_full_disk_while_saving_is_one_line_and_leaves_only_whole_folders(smal
     assert line.endswith(RESUME_THEN) and "\n" not in line
     assert list(checkpoint_root(run).iterdir()) == []
 
-    model, _ = load_target(str(tiny_llama_dir))
+    model = tiny_model
     v = model.config.vocab_size
     head = Eagle3Head.from_target(model, "tiny", Eagle3Config(), torch.zeros(v, dtype=torch.long),
                                   torch.ones(v, dtype=torch.bool))

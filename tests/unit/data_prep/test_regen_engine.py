@@ -12,7 +12,6 @@ import torch
 from data_prep import decode_attention, regen_engine
 from data_prep.linears import DataLinears, can_pack, native_bf16, resolve_matmul_dtype
 from data_prep.regen_engine import generate, noise_size, shared_prefix, top_p_filter, two_level_race
-from data_prep.target import load_target
 from tests.support.targets import chat, hf_greedy, until
 
 
@@ -102,8 +101,8 @@ def test_engine_without_a_compiler_writes_the_same_on_pytorch_attention(chaotic,
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    model, tok = load_target(str(tiny_llama_dir), dtype="float32", num_threads=1)
+def tiny(tiny_llama):
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
     return model, tok
 
 

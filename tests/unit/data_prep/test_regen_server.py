@@ -19,7 +19,6 @@ from data_prep.regen_server import ServerAnswerer
 from data_prep.regenerate import EngineAnswerer, read_cache, regenerate
 from data_prep.sources import Sample
 from data_prep.stats import PrepStats
-from data_prep.target import load_target
 from data_prep.template import load_chat_template
 from tests.support.openai_server import Behaviour, Server
 from tests.support.runs import user_error_line
@@ -29,8 +28,8 @@ SAMPLES = [Sample(str(i), [{"role": "user", "content": f"Question number {i}: wh
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    model, tok = load_target(str(tiny_llama_dir), num_threads=1)
+def tiny(tiny_llama, tiny_llama_dir):
+    model, tok = tiny_llama.model, tiny_llama.tokenizer
     return model, load_chat_template(tok, None, {}, "2026-01-01"), str(tiny_llama_dir)
 
 

@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 
 from conf.compose import compose_root
 from conf.errors import UserError
-from data_prep.target import load_target
 from heads.dflash.export import read_native, read_speculators
 from heads.dflash.model import DFlashHead, captured_layers, default_mask_token_id
 from heads.export.write import detect_format, export_head, load_export
@@ -40,14 +39,8 @@ KEYS = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {f"layers.{i}.{k}" f
 
 
 @pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    model, _ = load_target(str(tiny_llama_dir))
-    return model
-
-
-@pytest.fixture(scope="module")
-def saved(target, tiny_llama_dir, tmp_path_factory):
-    head = random_dflash_head(target, str(tiny_llama_dir), aux_layer_ids=AUX, block_size=5, causal=True)
+def saved(tiny_model, tiny_llama_dir, tmp_path_factory):
+    head = random_dflash_head(tiny_model, str(tiny_llama_dir), aux_layer_ids=AUX, block_size=5, causal=True)
     return head.save_pretrained(tmp_path_factory.mktemp("dflash") / "head")
 
 
@@ -75,12 +68,12 @@ def test_default_mask_token_is_one_no_chat_text_holds(smol_tokenizer):
     assert default_mask_token_id(smol_tokenizer, len(smol_tokenizer) + 64) == len(smol_tokenizer)
 
 
-def test_saved_head_reloads_the_same_and_holds_none_of_the_targets_weights(target, saved, tiny_llama_dir):
+def test_saved_head_reloads_the_same_and_holds_none_of_the_targets_weights(tiny_model, saved, tiny_llama_dir):
     tensors = load_file(saved / "model.safetensors")
     assert set(tensors) == KEYS  # no embed_tokens / lm_head: the target's are shared
-    again = DFlashHead.from_pretrained(saved, target, str(tiny_llama_dir))
+    again = DFlashHead.from_pretrained(saved, tiny_model, str(tiny_llama_dir))
     assert again.block_size == 5 and again.causal and again.aux_layer_ids == AUX
-    assert torch.equal(again.lm_head.weight, target.get_output_embeddings().weight)
+    assert torch.equal(again.lm_head.weight, tiny_model.get_output_embeddings().weight)
     for k, v in tensors.items():
         assert torch.equal(again.state_dict()[k], v), k
 
@@ -91,14 +84,14 @@ def test_a_head_refuses_another_target(saved):
     assert "head was trained for target" in line and "vocab_size" in line
 
 
-def test_native_export_is_vllms_layout_with_layer_ids_one_lower(target, saved, tmp_path):
-    out, report = export_head(saved, "dflash", tmp_path / "native", target_model=target, dtype="float32")
+def test_native_export_is_vllms_layout_with_layer_ids_one_lower(tiny_model, saved, tmp_path):
+    out, report = export_head(saved, "dflash", tmp_path / "native", target_model=tiny_model, dtype="float32")
     assert report["outputs_identical"] and report["max_abs_diff_vs_trained_float32"] == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["head_dim"] == 16 and cfg["target_hidden_size"] == 64 and cfg["num_hidden_layers"] == 2
     assert cfg["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [1, 3, 5], "causal": True}
-    assert cfg["rope_parameters"]["rope_theta"] == target.config.rope_parameters["rope_theta"]
+    assert cfg["rope_parameters"]["rope_theta"] == tiny_model.config.rope_parameters["rope_theta"]
     assert "draft_vocab_size" not in cfg and "eagle_aux_hidden_state_layer_ids" not in cfg
     assert set(load_file(out / "model.safetensors")) == KEYS
     assert detect_format(out) == "dflash"
@@ -106,8 +99,8 @@ def test_native_export_is_vllms_layout_with_layer_ids_one_lower(target, saved, t
     assert '"method": "dflash"' in card and '"num_speculative_tokens": 4' in card  # block 5 -> 4 drafts
 
 
-def test_speculators_export_counts_layers_as_eagle3_and_pins_the_tokens(target, saved, tmp_path):
-    out, _ = export_head(saved, "dflash-speculators", tmp_path / "spec", target_model=target,
+def test_speculators_export_counts_layers_as_eagle3_and_pins_the_tokens(tiny_model, saved, tmp_path):
+    out, _ = export_head(saved, "dflash-speculators", tmp_path / "spec", target_model=tiny_model,
                          num_speculative_tokens=3)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_model_type"] == "dflash" and cfg["aux_hidden_state_layer_ids"] == AUX
@@ -119,20 +112,20 @@ def test_speculators_export_counts_layers_as_eagle3_and_pins_the_tokens(target, 
     assert read_cfg["aux_layer_ids"] == AUX and read_cfg["causal"] and set(tensors) == KEYS
 
 
-def test_exports_load_back_as_the_trained_head(target, saved, tmp_path, tiny_llama_dir):
-    trained = DFlashHead.from_pretrained(saved, target, str(tiny_llama_dir))
+def test_exports_load_back_as_the_trained_head(tiny_model, saved, tmp_path, tiny_llama_dir):
+    trained = DFlashHead.from_pretrained(saved, tiny_model, str(tiny_llama_dir))
     check = head_kind("dflash").check
     for fmt in ("dflash", "dflash-speculators"):
-        out, _ = export_head(saved, fmt, tmp_path / fmt, target_model=target, dtype="float32")
-        back = load_export(out, target, str(tiny_llama_dir))
+        out, _ = export_head(saved, fmt, tmp_path / fmt, target_model=tiny_model, dtype="float32")
+        back = load_export(out, tiny_model, str(tiny_llama_dir))
         for k, v in check.outputs(trained).items():
             assert torch.equal(check.outputs(back)[k], v), (fmt, k)
 
 
-def test_a_renamed_or_missing_tensor_fails_the_read(target, saved, tmp_path):
+def test_a_renamed_or_missing_tensor_fails_the_read(tiny_model, saved, tmp_path):
     from safetensors.torch import save_file
 
-    out, _ = export_head(saved, "dflash", tmp_path / "native", target_model=target)
+    out, _ = export_head(saved, "dflash", tmp_path / "native", target_model=tiny_model)
     tensors = load_file(out / "model.safetensors")
     tensors["layers.0.self_attn.k_norm_weight"] = tensors.pop("layers.0.self_attn.k_norm.weight")
     save_file(tensors, out / "model.safetensors")

@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 from conf.compose import compose_root
 from conf.errors import UserError
 from conf.kinds import DSparkConfig
-from data_prep.target import load_target
 from heads.dspark.export import read_native
 from heads.dspark.model import DSparkHead
 from heads.export.write import detect_format, export_head, load_export
@@ -28,13 +27,8 @@ CONFIDENCE = {"confidence_head.proj.weight", "confidence_head.proj.bias"}
 
 
 @pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    return load_target(str(tiny_llama_dir))[0]
-
-
-@pytest.fixture(scope="module")
-def saved(target, tiny_llama_dir, tmp_path_factory):
-    head = random_dspark_head(target, str(tiny_llama_dir), aux_layer_ids=AUX, block_size=5)
+def saved(tiny_model, tiny_llama_dir, tmp_path_factory):
+    head = random_dspark_head(tiny_model, str(tiny_llama_dir), aux_layer_ids=AUX, block_size=5)
     return head.save_pretrained(tmp_path_factory.mktemp("dspark") / "head")
 
 
@@ -46,17 +40,21 @@ def test_bad_settings_are_one_line_naming_the_override(override, field):
     assert line.startswith(f"error: {field}=")
 
 
-def test_a_fresh_head_drafts_as_dflash_does(target):
+def test_a_fresh_head_drafts_as_dflash_does(tiny_model):
     """markov_w2 starts at zero: the bias is nothing until trained."""
-    head = DSparkHead.from_target(target, "tiny", DSparkConfig(num_layers=1, markov_rank=R), mask_token_id=3)
+    cfg = DSparkConfig(num_layers=1, markov_rank=R)
+    head = DSparkHead.from_target(tiny_model, "tiny", cfg, mask_token_id=3)
     assert not head.bias(torch.arange(10)).any()
-    assert head.confidence_head.proj.weight.shape == (1, target.config.hidden_size + R)
+    assert head.confidence_head.proj.weight.shape == (1, tiny_model.config.hidden_size + R)
 
 
-def test_exports_are_vllms_layouts_and_load_back_as_the_trained_head(target, saved, tmp_path, tiny_llama_dir):
-    trained = DSparkHead.from_pretrained(saved, target, str(tiny_llama_dir))
+def test_exports_are_vllms_layouts_and_load_back_as_the_trained_head(
+    tiny_model, saved, tmp_path, tiny_llama_dir
+):
+    trained = DSparkHead.from_pretrained(saved, tiny_model, str(tiny_llama_dir))
     check = head_kind("dspark").check
-    native, report = export_head(saved, "dspark", tmp_path / "native", target_model=target, dtype="float32")
+    native, report = export_head(saved, "dspark", tmp_path / "native", target_model=tiny_model,
+                                 dtype="float32")
     assert report["outputs_identical"]
     cfg = json.loads((native / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"
@@ -68,7 +66,7 @@ def test_exports_are_vllms_layouts_and_load_back_as_the_trained_head(target, sav
     assert MARKOV | CONFIDENCE <= set(load_file(native / "model.safetensors"))
     assert detect_format(native) == "dspark"
     assert '"method": "dspark"' in (native / "README.md").read_text()
-    spec, _ = export_head(saved, "dspark-speculators", tmp_path / "spec", target_model=target,
+    spec, _ = export_head(saved, "dspark-speculators", tmp_path / "spec", target_model=tiny_model,
                           num_speculative_tokens=7, dtype="float32")
     top = json.loads((spec / "config.json").read_text())
     assert top["speculators_model_type"] == "dspark" and top["speculators_config"]["algorithm"] == "dspark"
@@ -76,22 +74,23 @@ def test_exports_are_vllms_layouts_and_load_back_as_the_trained_head(target, sav
     assert top["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4  # block 5, not 7
     assert detect_format(spec) == "dspark-speculators"
     for out in (native, spec):
-        back = load_export(out, target, str(tiny_llama_dir))
+        back = load_export(out, tiny_model, str(tiny_llama_dir))
         assert isinstance(back, DSparkHead)
         for k, v in check.outputs(trained).items():
             assert torch.equal(check.outputs(back)[k], v), (out, k)
 
 
-def test_a_dflash_export_is_not_read_as_dspark(target, tiny_llama_dir, tmp_path):
-    flash = random_dflash_head(target, str(tiny_llama_dir), aux_layer_ids=AUX).save_pretrained(tmp_path / "h")
-    out, _ = export_head(flash, "dflash", tmp_path / "native", target_model=target)
+def test_a_dflash_export_is_not_read_as_dspark(tiny_model, tiny_llama_dir, tmp_path):
+    flash = random_dflash_head(tiny_model, str(tiny_llama_dir), aux_layer_ids=AUX)
+    flash = flash.save_pretrained(tmp_path / "h")
+    out, _ = export_head(flash, "dflash", tmp_path / "native", target_model=tiny_model)
     assert detect_format(out) == "dflash"
     with pytest.raises(UserError, match="expected \\['Qwen3DSparkModel'\\]"):
         read_native(out)
 
 
-def test_a_missing_markov_field_or_another_head_type_fails_the_read(target, saved, tmp_path):
-    out, _ = export_head(saved, "dspark", tmp_path / "native", target_model=target)
+def test_a_missing_markov_field_or_another_head_type_fails_the_read(tiny_model, saved, tmp_path):
+    out, _ = export_head(saved, "dspark", tmp_path / "native", target_model=tiny_model)
     cfg = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "markov_rank"}))
     with pytest.raises(UserError, match="lacks \\['markov_rank'\\]"):

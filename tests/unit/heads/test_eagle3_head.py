@@ -34,8 +34,8 @@ def identity_vocab(vocab_size: int, keep: int):
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    model, _ = load_target(str(tiny_llama_dir))
+def tiny(tiny_model, tiny_llama_dir):
+    model = tiny_model
     torch.manual_seed(0)
     d2t, t2d = identity_vocab(model.config.vocab_size, 3000)
     head = Eagle3Head.from_target(model, str(tiny_llama_dir), Eagle3Config(**ALL_OFF), d2t, t2d)

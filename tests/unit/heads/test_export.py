@@ -19,7 +19,6 @@ from transformers import AutoConfig
 from conf.errors import UserError
 from conf.kinds import HEAD_CONFIGS, Eagle3Config
 from conf.schema import EXPORT_DTYPES
-from data_prep.target import load_target
 from heads.eagle3.export import engine_layer_ids, read_native, read_speculators, serving_notes
 from heads.eagle3.model import Eagle3Head
 from heads.export.card import CardFacts, render
@@ -53,12 +52,6 @@ TOP = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
 NATIVE_KEYS = TOP | {f"midlayer.{k}" for k in LAYER}
 # vllm-project/speculators Eagle3DraftModel keeps the decoder layers in `layers` (a ModuleList).
 SPECULATORS_KEYS = TOP | {f"layers.0.{k}" for k in LAYER}
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tiny_llama_dir):
-    model, _ = load_target(str(tiny_llama_dir))
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +94,7 @@ def test_export_holds_exactly_the_engine_names(head_dir, tmp_path, fmt, keys):
     assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
 
 
-def test_native_config_keys(head_dir, tmp_path, tiny_target):
+def test_native_config_keys(head_dir, tmp_path, tiny_model):
     cfg = json.loads((export_head(head_dir, "eagle3", tmp_path / "e")[0] / "config.json").read_text())
     src_cfg, _, _ = load_head(head_dir, "eagle3")
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
@@ -112,7 +105,7 @@ def test_native_config_keys(head_dir, tmp_path, tiny_target):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     # What vLLM does first: AutoConfig -> LlamaConfig, extra keys kept as attributes.
     auto = AutoConfig.from_pretrained(tmp_path / "e")
-    assert auto.rope_parameters["rope_theta"] == tiny_target.config.rope_parameters["rope_theta"]
+    assert auto.rope_parameters["rope_theta"] == tiny_model.config.rope_parameters["rope_theta"]
     assert auto.draft_vocab_size == DRAFT_VOCAB and auto.eagle_config["use_aux_hidden_state"]
 
 
@@ -130,23 +123,23 @@ def test_speculators_config_keys(head_dir, tmp_path):
 
 
 @pytest.mark.parametrize("fmt,reader", [("eagle3", read_native), ("speculators", read_speculators)])
-def test_float32_round_trip_gives_identical_logits(head_dir, tmp_path, tiny_target, fmt, reader):
+def test_float32_round_trip_gives_identical_logits(head_dir, tmp_path, tiny_model, fmt, reader):
     out, report = export_head(
-        head_dir, fmt, tmp_path / fmt, target_model=tiny_target, dtype="float32"
+        head_dir, fmt, tmp_path / fmt, target_model=tiny_model, dtype="float32"
     )
     assert report["max_abs_diff_vs_trained_float32"] == 0.0
     cfg, tensors = reader(out)
     _, spec, _ = load_head(head_dir, "eagle3")
-    reloaded = EAGLE3_CHECK.build(cfg, spec, tensors, tiny_target)
-    expected = trained_outputs(head_dir, tiny_target)
+    reloaded = EAGLE3_CHECK.build(cfg, spec, tensors, tiny_model)
+    expected = trained_outputs(head_dir, tiny_model)
     got = EAGLE3_CHECK.outputs(reloaded)
     for k in expected:
         assert torch.equal(expected[k], got[k]), k
 
 
-def test_bfloat16_export_equals_the_rounded_head(head_dir, tmp_path, tiny_target):
+def test_bfloat16_export_equals_the_rounded_head(head_dir, tmp_path, tiny_model):
     out, report = export_head(
-        head_dir, "eagle3", tmp_path / "bf16", target_model=tiny_target
+        head_dir, "eagle3", tmp_path / "bf16", target_model=tiny_model
     )
     assert report["outputs_identical"]
     assert 0 < report["max_abs_diff_vs_trained_float32"] < 0.05
@@ -321,13 +314,13 @@ def test_cli_out_an_existing_file_is_refused_before_writing(head_dir, tmp_path, 
 
 
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
-def test_broken_export_folder_names_the_file(head_dir, tiny_target, tmp_path, name):
+def test_broken_export_folder_names_the_file(head_dir, tiny_model, tmp_path, name):
     """check_vllm and load_export read folders that were copied around: a cut-off file is one
     line naming it, from the format's reader, detect_format and load_export alike."""
     out, _ = export_head(head_dir, "eagle3", tmp_path / "e")
     cut_in_half(out / name)
     what = "is not valid JSON" if name == "config.json" else "is not a readable safetensors file"
-    readers = [read_native, lambda f: load_export(f, tiny_target, "tiny")]
+    readers = [read_native, lambda f: load_export(f, tiny_model, "tiny")]
     if name == "config.json":
         readers.append(detect_format)
     for read in readers:
@@ -361,14 +354,14 @@ def fc_norm_head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("norm", list(FC_INPUT_NORMS))
 @pytest.mark.parametrize("fmt,reader", [("eagle3", read_native), ("speculators", read_speculators)])
-def test_norm_variants_round_trip(request, tmp_path, tiny_target, fmt, reader, norm):
+def test_norm_variants_round_trip(request, tmp_path, tiny_model, fmt, reader, norm):
     """vLLM 0.32 reads the flags at the top level of both formats (the speculators path copies
     them, defaulting a missing norm_before_residual to true) and `norm_before_fc` from
     eagle_config first (llama_eagle3.LlamaModel); the fc-input norms are `input_norm.weight` and
     `fc_norm.{i}.weight` (one per aux layer, in the order of the ids) in both formats."""
     head_dir = request.getfixturevalue("variant_head_dir" if norm == "input_norm" else "fc_norm_head_dir")
     flags, norm_tensors = FC_INPUT_NORMS[norm]
-    out, report = export_head(head_dir, fmt, tmp_path / fmt, target_model=tiny_target, dtype="float32")
+    out, report = export_head(head_dir, fmt, tmp_path / fmt, target_model=tiny_model, dtype="float32")
     assert report["max_abs_diff_vs_trained_float32"] == 0.0
     cfg = json.loads((out / "config.json").read_text())
     assert {k: cfg[k] for k in flags} == flags
@@ -383,8 +376,8 @@ def test_norm_variants_round_trip(request, tmp_path, tiny_target, fmt, reader, n
     read_cfg, read_tensors = reader(out)
     assert {k: read_cfg[k] for k in flags} == flags
     _, spec, _ = load_head(head_dir, "eagle3")
-    got = EAGLE3_CHECK.outputs(EAGLE3_CHECK.build(read_cfg, spec, read_tensors, tiny_target))
-    expected = trained_outputs(head_dir, tiny_target)
+    got = EAGLE3_CHECK.outputs(EAGLE3_CHECK.build(read_cfg, spec, read_tensors, tiny_model))
+    expected = trained_outputs(head_dir, tiny_model)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 

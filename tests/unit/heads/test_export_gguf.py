@@ -19,7 +19,6 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from conf.compose import compose_root
 from conf.errors import UserError
 from conf.kinds import Eagle3Config
-from data_prep.target import load_target
 from heads.eagle3 import llama_cpp
 from heads.eagle3.model import Eagle3Head
 from heads.export.card import CardFacts
@@ -61,11 +60,6 @@ def permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
     return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tiny_llama_dir):
-    return load_target(str(tiny_llama_dir))[0]
 
 
 @pytest.fixture(scope="module")
@@ -129,25 +123,25 @@ def test_gguf_keys_are_the_ones_llama_cpp_reads(head_dir, tmp_path, tiny_llama_d
     assert values["general.file_type"] == 32  # LlamaFileType.MOSTLY_BF16 (the default export.dtype)
 
 
-def test_gguf_reads_back_as_the_trained_head(head_dir, tmp_path, tiny_target, tiny_llama_dir):
+def test_gguf_reads_back_as_the_trained_head(head_dir, tmp_path, tiny_model, tiny_llama_dir):
     """float32: the exported head's outputs are the trained head's, bit for bit, through our
     export reader and through the reader evaluation uses (`heads.formats`)."""
-    out, report = export_head(head_dir, "gguf", tmp_path / "g", target_model=tiny_target, dtype="float32")
+    out, report = export_head(head_dir, "gguf", tmp_path / "g", target_model=tiny_model, dtype="float32")
     assert report["max_abs_diff_vs_trained_float32"] == 0.0
     assert detect_format(out) == "gguf"
     own = load_head(head_dir, "eagle3")
-    trained = EAGLE3.check.outputs(Eagle3Head.from_pretrained(head_dir, tiny_target, "tiny").eval())
-    for head in (load_export(out, tiny_target, str(tiny_llama_dir)),
-                 load_for_decoding(out, tiny_target, str(tiny_llama_dir))[1]):
+    trained = EAGLE3.check.outputs(Eagle3Head.from_pretrained(head_dir, tiny_model, "tiny").eval())
+    for head in (load_export(out, tiny_model, str(tiny_llama_dir)),
+                 load_for_decoding(out, tiny_model, str(tiny_llama_dir))[1]):
         got = EAGLE3.check.outputs(head.eval())
         assert all(torch.equal(trained[k], got[k]) for k in trained)
         assert torch.equal(head.t2d, own[2]["t2d"])
     assert set(read_folder(out, "draft.gguf")[1]) == set(GGUF_NAMES.values()) | {"d2t"}
 
 
-def test_a_full_draft_vocabulary_writes_no_d2t(tiny_llama_dir, tiny_target, tmp_path):
+def test_a_full_draft_vocabulary_writes_no_d2t(tiny_llama_dir, tiny_model, tmp_path):
     """llama.cpp reads a draft without d2t as drafting over the target's vocabulary."""
-    vocab = tiny_target.config.vocab_size
+    vocab = tiny_model.config.vocab_size
     head = make_eagle3_head(tiny_llama_dir, tmp_path / "head", cfg=LLAMA_CPP_LAYOUT, draft_vocab=vocab)
     out, _ = export_head(head, "gguf", tmp_path / "g", dtype="float32")
     names = {t.name for t in GGUFReader(out / "draft.gguf").tensors}

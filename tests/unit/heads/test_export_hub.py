@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from conf.kinds import Eagle3Config
-from data_prep.target import load_target
 from heads.eagle3.model import Eagle3Head
 from heads.export.write import export_head
 
@@ -80,8 +79,8 @@ def fake_hub(monkeypatch, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def head_dir(tiny_llama_dir, tmp_path_factory):
-    model, _ = load_target(str(tiny_llama_dir))
+def head_dir(tiny_model, tmp_path_factory):
+    model = tiny_model
     v = model.config.vocab_size
     d2t, t2d = torch.zeros(v, dtype=torch.long), torch.ones(v, dtype=torch.bool)
     # Named after the alias so the card's base_model is a Hub id (vocab/hidden come from the

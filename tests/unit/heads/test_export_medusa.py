@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conf.errors import UserError
-from data_prep.target import load_target
 from heads.export.write import detect_format, export_head, formats_for, load_export
 from heads.folder import load_head, save_head
 from heads.kinds import head_kind
@@ -42,15 +41,10 @@ TGI_NAMES = {f"{h}.{LAYERS}.weight" for h in range(HEADS)} | {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_target(tiny_llama_dir):
-    return load_target(str(tiny_llama_dir))[0]
-
-
 @pytest.fixture(scope="module", params=[True, False], ids=["bias", "no-bias"])
-def head_dir(request, tiny_target, tiny_llama_dir, tmp_path_factory) -> Path:
+def head_dir(request, tiny_model, tiny_llama_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("medusa") / "head"
-    return make_medusa_head(tiny_target, str(tiny_llama_dir), out, fc_bias=request.param)
+    return make_medusa_head(tiny_model, str(tiny_llama_dir), out, fc_bias=request.param)
 
 
 def test_vllm_layout_names_and_config(head_dir, tmp_path):
@@ -85,11 +79,11 @@ def test_tgi_layout_names_and_config(head_dir, tmp_path):
 
 
 @pytest.mark.parametrize("fmt,reader", [("medusa-vllm", read_vllm), ("medusa-tgi", read_tgi)])
-def test_round_trip_gives_identical_logits(head_dir, tmp_path, tiny_target, fmt, reader):
+def test_round_trip_gives_identical_logits(head_dir, tmp_path, tiny_model, fmt, reader):
     out, report = export_head(head_dir, fmt, tmp_path / fmt, dtype="float32")
     assert report["outputs_identical"] and report["max_abs_diff_vs_trained_float32"] == 0.0
-    trained = MedusaHead.from_pretrained(head_dir, tiny_target, "tiny").eval()
-    reloaded = load_export(out, tiny_target, "tiny")
+    trained = MedusaHead.from_pretrained(head_dir, tiny_model, "tiny").eval()
+    reloaded = load_export(out, tiny_model, "tiny")
     ops = head_kind("medusa").check
     assert torch.equal(ops.outputs(trained)["logits"], ops.outputs(reloaded)["logits"])
     cfg, tensors = reader(out)
@@ -104,8 +98,8 @@ def test_card_serves_with_num_heads_tokens(head_dir, tmp_path):
     assert f"--speculate {HEADS}" in (tgi / "README.md").read_text()
 
 
-def test_tgi_reader_refuses_nonzero_padding_bias(tiny_target, tiny_llama_dir, tmp_path):
-    head = make_medusa_head(tiny_target, str(tiny_llama_dir), tmp_path / "h", fc_bias=False)
+def test_tgi_reader_refuses_nonzero_padding_bias(tiny_model, tiny_llama_dir, tmp_path):
+    head = make_medusa_head(tiny_model, str(tiny_llama_dir), tmp_path / "h", fc_bias=False)
     out, _ = export_head(head, "medusa-tgi", tmp_path / "t")
     tensors = load_file(out / "medusa_lm_head.safetensors")
     tensors["0.0.linear.bias"] = tensors["0.0.linear.bias"] + 1
@@ -114,9 +108,9 @@ def test_tgi_reader_refuses_nonzero_padding_bias(tiny_target, tiny_llama_dir, tm
         read_tgi(out)
 
 
-def test_vllm_reader_refuses_a_misnamed_tensor(tiny_target, tiny_llama_dir, tmp_path):
+def test_vllm_reader_refuses_a_misnamed_tensor(tiny_model, tiny_llama_dir, tmp_path):
     """vLLM itself would drop `medusa_head.0...` silently and serve an untrained block."""
-    head = make_medusa_head(tiny_target, str(tiny_llama_dir), tmp_path / "h", fc_bias=True)
+    head = make_medusa_head(tiny_model, str(tiny_llama_dir), tmp_path / "h", fc_bias=True)
     out, _ = export_head(head, "medusa-vllm", tmp_path / "v")
     tensors = load_file(out / "model.safetensors")
     tensors["medusa_head.0.layers.0.weight"] = tensors.pop("blocks.0.layers.0.weight")
@@ -127,8 +121,8 @@ def test_vllm_reader_refuses_a_misnamed_tensor(tiny_target, tiny_llama_dir, tmp_
         read_vllm(out)
 
 
-def test_medusa2_head_is_refused(tiny_target, tiny_llama_dir, tmp_path):
-    head = make_medusa_head(tiny_target, str(tiny_llama_dir), tmp_path / "h", fc_bias=True)
+def test_medusa2_head_is_refused(tiny_model, tiny_llama_dir, tmp_path):
+    head = make_medusa_head(tiny_model, str(tiny_llama_dir), tmp_path / "h", fc_bias=True)
     cfg, spec, tensors = load_head(head, "medusa")
     save_head(tmp_path / "joint", "medusa", {**cfg, "target_update": "lora"}, spec, tensors)
     with pytest.raises(UserError, match="Medusa-2 head"):

@@ -44,8 +44,8 @@ MEASURED = ("prompts", "new_tokens", "drafts", "accepted_tokens", "mean_acceptan
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return load_target(str(tiny_llama_dir))
+def tiny(tiny_llama):
+    return tiny_llama.model, tiny_llama.tokenizer
 
 
 @pytest.fixture(scope="module")

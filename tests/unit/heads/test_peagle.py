@@ -13,7 +13,6 @@ from safetensors.torch import load_file, save_file
 
 from conf.errors import UserError
 from conf.kinds import PEagleConfig
-from data_prep.target import load_target
 from heads.export.write import detect_format, export_head, load_export
 from heads.kinds import head_kind
 from heads.peagle.model import PEagleHead, load_for_decoding
@@ -22,11 +21,6 @@ from tests.support.heads import make_eagle3_head
 
 PEAGLE = head_kind("peagle")
 CFG = PEagleConfig(parallel_tokens=4)
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tiny_llama_dir):
-    return load_target(str(tiny_llama_dir))[0]
 
 
 @pytest.fixture(scope="module")
@@ -50,34 +44,34 @@ def test_config_refuses_in_one_line(fields, says):
     assert str(err.value).startswith(says) and "\n" not in str(err.value)
 
 
-def test_mask_token_defaults_to_pad_and_refuses_an_id_outside_the_vocabulary(tiny_target):
-    v = tiny_target.config.vocab_size
+def test_mask_token_defaults_to_pad_and_refuses_an_id_outside_the_vocabulary(tiny_model):
+    v = tiny_model.config.vocab_size
     d2t, t2d = torch.zeros(v, dtype=torch.long), torch.ones(v, dtype=torch.bool)
-    head = PEagleHead.from_target(tiny_target, "tiny", CFG, d2t, t2d)
-    assert head.mask_token_id == tiny_target.config.pad_token_id is not None
+    head = PEagleHead.from_target(tiny_model, "tiny", CFG, d2t, t2d)
+    assert head.mask_token_id == tiny_model.config.pad_token_id is not None
     with pytest.raises(UserError, match=f"head.mask_token_id={v}: expected an id below"):
-        PEagleHead.from_target(tiny_target, "tiny", PEagleConfig(mask_token_id=v), d2t, t2d)
+        PEagleHead.from_target(tiny_model, "tiny", PEagleConfig(mask_token_id=v), d2t, t2d)
 
 
-def test_save_load_round_trip_and_refusal_of_another_target(head_dir, tiny_target):
-    head, verifier = load_for_decoding(head_dir, tiny_target, "tiny")
+def test_save_load_round_trip_and_refusal_of_another_target(head_dir, tiny_model):
+    head, verifier = load_for_decoding(head_dir, tiny_model, "tiny")
     saved = load_file(head_dir / "model.safetensors")
-    assert verifier is tiny_target and head.kind == "peagle" and head.parallel_tokens == 4
-    assert saved["mask_hidden"].shape == (1, 3 * tiny_target.config.hidden_size)
+    assert verifier is tiny_model and head.kind == "peagle" and head.parallel_tokens == 4
+    assert saved["mask_hidden"].shape == (1, 3 * tiny_model.config.hidden_size)
     assert all(torch.equal(head.state_dict()[k], v) for k, v in saved.items())
     with pytest.raises(UserError, match="head was trained for target"):
         load_for_decoding(head_dir, chaotic_target(), "other")
     with pytest.raises(UserError, match="peagle"):  # an EAGLE-3 loader refuses the other kind
-        head_kind("eagle3").load_for_decoding(head_dir, tiny_target, "tiny")
+        head_kind("eagle3").load_for_decoding(head_dir, tiny_model, "tiny")
 
 
 @pytest.mark.parametrize("fmt, layer", [("peagle", "midlayer."), ("peagle-speculators", "layers.0.")])
-def test_export_layout_reads_back_and_serves_in_parallel(head_dir, tiny_target, tmp_path, fmt, layer):
-    out, report = export_head(head_dir, fmt, tmp_path / fmt, tiny_target, dtype="float32")
+def test_export_layout_reads_back_and_serves_in_parallel(head_dir, tiny_model, tmp_path, fmt, layer):
+    out, report = export_head(head_dir, fmt, tmp_path / fmt, tiny_model, dtype="float32")
     assert report["outputs_identical"] and detect_format(out) == fmt
     top = json.loads((out / "config.json").read_text())
     tensors = load_file(out / "model.safetensors")
-    head = PEagleHead.from_pretrained(head_dir, tiny_target, "tiny")
+    head = PEagleHead.from_pretrained(head_dir, tiny_model, "tiny")
     assert torch.equal(tensors["mask_hidden"], head.mask_hidden.detach())
     assert any(k.startswith(layer) for k in tensors) and "embed_tokens.weight" not in tensors
     if fmt == "peagle":
@@ -89,7 +83,7 @@ def test_export_layout_reads_back_and_serves_in_parallel(head_dir, tiny_target, 
         assert top["mask_token_id"] == head.mask_token_id
         assert top["speculators_config"]["algorithm"] == "peagle"
         assert top["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
-    back = load_export(out, tiny_target, "tiny")
+    back = load_export(out, tiny_model, "tiny")
     assert isinstance(back, PEagleHead) and back.mask_token_id == head.mask_token_id
     torch.testing.assert_close(back.mask_state(), head.mask_state())
     card = (out / "README.md").read_text()
@@ -99,8 +93,8 @@ def test_export_layout_reads_back_and_serves_in_parallel(head_dir, tiny_target, 
     assert PEAGLE.speculative_keys(fmt) == {"method": "eagle3", "parallel_drafting": True}
 
 
-def test_reader_refuses_a_folder_without_mask_hidden_or_mask_token(head_dir, tiny_target, tmp_path):
-    out, _ = export_head(head_dir, "peagle", tmp_path / "p", tiny_target)
+def test_reader_refuses_a_folder_without_mask_hidden_or_mask_token(head_dir, tiny_model, tmp_path):
+    out, _ = export_head(head_dir, "peagle", tmp_path / "p", tiny_model)
     weights = out / "model.safetensors"
     tensors = load_file(weights)
     save_file({k: v for k, v in tensors.items() if k != "mask_hidden"}, weights)
@@ -115,9 +109,9 @@ def test_reader_refuses_a_folder_without_mask_hidden_or_mask_token(head_dir, tin
         PEAGLE.formats["peagle"].read(out)
 
 
-def test_eagle3_folders_are_not_taken_for_peagle_ones(tiny_llama_dir, tiny_target, tmp_path):
+def test_eagle3_folders_are_not_taken_for_peagle_ones(tiny_llama_dir, tiny_model, tmp_path):
     head = make_eagle3_head(tiny_llama_dir, tmp_path / "head")
     for fmt in ("eagle3", "speculators"):
-        out, _ = export_head(head, fmt, tmp_path / fmt, tiny_target)
+        out, _ = export_head(head, fmt, tmp_path / fmt, tiny_model)
         assert detect_format(out) == fmt
     assert head_kind("eagle3").speculative_keys("eagle3") == {"method": "eagle3"}

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from conf.schema import OptimConfig
-from data_prep.target import load_target
 from tests.support.syncs import eagle3, medusa1, samples
 from trainer.batching import collate
 from trainer.loop import device_batch
@@ -33,12 +32,6 @@ def bench_train():
     return module
 
 
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    model, _ = load_target(str(tiny_llama_dir), device="cpu")
-    return model
-
-
 @pytest.mark.parametrize(
     "build, charged, unrolls",
     [
@@ -47,10 +40,10 @@ def target(tiny_llama_dir):
     ],
     ids=["eagle3", "medusa1"],
 )
-def test_parts_are_charged_and_add_up_to_the_step(bench_train, target, build, charged, unrolls):
+def test_parts_are_charged_and_add_up_to_the_step(bench_train, tiny_model, build, charged, unrolls):
     torch.manual_seed(0)
-    trainee, fields = build(target)
-    batch = device_batch(collate(samples(target, fields), trainee.batch_index), CPU)
+    trainee, fields = build(tiny_model)
+    batch = device_batch(collate(samples(tiny_model, fields), trainee.batch_index), CPU)
     step, _ = bench_train.make_step(trainee, OptimConfig(), CPU, bf16=False)
     step(batch)  # warm-up
     started = time.perf_counter()

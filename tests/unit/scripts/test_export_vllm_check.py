@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from conf.kinds import Eagle3Config
-from data_prep.target import load_target
 from heads.eagle3.model import Eagle3Head
 from heads.export.write import export_head
 
@@ -37,8 +36,8 @@ def test_acceptance_is_vllms_definition(check_vllm):
     assert check_vllm.relative_gap(2.0, 2.1) == pytest.approx(0.05)
 
 
-def test_ours_side_decodes_the_exported_weights(check_vllm, tiny_llama_dir, tmp_path):
-    model, _ = load_target(str(tiny_llama_dir))
+def test_ours_side_decodes_the_exported_weights(tiny_model, check_vllm, tiny_llama_dir, tmp_path):
+    model = tiny_model
     v = model.config.vocab_size
     head = Eagle3Head.from_target(
         model,

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from conf.compose import compose_root
 from conf.errors import UserError
 from conf.kinds import MedusaConfig
-from data_prep.target import load_target, resolve_target
+from data_prep.target import resolve_target
 from heads.folder import CONFIG_NAME
 from heads.medusa.model import MedusaHead
 from tests.support.decode import (
@@ -33,8 +33,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    return load_target(str(tiny_llama_dir))
+def tiny(tiny_llama):
+    return tiny_llama.model, tiny_llama.tokenizer
 
 
 @pytest.fixture(scope="module")

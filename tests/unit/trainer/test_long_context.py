@@ -12,7 +12,7 @@ import pytest
 
 from conf.compose import compose_root
 from conf.errors import UserError
-from data_prep.target import load_target, resolve_target
+from data_prep.target import resolve_target
 from tests.support.heads import eagle_head
 from tests.support.runs import user_error_line
 from trainer.evaluate.long_context import TASK, bucket_of, buckets, label, long_context_prompts
@@ -28,8 +28,8 @@ def config(target_dir: Path, *overrides: str):
 
 
 @pytest.fixture(scope="module")
-def eagle_dir(tiny_llama_dir, tmp_path_factory):
-    model, _ = load_target(str(tiny_llama_dir))
+def eagle_dir(tiny_model, tiny_llama_dir, tmp_path_factory):
+    model = tiny_model
     return eagle_head(model, str(tiny_llama_dir), tmp_path_factory.mktemp("h") / "eagle3")
 
 

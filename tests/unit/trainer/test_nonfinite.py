@@ -23,7 +23,6 @@ from conf.schema import RootConfig
 from data_prep.capture import CaptureSpec, checked_capture, first_nonfinite
 from data_prep.prepare import prepare
 from data_prep.store import CapturedDataset
-from data_prep.target import load_target
 from heads.folder import load_head
 from tests.support.runs import data_folder, tiny_run_config, user_error_line
 from tests.support.syncs import assert_steps_never_sync, eagle3, samples
@@ -255,8 +254,8 @@ def test_validation_names_the_sample_whose_hidden_states_overflowed():
 
 
 @pytest.mark.usefixtures("single_thread")
-def test_online_steps_with_the_overflow_check_never_sync(tiny_llama_dir, tmp_path):
-    model, _ = load_target(str(tiny_llama_dir), device="cpu")
+def test_online_steps_with_the_overflow_check_never_sync(tiny_model, tmp_path):
+    model = tiny_model
     torch.manual_seed(0)
     trainee, _ = eagle3(model)
     spec = CaptureSpec((2, 4, 5), model.config.num_hidden_layers, target_top=True)

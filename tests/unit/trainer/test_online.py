@@ -23,7 +23,6 @@ from conf.schema import (
 from data_prep.capture import TOP, CaptureSpec, capture_batch
 from data_prep.sources import iter_dataset
 from data_prep.store import load_manifest
-from data_prep.target import load_target
 from tests.support.runs import (
     assert_online_batch_is_the_offline_batch,
     tiny_prep_config,
@@ -66,8 +65,8 @@ def test_online_folder_keeps_tokens_only(tiny_llama_dir, chat_file, tmp_path):
 
 @pytest.mark.parametrize("storage", ["bfloat16", "fp8"])
 @pytest.mark.parametrize("head", ["eagle3", "medusa"])
-def test_online_batch_is_the_offline_batch(tiny_llama_dir, chat_file, tmp_path, storage, head):
-    model, _ = load_target(str(tiny_llama_dir), device="cpu", num_threads=1)
+def test_online_batch_is_the_offline_batch(tiny_model, tiny_llama_dir, chat_file, tmp_path, storage, head):
+    model = tiny_model
     folders = {
         mode: P.prepare(
             tiny_prep_config(
@@ -82,9 +81,9 @@ def test_online_batch_is_the_offline_batch(tiny_llama_dir, chat_file, tmp_path, 
 
 @pytest.mark.usefixtures("single_thread")
 @pytest.mark.parametrize("build", [eagle3, medusa1], ids=["eagle3", "medusa1"])
-def test_online_training_steps_never_sync(tiny_llama_dir, build, tmp_path):
+def test_online_training_steps_never_sync(tiny_model, build, tmp_path):
     """The loop's `train_step` with the target's forward inside it reads nothing back."""
-    model, _ = load_target(str(tiny_llama_dir), device="cpu")
+    model = tiny_model
     torch.manual_seed(0)
     trainee, fields = build(model)
     aux = (2, 4, 5) if "aux_hidden" in fields else ()

@@ -9,7 +9,6 @@ import torch
 
 from conf.kinds import Eagle3Config, MedusaConfig
 from data_prep.capture import TOP, greedy_ids
-from data_prep.target import load_target
 from heads.eagle3.model import Eagle3Head
 from heads.medusa.model import MedusaHead
 from tests.support.syncs import assert_steps_never_sync
@@ -20,12 +19,6 @@ from trainer.objective import CROSS_ENTROPY, Objective
 
 PROMPT = 5
 LENGTHS = (12, 9)  # the second row is padded
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama_dir):
-    model, _ = load_target(str(tiny_llama_dir), device="cpu")
-    return model
 
 
 def samples(model, aux_layer_ids: list[int]) -> list[dict[str, torch.Tensor]]:
@@ -50,21 +43,21 @@ def relabelled(items: list[dict[str, torch.Tensor]], which: str) -> list[dict[st
 
 
 @pytest.fixture(scope="module")
-def eagle3(tiny):
+def eagle3(tiny_model):
     """A head over the whole vocabulary: every target choice is inside it, so every labelled row
     counts and a step's row count is its `total`."""
-    vocab = tiny.config.vocab_size
+    vocab = tiny_model.config.vocab_size
     torch.manual_seed(0)
     cfg = Eagle3Config(aux_layer_ids=[2, 4, 5])
     head = Eagle3Head.from_target(
-        tiny, "tiny", cfg, torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool)
+        tiny_model, "tiny", cfg, torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool)
     )
-    lm_head = tiny.get_output_embeddings().weight
+    lm_head = tiny_model.get_output_embeddings().weight
 
     def trainee(ttt_length: int, objective: Objective = CROSS_ENTROPY) -> Eagle3Trainee:
         return Eagle3Trainee(head, lm_head, ttt_length, 0.8, objective)
 
-    return trainee, samples(tiny, cfg.aux_layer_ids)
+    return trainee, samples(tiny_model, cfg.aux_layer_ids)
 
 
 def run(trainee, items):
@@ -123,12 +116,13 @@ def test_eagle3_losses_train(eagle3, loss):
 
 
 @pytest.fixture(scope="module")
-def medusa(tiny):
+def medusa(tiny_model):
     torch.manual_seed(0)
-    head = MedusaHead.from_target(tiny, "tiny", MedusaConfig(num_heads=2))
+    head = MedusaHead.from_target(tiny_model, "tiny", MedusaConfig(num_heads=2))
     for p in head.blocks.parameters():
         p.data.normal_(0, 0.1)
-    items = [{k: s[k] for k in ("input_ids", "loss_mask", "final_hidden")} for s in samples(tiny, [1, 2, 3])]
+    fields = ("input_ids", "loss_mask", "final_hidden")
+    items = [{k: s[k] for k in fields} for s in samples(tiny_model, [1, 2, 3])]
     return head, items
 
 

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from data_prep.capture import TOP
-from data_prep.target import load_target
 from tests.support.syncs import (
     assert_steps_never_sync,
     counting_syncs,
@@ -42,17 +41,11 @@ def test_the_counter_sees_syncs():
     assert len(syncs) == 4, syncs
 
 
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir):
-    model, _ = load_target(str(tiny_llama_dir), device="cpu")
-    return model
-
-
 @pytest.mark.parametrize("build", kind_builds())
-def test_training_steps_never_sync(target, build, tmp_path):
+def test_training_steps_never_sync(tiny_model, build, tmp_path):
     torch.manual_seed(0)
-    trainee, fields = build(target)
-    assert_steps_never_sync(trainee, samples(target, fields), tmp_path)
+    trainee, fields = build(tiny_model)
+    assert_steps_never_sync(trainee, samples(tiny_model, fields), tmp_path)
 
 
 def masked_reference(trainee: Eagle3Trainee, batch: dict[str, torch.Tensor]):
@@ -75,10 +68,10 @@ def masked_reference(trainee: Eagle3Trainee, batch: dict[str, torch.Tensor]):
     return loss, torch.stack(totals)
 
 
-def test_eagle3_fixed_shapes_keep_the_loss(target):
+def test_eagle3_fixed_shapes_keep_the_loss(tiny_model):
     torch.manual_seed(0)
-    trainee, fields = eagle3(target)
-    batch = collate(samples(target, fields), trainee.batch_index)
+    trainee, fields = eagle3(tiny_model)
+    batch = collate(samples(tiny_model, fields), trainee.batch_index)
     out = trainee(batch)
     expected, totals = masked_reference(trainee, batch)
     torch.testing.assert_close(out["loss"], expected)

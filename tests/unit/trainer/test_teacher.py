@@ -17,7 +17,6 @@ import data_prep.prepare as P
 from conf.kinds import Eagle3Config
 from data_prep.capture import TOP, greedy_ids
 from data_prep.store import CapturedDataset, load_manifest, online_capture
-from data_prep.target import load_target
 from data_prep.vocab import load_draft_vocab
 from heads.eagle3.model import Eagle3Head
 from tests.support.runs import tiny_prep_config
@@ -52,9 +51,9 @@ class FullVocabTrainee(Eagle3Trainee):
 
 
 @pytest.fixture(scope="module")
-def folders(tiny_llama_dir, chat_file, tmp_path_factory):
+def folders(tiny_model, tiny_llama_dir, chat_file, tmp_path_factory):
     """The target and one EAGLE-3 data folder per mode, from the same conversations."""
-    model, _ = load_target(str(tiny_llama_dir), device="cpu", num_threads=1)
+    model = tiny_model
     cache = tmp_path_factory.mktemp("teacher")
     built = {
         mode: P.prepare(tiny_prep_config(tiny_llama_dir, chat_file, cache, f"data.hidden_states={mode}")).path
