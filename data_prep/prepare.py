@@ -41,20 +41,19 @@ from data_prep.ranks import SINGLE, Ranks
 from data_prep.sources import check_source_exists
 from data_prep.target import Target, check_max_length, resolve_target
 from data_prep.vllm_engine import check_vllm_installed
-from heads.kinds import check_export_formats, head_kind
+from heads.kinds import HeadKind, check_export_formats, head_kind
 
 
-def capture_spec(cfg: RootConfig, num_hidden_layers: int) -> CaptureSpec:
-    """What the chosen head trains on: the layers its kind captures, and the target's top-1 id
-    where its kind asks for it (`heads.kinds`)."""
-    kind = head_kind(cfg.head.name)
+def capture_spec(cfg: RootConfig, kind: HeadKind, num_hidden_layers: int) -> CaptureSpec:
+    """What the chosen head (`cfg.head`, of `kind`) trains on: the layers its kind captures, and
+    the target's top-1 id where its kind asks for it (`heads.kinds`)."""
     aux, final = kind.captured_layers(cfg.head, num_hidden_layers)
     return CaptureSpec(aux, final, cfg.data.storage_dtype, kind.target_top)
 
 
-def draft_vocab_size(cfg: RootConfig, vocab_size: int) -> int | None:
+def draft_vocab_size(cfg: RootConfig, kind: HeadKind, vocab_size: int) -> int | None:
     """The draft vocabulary's size, or None for a kind that drafts over the whole vocabulary."""
-    return min(cfg.data.draft_vocab_size, vocab_size) if head_kind(cfg.head.name).draft_vocab else None
+    return min(cfg.data.draft_vocab_size, vocab_size) if kind.draft_vocab else None
 
 
 def check_source(cfg: RootConfig) -> None:
@@ -86,12 +85,13 @@ DISK_FULL_THEN = (
 
 
 def prepare(cfg: RootConfig, target: Target | None = None, ranks: Ranks = SINGLE,
-            keep_states: bool = False) -> DataFolder:
+            keep_states: bool = False, kind: HeadKind | None = None) -> DataFolder:
     """Build (or reuse) the data folder for `cfg` and return it.
 
     `target`: the run's resolved `cfg.target` (`resolve_target`), so that a caller that holds it
     does not resolve it again; None resolves it here. Its weights load only if a stage needs
-    them. Runs that prepare one folder at once build it once: the first under its lock, the
+    them. `kind`: the record of `cfg.head`'s kind, as the command resolved it; None looks it up.
+    Runs that prepare one folder at once build it once: the first under its lock, the
     others wait and reuse it. `ranks`: the processes of one torchrun that build it together
     (`data_prep.ranks`); every rank calls this and gets the folder. Regeneration keeps its
     states for capture where `one_pass(cfg)` (`data_prep.onepass`); the store is deleted once the
@@ -101,9 +101,12 @@ def prepare(cfg: RootConfig, target: Target | None = None, ranks: Ranks = SINGLE
     check_source(cfg)
     target = resolve_target(cfg) if target is None else target
     check_max_length(cfg.data.max_length, target.config)
-    spec = capture_spec(cfg, target.identity["num_hidden_layers"])
+    kind = head_kind(cfg.head.name) if kind is None else kind
+    identity = target.identity
+    spec = capture_spec(cfg, kind, identity["num_hidden_layers"])
     states = state_store(cfg, target, spec) if keep_states or one_pass(cfg) else None
-    folder = _prepare(cfg, target, spec, ranks, states)
+    key = FolderKey(cfg, target, spec, draft_vocab_size(cfg, kind, identity["vocab_size"]))
+    folder = _prepare(cfg, key, ranks, states)
     if states is not None and not keep_states and ranks.main:
         shutil.rmtree(states.folder, ignore_errors=True)  # in the shards now; a killed run's is kept
         with contextlib.suppress(OSError):  # `states/` goes with its last store; another run's keeps it
@@ -111,10 +114,7 @@ def prepare(cfg: RootConfig, target: Target | None = None, ranks: Ranks = SINGLE
     return folder
 
 
-def _prepare(cfg: RootConfig, target: Target, spec: CaptureSpec, ranks: Ranks,
-             states: StateStore | None) -> DataFolder:
-    identity = target.identity
-    key = FolderKey(cfg, target, spec, draft_vocab_size(cfg, identity["vocab_size"]))
+def _prepare(cfg: RootConfig, key: FolderKey, ranks: Ranks, states: StateStore | None) -> DataFolder:
     # auto reuses a folder of either mode: the choice was made when it was built.
     hidden = cfg.data.hidden_states
     modes = ("offline", "online") if hidden == "auto" else (hidden,)

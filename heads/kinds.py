@@ -69,14 +69,16 @@ def layouts() -> dict[str, Layout]:
     return {fmt: layout for k in KINDS.values() for fmt, layout in k.formats.items()}
 
 
-def check_export_formats(cfg: RootConfig) -> None:
+def check_export_formats(cfg: RootConfig) -> HeadKind | None:
     """`export.formats` against the formats there are and the chosen head's, as one line, before
-    anything loads (the schema cannot: conf sits below the records)."""
+    anything loads (the schema cannot: conf sits below the records); the chosen head's record
+    (None: no head chosen), so that a command resolves its kind once, here."""
     asked, known = cfg.export.formats, list(layouts())
     if asked is not None and not (asked and set(asked) <= set(known)):
         raise UserError(f"export.formats={asked}: expected null or a subset of {known}")
-    if cfg.head is not None and asked:
-        own = head_kind(cfg.head.name).formats
+    kind = None if cfg.head is None else head_kind(cfg.head.name)
+    if kind is not None and asked:
+        own = kind.formats
         wrong = [f for f in asked if f not in own]
         if wrong:
             raise UserError(f"export.formats={wrong}: a {cfg.head.name} head exports as {', '.join(own)}")

@@ -30,6 +30,7 @@ from data_prep.rows import sample_rows
 from data_prep.stats import PrepStats
 from data_prep.store import open_partial, write_split
 from data_prep.target import resolve_target
+from heads.kinds import head_kind
 
 
 def main() -> None:
@@ -51,7 +52,7 @@ def main() -> None:
     target = resolve_target(cfg)
     model = target.model
     n_layers = model.config.get_text_config().num_hidden_layers
-    spec = capture_spec(cfg, n_layers)
+    spec = capture_spec(cfg, head_kind(cfg.head.name), n_layers)
     d = cfg.data
     rows = sample_rows(cfg, target, PrepStats())
     items = sorted((t for _, t in rows), key=lambda t: len(t.input_ids))

@@ -34,6 +34,7 @@ from conf.errors import UserError, exit_on_user_error
 from data_prep.capture import TOP
 from data_prep.target import resolve_target
 from heads.eagle3 import model as eagle3
+from heads.kinds import head_kind
 
 OWN_KEYS = ("lengths", "steps", "--one")
 
@@ -43,7 +44,7 @@ def one_length(length: int, steps: int, argv: list[str]) -> dict:
     cfg, labelled = parse(argv)
     target = resolve_target(cfg)
     model = target.model
-    trainee, fields = bench_trainee(cfg, model)
+    trainee, fields = bench_trainee(cfg, model, head_kind(cfg.head.name))
     g = torch.Generator().manual_seed(0)
     doc = synthetic_document(length, model.config.get_text_config().vocab_size, labelled, g)
     batch = {"input_ids": doc["input_ids"][None], "loss_mask": doc["loss_mask"][None],

@@ -27,6 +27,7 @@ from bench_train import batch_shape, bench_trainee, parse, real_tokens
 from data_prep.capture import capture_batch, hidden_states
 from data_prep.prepare import capture_spec
 from data_prep.target import resolve_target
+from heads.kinds import head_kind
 from trainer.batching import collate
 from trainer.distributed import build_accelerator
 from trainer.loop import device_batch, train_step
@@ -40,9 +41,10 @@ def main(argv: list[str]) -> None:
     cfg, labelled = parse(argv, labelled=0.5)
     target = resolve_target(cfg)
     model = target.model
-    spec = capture_spec(cfg, model.config.get_text_config().num_hidden_layers)
+    kind = head_kind(cfg.head.name)
+    spec = capture_spec(cfg, kind, model.config.get_text_config().num_hidden_layers)
     tokens = real_tokens(target.tokenizer, cfg.data, *batch_shape(cfg), labelled)
-    trainee, fields = bench_trainee(cfg, model)
+    trainee, fields = bench_trainee(cfg, model, kind)
     rows = [{k: v[r] for k, v in tokens.items()} for r in range(len(tokens["input_ids"]))]
     online = collate(rows, trainee.batch_index)  # what the loader hands the loop, on the CPU
     capture = partial(capture_batch, model, spec)

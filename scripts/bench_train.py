@@ -56,7 +56,7 @@ from data_prep.stats import PrepStats
 from data_prep.target import resolve_target
 from heads.eagle3.model import Eagle3Head, draft_layer_config
 from heads.folder import TargetSpec
-from heads.kinds import head_kind
+from heads.kinds import HeadKind, head_kind
 from trainer.batching import best_fit_rows, collate, collate_packed
 from trainer.distributed import mixed_precision
 from trainer.kinds import build_trainee
@@ -93,13 +93,12 @@ def lowest_draft_vocab(vocab: int, draft: int) -> tuple[torch.Tensor, torch.Tens
     return d2t, t2d
 
 
-def bench_trainee(cfg: RootConfig, model) -> tuple[torch.nn.Module, dict]:
+def bench_trainee(cfg: RootConfig, model, kind: HeadKind) -> tuple[torch.nn.Module, dict]:
     """A fresh trainee of the configured kind as training builds it, without a data folder (a
     draft vocabulary, if the kind has one, of the lowest ids), and the fields the line names.
     Only the labelled fraction trains (`--labelled`), whatever the kind's default prompt weight."""
-    kind = head_kind(cfg.head.name)
     fields = {name: getattr(cfg.head, name) for name in kind.bench_fields}
-    draft = draft_vocab_size(cfg, model.config.vocab_size)
+    draft = draft_vocab_size(cfg, kind, model.config.vocab_size)
     if draft is not None:
         fields["draft_vocab_size"] = draft
     return build_trainee(derive(cfg, {"head.prompt_loss_weight": 0.0}), model, None), fields
@@ -534,10 +533,11 @@ def main(argv: list[str]) -> None:
     model = target.model
     batch = real_tokens(target.tokenizer, cfg.data, *batch_shape(cfg), labelled)
     batch = {k: v.to(model.device) for k, v in batch.items()}
-    trainee, fields = bench_trainee(cfg, model)
+    kind = head_kind(cfg.head.name)
+    trainee, fields = bench_trainee(cfg, model, kind)
     with torch.no_grad():  # captured as training will see them (Medusa-2 reads none)
         hs = model(batch["input_ids"], output_hidden_states=True).hidden_states
-    spec = capture_spec(cfg, model.config.get_text_config().num_hidden_layers)
+    spec = capture_spec(cfg, kind, model.config.get_text_config().num_hidden_layers)
     if spec.aux_layer_ids:
         batch["aux_hidden"] = torch.cat([hs[i] for i in spec.aux_layer_ids], -1).float()
     batch["final_hidden"] = hs[-1].float()

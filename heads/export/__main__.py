@@ -11,7 +11,7 @@ from conf.errors import UserError, exit_on_user_error
 from conf.usage import wants_help
 from heads.export.write import export_head, formats_for
 from heads.folder import compose_for_head
-from heads.kinds import check_export_formats, head_kind
+from heads.kinds import check_export_formats
 
 OWN_KEYS = ("head", "format", "out", "eval", "push_to_hub")
 USAGE = "python -m heads.export head=<path> [format=<fmt>] [out=<dir>] [eval=<json>] [push_to_hub=<repo>]"
@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     own, overrides = split_args(argv, OWN_KEYS)
     head = own.get("head", "")
     cfg = compose_for_head(head, overrides)
-    check_export_formats(cfg)
+    kind = check_export_formats(cfg)
     asked = own["format"].split(",") if own.get("format") else None
-    kind_formats = list(head_kind(cfg.head.name).formats)
+    kind_formats = list(kind.formats)
     if asked and not set(asked) <= set(kind_formats):  # format= is ours, not a schema field
         raise UserError(
             f"format={own['format']}: expected one of {', '.join(kind_formats)} "

@@ -79,6 +79,7 @@ from conf.files import atomic_write_text, read_json
 from conf.schema import RootConfig
 from conf.sizes import Sizes
 from data_prep.target import Target
+from heads.kinds import HeadKind
 from trainer.loop import steps_per_epoch
 from trainer.plan import reuse
 from trainer.plan.policy import PlanRecord, Rates, RegenShape, decide_recheck, fitting_plan
@@ -96,7 +97,7 @@ def _keep(cfg: RootConfig, record: PlanRecord) -> PlanRecord:
     return record
 
 
-def plan_run(cfg: RootConfig, target: Target, started: float) -> tuple[Sizes, PlanRecord]:
+def plan_run(cfg: RootConfig, target: Target, started: float, kind: HeadKind) -> tuple[Sizes, PlanRecord]:
     """Measure, plan and print the plan line: the sizes that fill the budget, and the record
     summary.json keeps. A plan whose smallest size still does not fit stops here, in one line,
     before the data stage (`unmet_line`). A resumed run (`resume=true`) takes the interrupted
@@ -110,14 +111,15 @@ def plan_run(cfg: RootConfig, target: Target, started: float) -> tuple[Sizes, Pl
         print(f"plan: {sizes.conversations:,} conversations, {sizes.epochs} epochs, as planned "
               f"before the interruption ({where})", flush=True)
         return sizes, record
-    rates, shape = probed_rates(cfg, target, started)
+    rates, shape = probed_rates(cfg, target, started, kind)
     plan = fitting_plan(cfg, time.perf_counter() - started, rates, shape)
     record = _keep(cfg, PlanRecord(plan, rates))
     print(plan.line(), flush=True)
     return record.sizes(answers), record
 
 
-def probed_rates(cfg: RootConfig, target: Target, started: float) -> tuple[Rates, RegenShape | None]:
+def probed_rates(cfg: RootConfig, target: Target, started: float,
+                 kind: HeadKind) -> tuple[Rates, RegenShape | None]:
     """The probes' rates: an earlier run's on this machine, target and settings (`reuse`), or
     measured now and kept for the next run."""
     found = reuse.kept(cfg, target)
@@ -126,7 +128,7 @@ def probed_rates(cfg: RootConfig, target: Target, started: float) -> tuple[Rates
         print(f"plan: the probes' rates of an earlier run on this machine, target and settings, reused "
               f"(delete {path} to measure them again)", flush=True)
         return rates, shape
-    rates, shape = measure(cfg, target, started)
+    rates, shape = measure(cfg, target, started, kind)
     reuse.keep(cfg, target, rates, shape)
     return rates, shape
 

@@ -35,7 +35,7 @@ from data_prep.rows import Spans, cached_spans, uncached_prefix
 from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target
 from heads.export.write import default_formats
-from heads.kinds import head_kind
+from heads.kinds import HeadKind
 from trainer.decoding import GREEDY, greedy_generate, speculative_generate
 from trainer.distributed import build_accelerator
 from trainer.evaluate.run import draft_shape, eval_prompts, load_drafter, resolve_mode
@@ -125,7 +125,7 @@ def answer_rounds(answered: dict[str, list[dict]]) -> list[list[tuple[int, int]]
     return rounds
 
 
-def regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> RegenProbe:
+def regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path, kind: HeadKind) -> RegenProbe:
     """The first conversations regenerated into the cache, up to as many new ones as the engine
     holds at once (`planned_slots`), at least `PROBE_SAMPLES` (their ids into a throwaway online
     folder): a warm cache's answers are passed over, not taken for the probe (all cached, the
@@ -138,14 +138,14 @@ def regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> RegenP
     cache = regen_cache_file(cfg, target.identity, tpl)
     r = d.regenerate
     workers = r.workers or default_workers(target.model, r.batch_size)
-    kept = len(capture_spec(cfg, target.identity["num_hidden_layers"]).layers) if one_pass(cfg) else 0
+    kept = len(capture_spec(cfg, kind, target.identity["num_hidden_layers"]).layers) if one_pass(cfg) else 0
     slots = planned_slots(target.model, r.batch_size, workers, d.max_length, kept)  # few at long contexts
     before = read_cache(cache)
     size = uncached_prefix(cached_spans(cfg, tpl, before), max(PROBE_SAMPLES, slots // r.num_samples))
     # The first long wait of a run, and often all its regeneration (a small budget's plan reuses
     # the probe's answers): its bar draws as the run's would.
     data = prepare(probe_config(cfg, size, "online", run_dir, cfg.logging.progress), target=target,
-                   keep_states=one_pass(cfg))
+                   keep_states=one_pass(cfg), kind=kind)
     answered = read_cache(cache)
     shape = None
     if data.stats.regenerate_step_cost is not None:
@@ -166,12 +166,12 @@ def regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path) -> RegenP
     return probed
 
 
-def train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int) -> TrainProbe:
+def train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int, kind: HeadKind) -> TrainProbe:
     """A folder of the first `samples` conversations captured (capture tokens/s) and up to
     `PROBE_STEPS` training steps of the chosen head on it, the last validated and saved. The
     head it trained stays in run_dir/head for the evaluation probe."""
     probe = probe_config(cfg, samples, cfg.data.hidden_states, run_dir)
-    data = prepare(probe, target=target, keep_states=one_pass(cfg))
+    data = prepare(probe, target=target, keep_states=one_pass(cfg), kind=kind)
     train_ds = CapturedDataset(data.path, "train")
     steps = min(PROBE_STEPS, steps_per_epoch(train_ds, probe.optim, probe.seed, 1))
     if steps == 0:
@@ -277,7 +277,8 @@ def within_share(cfg: RootConfig, started: float, after: str) -> None:
         )
 
 
-def measure(cfg: RootConfig, target: Target, run_started: float) -> tuple[Rates, RegenShape | None]:
+def measure(cfg: RootConfig, target: Target, run_started: float,
+            kind: HeadKind) -> tuple[Rates, RegenShape | None]:
     """Run the probes on the run's target and its loaded weights (`trainer.plan`'s docstring), each
     checked against `PROBE_SHARE` of the budget and, with what is measured so far, against the
     smallest plan (`run_started`: the run's start, which the plan counts from): the rates, and the
@@ -287,25 +288,25 @@ def measure(cfg: RootConfig, target: Target, run_started: float) -> tuple[Rates,
 
     def checked(after: str, regenerated: RegenProbe, trained: TrainProbe, evaluate_s: float = 0.0) -> None:
         within_share(cfg, started, after)
-        rates = rates_of(cfg, regenerated, trained, evaluate_s, started)
+        rates = rates_of(cfg, kind, regenerated, trained, evaluate_s, started)
         fitting_plan(cfg, time.perf_counter() - run_started, rates, regenerated.shape, bound=True)
 
     try:
-        regenerated = regeneration_probe(cfg, target, run_dir)
+        regenerated = regeneration_probe(cfg, target, run_dir, kind)
         checked("regeneration", regenerated, TrainProbe.unmeasured(regenerated.row_tokens))
-        trained = train_probe(cfg, target, run_dir, train_probe_samples(cfg, regenerated))
+        trained = train_probe(cfg, target, run_dir, train_probe_samples(cfg, regenerated), kind)
         checked("training", regenerated, trained)
         evaluate_s = evaluation_probe(cfg, target, run_dir / "head")
         within_share(cfg, started, "evaluation")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    return rates_of(cfg, regenerated, trained, evaluate_s, started), regenerated.shape
+    return rates_of(cfg, kind, regenerated, trained, evaluate_s, started), regenerated.shape
 
 
-def rates_of(cfg: RootConfig, regenerated: RegenProbe, trained: TrainProbe, evaluate_s: float,
-             started: float) -> Rates:
+def rates_of(cfg: RootConfig, kind: HeadKind, regenerated: RegenProbe, trained: TrainProbe,
+             evaluate_s: float, started: float) -> Rates:
     """The plan's `Rates` from the probes' values (`started`: when the probes began)."""
-    written = cfg.export.formats or default_formats(head_kind(cfg.head.name), vars(cfg.head))
+    written = cfg.export.formats or default_formats(kind, vars(cfg.head))
     formats = len(written) if cfg.pipeline.export else 0
     shape = regenerated.shape
     return Rates(

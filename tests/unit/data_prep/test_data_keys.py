@@ -28,6 +28,7 @@ from data_prep.keys import (
 )
 from data_prep.prepare import capture_spec, prepare
 from data_prep.target import resolve_target
+from heads.kinds import head_kind
 
 WORDS = "apple river stone cloud garden rocket violin tiger".split()
 
@@ -77,7 +78,8 @@ def test_keys_name_what_changes_contents_and_nothing_else(tiny_llama_dir, tmp_pa
     identity, tpl = target.identity, target.chat_template
 
     def keys(cfg: RootConfig) -> tuple[dict, dict]:
-        return folder_key(cfg, identity, tpl, capture_spec(cfg, 8), 300), answer_key(cfg, identity, tpl)
+        spec = capture_spec(cfg, head_kind(cfg.head.name), 8)
+        return folder_key(cfg, identity, tpl, spec, 300), answer_key(cfg, identity, tpl)
 
     def data(cfg: RootConfig, **changes) -> RootConfig:
         return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **changes))

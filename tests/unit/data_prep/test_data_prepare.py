@@ -18,6 +18,7 @@ from data_prep.store import CapturedDataset, load_manifest, sha256_file
 from data_prep.target import resolve_target
 from data_prep.vocab import load_draft_vocab
 from heads.eagle3.model import Eagle3Head
+from heads.kinds import head_kind
 from tests.support.runs import WORDS, conversations, tiny_prep_config
 from tests.support.targets import build_tiny_target
 from tests.support.templates import TEMPLATES
@@ -150,7 +151,7 @@ def test_bf16_gemms_key_their_own_answers_and_folders(tiny_llama_dir, source, tm
     identity, tpl = target.identity, target.chat_template
 
     def key(cfg):
-        return folder_key(cfg, identity, tpl, capture_spec(cfg, 8), 300)
+        return folder_key(cfg, identity, tpl, capture_spec(cfg, head_kind(cfg.head.name), 8), 300)
 
     assert key(own)["matmul_dtype"] == "torch.float32"
     assert key(bf16)["matmul_dtype"] == "torch.bfloat16"

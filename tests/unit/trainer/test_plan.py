@@ -18,6 +18,7 @@ from data_prep.regen_cost import StepCost
 from data_prep.regenerate import read_cache
 from data_prep.rows import cached_spans, uncached_prefix
 from data_prep.target import resolve_target
+from heads.kinds import head_kind
 from tests.support.runs import conversations, tiny_prep_config
 from trainer.plan import reuse
 from trainer.plan.policy import (
@@ -35,6 +36,8 @@ from trainer.plan.policy import (
     train_cost,
 )
 from trainer.plan.probes import PROBE_SAMPLES, regeneration_probe, train_probe
+
+EAGLE3 = head_kind("eagle3")
 
 
 def rates(**kw) -> Rates:
@@ -184,7 +187,7 @@ def test_a_warm_cache_still_times_regeneration(tiny_llama_dir, tmp_path):
     cfg = tiny_prep_config(tiny_llama_dir, source, tmp_path / "cache", "data.regenerate.enabled=true",
                            "data.regenerate.max_new_tokens=4", "data.regenerate.batch_size=8")
     target = resolve_target(cfg)
-    cold = regeneration_probe(cfg, target, tmp_path / "run")
+    cold = regeneration_probe(cfg, target, tmp_path / "run", EAGLE3)
     assert cold.cached == ((0, PROBE_SAMPLES),) and 0 < cold.tokens_per_s < float("inf")
     cache = regen_cache_file(cfg, target.identity, target.chat_template)
     # keep the answers at even positions (uid: the source's line number), as a killed multi-turn
@@ -194,7 +197,7 @@ def test_a_warm_cache_still_times_regeneration(tiny_llama_dir, tmp_path):
     evens = tuple((i, i + 1) for i in range(0, PROBE_SAMPLES, 2))
     assert cached_spans(cfg, target.chat_template, read_cache(cache)) == evens
     assert uncached_prefix(evens, PROBE_SAMPLES) == 3 * PROBE_SAMPLES // 2
-    warm = regeneration_probe(cfg, target, tmp_path / "run")
+    warm = regeneration_probe(cfg, target, tmp_path / "run", EAGLE3)
     assert warm.cached == ((0, 3 * PROBE_SAMPLES // 2),) and 0 < warm.tokens_per_s < float("inf")
     assert warm.shape is not None
     assert len(read_cache(cache)) == 3 * PROBE_SAMPLES // 2
@@ -221,7 +224,7 @@ def test_the_training_probe_prices_conversations_not_rows(tiny_llama_dir, tmp_pa
     target = resolve_target(cfg)
     data = prepare(derive(cfg, {"data.max_samples": PROBE_SAMPLES}), target=target)
     assert data.samples == 2 * PROBE_SAMPLES  # a row per turn
-    probed = train_probe(cfg, target, tmp_path / "run", PROBE_SAMPLES)
+    probed = train_probe(cfg, target, tmp_path / "run", PROBE_SAMPLES, EAGLE3)
     assert probed.row_tokens == pytest.approx(data.tokens / PROBE_SAMPLES)
 
 
@@ -245,7 +248,7 @@ def test_a_second_run_of_the_same_settings_plans_with_the_first_runs_rates(tiny_
 
     monkeypatch.setattr(trainer.plan, "measure", refused)
     second = derive(cfg, {"run_dir": str(tmp_path / "second"), "budget": "30m", "logging.progress": True})
-    again, again_shape = trainer.plan.probed_rates(second, target, 0.0)
+    again, again_shape = trainer.plan.probed_rates(second, target, 0.0, EAGLE3)
     assert again == dataclasses.replace(first, cached_spans=(), probe_s=0.0)  # the cache holds none now
     assert again_shape == shape
     assert str(path) in capsys.readouterr().out

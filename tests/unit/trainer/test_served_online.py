@@ -16,7 +16,9 @@ from conf.sizes import Sizes
 from data_prep.capture import NONFINITE, TOP, CaptureSpec, stored
 from data_prep.online_engine import ServedCapture, documents
 from data_prep.prefetch import prefetched
+from data_prep.prepare import capture_spec
 from data_prep.target import resolve_target
+from heads.kinds import head_kind
 from tests.support.runs import tiny_run_config, user_error_line
 from trainer.batching import collate, collate_packed
 from trainer.distributed import build_accelerator
@@ -24,6 +26,7 @@ from trainer.kinds import build_trainee
 from trainer.loop import checked_device_batch
 from trainer.train import check_served_online, decide_sizes, held_target
 
+EAGLE3 = head_kind("eagle3")
 SERVED = ("data.hidden_states=online", "data.capture.backend=server",
           "data.capture.endpoints=[http://127.0.0.1:9/v1]")
 
@@ -135,7 +138,7 @@ def test_served_online_holds_the_parts_a_head_needs_and_trains_as_with_the_targe
     cfg = tiny_run_config("eagle3", sharp_target, chat_file, tmp_path / "run", *SERVED,
                           "data.draft_vocab_size=300")
     target = resolve_target(cfg)
-    parts = held_target(cfg, target)
+    parts = held_target(cfg, target, capture_spec(cfg, EAGLE3, target.config.num_hidden_layers))
     full = target.model
     assert parts is not full
     assert torch.equal(parts.get_input_embeddings().weight, full.get_input_embeddings().weight)
@@ -163,7 +166,8 @@ def test_served_online_refuses_what_runs_the_whole_target_here(
     sharp_target, chat_file, tmp_path, extra, override
 ):
     cfg = tiny_run_config("eagle3", sharp_target, chat_file, tmp_path / "run", *SERVED, *extra)
-    line = user_error_line(lambda: check_served_online(cfg, resolve_target(cfg)))
+    spec = capture_spec(cfg, EAGLE3, resolve_target(cfg).config.num_hidden_layers)
+    line = user_error_line(lambda: check_served_online(cfg, spec))
     assert override in line and "data.capture.backend=server" in line, line
 
 
@@ -173,7 +177,7 @@ def test_served_online_keeps_the_sizes_the_budget_would_plan(sharp_target, chat_
     cfg = tiny_run_config("eagle3", sharp_target, chat_file, tmp_path / "run", *SERVED, "budget=10m",
                           "data.max_samples=null")
     acc = build_accelerator(cfg.dist, cfg.optim, str(tmp_path / "run"))
-    sizes, plan = decide_sizes(cfg, acc, resolve_target(cfg), time.perf_counter())
+    sizes, plan = decide_sizes(cfg, acc, resolve_target(cfg), time.perf_counter(), EAGLE3)
     assert plan is None and sizes == Sizes.of(cfg)
     assert "budget=10m: not planned with the states from servers" in capsys.readouterr().out
 
