@@ -11,9 +11,6 @@ something, and its mean acceptance length must be within 10% of ours.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +21,7 @@ from conf.compose import compose_root
 from conf.schema import EvalConfig
 from data_prep.target import eos_token_ids, load_target
 from heads.export.write import export_head
+from tests.support.rigged import check_lines
 from trainer.decoding import greedy_generate
 from trainer.evaluate.tasks import encode, load_prompts
 from trainer.kinds.dflash import build_dflash_trainee
@@ -90,11 +88,7 @@ def lines(tmp_path_factory) -> dict[str, dict]:
     exports = [export_head(head, fmt, root / fmt)[0] for fmt in ("dflash", "dflash-speculators")]
     cmd = [str(VLLM_PYTHON), str(SCRIPT), *map(str, exports), "--prompts", str(PROMPTS),
            "--max-tokens", str(NEW), "--main-python", sys.executable]
-    # One thread each side (2 shared cores); the check's own side imports this worktree's modules.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1500, env=env)
-    found = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(found) == len(exports), f"rc={done.returncode}\n{done.stderr[-4000:]}"
+    found = check_lines(cmd, len(exports), ROOT, OMP_NUM_THREADS="1")  # one thread each side: 2 shared cores
     print(*found, sep="\n")
     return {line["format"]: line for line in found}
 
