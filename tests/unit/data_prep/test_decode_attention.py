@@ -5,6 +5,7 @@ views, and only where it applies.
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import pytest
@@ -95,5 +96,5 @@ def test_slot_attention_applies_to_a_float32_cpu_model_only_and_restores_it(tiny
         if counted:
             assert model.config._attn_implementation != before
     assert model.config._attn_implementation == before
-    with da.slot_attention(model.to(torch.bfloat16)) as counted:
+    with da.slot_attention(copy.deepcopy(model).to(torch.bfloat16)) as counted:  # the shared target stays
         assert not counted
