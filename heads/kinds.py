@@ -87,3 +87,4 @@ def check_export_formats(cfg: RootConfig) -> HeadKind | None:
             reason = refuses and refuses(vars(cfg.head), None)
             if reason:
                 raise UserError(f"export.formats={fmt}: {reason}")
+    return kind
