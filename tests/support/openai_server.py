@@ -20,6 +20,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from data_prep.regen_engine import generate
 
+# One engine run at a time in this process: servers of one test share one model, and the engine
+# packs its linears and swaps its attention for a run (one process's `vllm serve` decodes one
+# batch at a time too); two at once left the model on the slot attention of both.
+ENGINE = threading.Lock()
+
 
 @dataclass
 class Behaviour:
@@ -83,9 +88,10 @@ class Server:
                 threading.Thread(target=self.stop, daemon=True).start()
                 return 503, {"error": "shutting down"}
             seed = body.get("seed")
-            ids = generate(self.model, [body["prompt"]], max_new_tokens=body["max_tokens"], batch_size=1,
-                           eos_token_ids=body["stop_token_ids"], temperature=body["temperature"],
-                           top_p=body["top_p"], seeds=None if seed is None else [seed])[0]
+            with ENGINE:
+                ids = generate(self.model, [body["prompt"]], max_new_tokens=body["max_tokens"], batch_size=1,
+                               eos_token_ids=body["stop_token_ids"], temperature=body["temperature"],
+                               top_p=body["top_p"], seeds=None if seed is None else [seed])[0]
             b.answered.append(body["prompt"])
         return 200, {"choices": [{"index": 0, "text": "", "token_ids": ids, "finish_reason": "stop"}]}
 
