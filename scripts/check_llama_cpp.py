@@ -19,7 +19,9 @@ prompt is one /completion request at temperature 0, its token ids returned. Per 
 - `llama_tau`: 1 + accepted / drafts from llama.cpp's counters (`draft_n`, `draft_n_accepted`,
   drafts = draft_n / K), and `ours_tau`, our decoder's on the same prompts and weights;
 - `tokens_per_s` without and with the draft (llama.cpp's own `predicted_per_second`, pooled
-  over the prompts), `speedup` their ratio, and `ngram_speedup` with `--ngram`.
+  over the prompts), `speedup` their ratio, and with `--ngram` `ngram_speedup` and
+  `ngram_identical` (llama.cpp's own drafting against its own greedy text: where it too parts,
+  the engine's batched verification is parting at near-ties, not the head).
 
 The target is `--target` (an alias: smollm2-135m-instruct or qwen2.5-coder-0.5b-instruct, or a
 .gguf file), as llama.cpp runs it (SmolLM2's Q4_1, Qwen's Q4_K_M); our side runs the same
@@ -159,13 +161,13 @@ def report(export: dict, plain: dict, drafted: dict, k: int, ngram: dict | None)
         export["mean_acceptance_length"], 4), "ours_lossless": export["lossless"]}
     if "error" in plain or "error" in drafted:
         return {**line, "loaded": False, "error": plain.get("error") or drafted["error"]}
-    same = sum(a == b for a, b in zip(plain["tokens"], drafted["tokens"]))
+    same = identical(plain, drafted)
     drafts = drafted["draft_n"] / k
     llama_tau = 1 + drafted["draft_n_accepted"] / drafts if drafts else 1.0
     ours = export["mean_acceptance_length"]
     line |= {
         "loaded": True,
-        "identical": [same, len(plain["tokens"])],
+        "identical": same,
         "llama_tau": round(llama_tau, 4),
         "within_10pct": abs(llama_tau - ours) <= 0.1 * ours,
         "tokens_per_s": plain["tokens_per_s"],
@@ -174,8 +176,14 @@ def report(export: dict, plain: dict, drafted: dict, k: int, ngram: dict | None)
     }
     if ngram is not None and "error" not in ngram:
         line |= {"tokens_per_s_ngram": ngram["tokens_per_s"],
-                 "ngram_speedup": round(ngram["tokens_per_s"] / plain["tokens_per_s"], 3)}
+                 "ngram_speedup": round(ngram["tokens_per_s"] / plain["tokens_per_s"], 3),
+                 "ngram_identical": identical(plain, ngram)}
     return line
+
+
+def identical(plain: dict, drafted: dict) -> list[int]:
+    """[prompts whose greedy token ids with drafting equal those without, prompts]."""
+    return [sum(a == b for a, b in zip(plain["tokens"], drafted["tokens"])), len(plain["tokens"])]
 
 
 def main() -> None:
