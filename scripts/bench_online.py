@@ -24,6 +24,7 @@ from functools import partial
 import torch
 from bench_train import batch_shape, bench_trainee, parse, real_tokens
 
+from conf.errors import exit_on_user_error
 from data_prep.capture import capture_batch, hidden_states
 from data_prep.prepare import capture_spec
 from data_prep.target import resolve_target
@@ -33,6 +34,7 @@ from trainer.distributed import build_accelerator
 from trainer.loop import device_batch, train_step
 
 
+@exit_on_user_error
 def main(argv: list[str]) -> None:
     reps = 3
     if "--reps" in argv:
