@@ -28,7 +28,7 @@ import torch
 from conf.schema import RootConfig, TargetConfig
 from data_prep.target import Target, resolve_target
 from tests.support.disk import SmallDisk
-from tests.support.targets import build_tiny_target
+from tests.support.targets import build_tiny_target, target_settings, unchanged
 
 TESTS = Path(__file__).resolve().parent
 
@@ -100,7 +100,7 @@ def tiny_llama(tiny_llama_dir) -> Target:
     ran (`_shared_target_unchanged`) and the target restored, so no later test reads its change."""
     settings = TargetConfig(name_or_path=str(tiny_llama_dir), device="cpu", dtype="float32", num_threads=1)
     target = resolve_target(RootConfig(target=settings))
-    _SHARED.append((target.model, _fingerprint(target.model), copy.deepcopy(target.model.state_dict())))
+    _SHARED.append((target.model, target_settings(target.model), copy.deepcopy(target.model.state_dict())))
     return target
 
 
@@ -110,26 +110,17 @@ def tiny_model(tiny_llama: Target):
     return tiny_llama.model
 
 
-_SHARED: list = []  # (model, its fingerprint, its weights) of the shared target, once loaded
-
-
-def _fingerprint(model) -> tuple:
-    """What a test could change in a shared target: each tensor's sum and sum of squares (float64),
-    which tensors take gradients, the mode and the attention implementation."""
-    with torch.no_grad():
-        sums = tuple((n, float(t.double().sum()), float(t.double().square().sum()), t.requires_grad)
-                     for n, t in model.state_dict(keep_vars=True).items())
-    return sums, model.training, model.config._attn_implementation
+_SHARED: list = []  # (model, its settings, a copy of its weights) of the shared target, once loaded
 
 
 @pytest.fixture(autouse=True)
 def _shared_target_unchanged(request):
     yield
-    for model, before, weights in _SHARED:
-        if _fingerprint(model) != before:
-            model.load_state_dict(weights)
+    for model, settings, weights in _SHARED:
+        if not unchanged(model, settings, weights):
+            model.to(weights[next(iter(weights))].dtype).load_state_dict(weights)
             model.eval().requires_grad_(False)
-            model.config._attn_implementation = before[2]
+            model.config._attn_implementation = settings[2]
             pytest.fail(f"{request.node.nodeid} changed the shared tiny target (tests/conftest.py "
                         f"tiny_llama): copy it, or build its own", pytrace=False)
 

@@ -183,3 +183,20 @@ def chat(tok, n: int, seed: int = 0) -> list[list[int]]:
     texts = [" ".join(rng.choice(CHAT_WORDS) for _ in range(rng.randint(1, 40))) for _ in range(n)]
     tpl = load_chat_template(tok, None, {}, "2026-01-01")
     return [tpl.prompt_ids([{"role": "user", "content": t}]) for t in texts]
+
+
+def target_settings(model) -> tuple:
+    """What a test could change in a shared target besides its weights' values: which tensors
+    take gradients and their dtypes, the mode and the attention implementation."""
+    tensors = model.state_dict(keep_vars=True)
+    return (tuple((n, t.dtype, t.requires_grad) for n, t in tensors.items()), model.training,
+            model.config._attn_implementation)
+
+
+def unchanged(model, settings: tuple, weights: dict) -> bool:
+    """Whether `model` still has `settings` (`target_settings`) and exactly `weights` (values
+    compared, not checksums: a float sum's rounding follows torch's thread count, which tests set)."""
+    if target_settings(model) != settings:
+        return False
+    with torch.no_grad():
+        return all(torch.equal(t, weights[n]) for n, t in model.state_dict().items())
