@@ -26,7 +26,9 @@ prompt is one /completion request at temperature 0, its token ids returned. Per 
 The target is `--target` (an alias: smollm2-135m-instruct or qwen2.5-coder-0.5b-instruct, or a
 .gguf file), as llama.cpp runs it (SmolLM2's Q4_1, Qwen's Q4_K_M); our side runs the same
 weights dequantized to float32 by transformers, so the two greedy texts may part at a near-tie:
-`identical` compares llama.cpp with itself, as the lossless claim is the engine's.
+`identical` compares llama.cpp with itself, as the lossless claim is the engine's. Its repacked
+Q4_K kernels (Qwen's Q4_K_M) compute a K+1-token verify otherwise than a one-token step, so
+texts may part at near-ties; `LLAMA_ARG_REPACK=0` in the environment turns repacking off.
 """
 
 from __future__ import annotations
