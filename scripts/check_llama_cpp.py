@@ -4,15 +4,17 @@
         [--prompts N] [--max-tokens M] [--k K] [--threads T] [--ngram]
 
 llama.cpp is the engine people run on CPUs and laptops: `llama-server -m target.gguf -md
-draft.gguf --spec-type draft-eagle3` (the build of scripts/setup_llama_cpp.sh, in .llama-cpp/).
+draft.gguf --spec-type draft-eagle3` (or draft-dflash, draft-dspark: the `gguf`, `dflash-gguf`
+and `dspark-gguf` exports), the build of scripts/setup_llama_cpp.sh, in .llama-cpp/.
 Our side first (`check_vllm.ours_all`, in this process): the evaluator's prompts (MT-Bench,
 HumanEval, GSM8K with the chat template, as token ids), our greedy text and our decoder's
 acceptance on each export's weights. Then llama-server runs the target's GGUF, one server at a
 time on this machine: without a draft, with each export as its draft (`--spec-type
-draft-<kind>`, drafting exactly `--k` tokens a step: `--spec-draft-n-max K --spec-draft-p-min 0`,
-so that its τ counts as ours and vLLM's do), and with `--ngram` also with llama.cpp's n-gram
-drafting (`ngram-simple`: the baseline a user of llama.cpp already has, no head needed). Each
-prompt is one /completion request at temperature 0, its token ids returned. Per export:
+draft-<kind>`, drafting exactly `--k` tokens a step, a block drafter its block - 1:
+`--spec-draft-n-max K --spec-draft-p-min 0`, so that its τ counts as ours and vLLM's do), and
+with `--ngram` also with llama.cpp's n-gram drafting (`ngram-simple`: the baseline a user of
+llama.cpp already has, no head needed). Each prompt is one /completion request at temperature
+0, its token ids returned. Per export:
 
 - `loaded`: the server started with the draft and answered (`error`: its last log line if not);
 - `identical`: [prompts whose greedy token ids with the draft equal those without, prompts];
@@ -214,9 +216,10 @@ def main() -> None:
     plain = serve_all(a, gguf, prompts, [])
     ngram = serve_all(a, gguf, prompts, ["--spec-type", "ngram-simple"]) if a.ngram else None
     for export, draft in zip(ref["exports"], drafts):
-        extra = ["-md", str(draft), "--spec-type", f"draft-{export['kind']}", "--spec-draft-n-max", str(a.k),
+        k = export["num_speculative_tokens"]  # a block drafter's block - 1, as ours drafts it
+        extra = ["-md", str(draft), "--spec-type", f"draft-{export['kind']}", "--spec-draft-n-max", str(k),
                  "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
-        print(json.dumps(report(export, plain, serve_all(a, gguf, prompts, extra), a.k, ngram)), flush=True)
+        print(json.dumps(report(export, plain, serve_all(a, gguf, prompts, extra), k, ngram)), flush=True)
 
 
 if __name__ == "__main__":

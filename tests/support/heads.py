@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from conf.kinds import DFlashConfig, DSparkConfig, Eagle3Config, MedusaConfig
 from data_prep.target import load_target
@@ -139,3 +141,12 @@ def assert_block_drafts_are_lossless(target, trainee, drafter_class) -> None:
         assert run.tokens == hf_greedy(target, prompt.tolist(), 24)
         accepted += run.stats.accepted_tokens
     assert accepted > 0
+
+
+def gguf_tensor(t) -> torch.Tensor:
+    """A `gguf.GGUFReader` tensor as torch, as the reader (what llama.cpp's loader sees) holds it:
+    BF16 from its raw 16-bit words, in ggml's shape order flattened as stored."""
+    data = np.array(t.data)
+    if t.tensor_type == GGMLQuantizationType.BF16:
+        return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(data)

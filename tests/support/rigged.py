@@ -4,7 +4,8 @@ An engine check (scripts/check_vllm.py, scripts/check_llama_cpp.py) compares the
 decoder on the same weights; it measures no head quality. A head that is rarely accepted would
 compare little beyond the first slot, so these heads are trained in process, for a few dozen
 steps, on the target's greedy answers to the very prompts the check then decodes (the
-evaluator's first MT-Bench, HumanEval and GSM8K prompts, encoded as the check encodes them).
+evaluator's first MT-Bench, HumanEval and GSM8K prompts, encoded as the check encodes them):
+EAGLE-style heads by `rigged_head`, block drafters (DFlash, DSpark) by `rigged_block_head`.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from pathlib import Path
 
 import torch
 
+from conf.compose import compose_root
 from conf.schema import EvalConfig
 from data_prep.capture import TOP, greedy_ids
-from data_prep.target import eos_token_ids
+from data_prep.target import eos_token_ids, load_target
 from data_prep.vocab import build_draft_vocab
 from trainer.batching import collate
 from trainer.decoding import greedy_generate
 from trainer.evaluate.tasks import encode, load_prompts
+from trainer.kinds import CATALOG
 
 
 def check_prompts(tokenizer, prompts: int, max_tokens: int) -> list[torch.Tensor]:
@@ -62,6 +65,47 @@ def rigged_head(model, tokenizer, name: str, out: Path, head_class, cfg, trainee
         loss.backward()
         opt.step()
     return head.eval().save_pretrained(out)
+
+
+def answered_rows(model, tokenizer, prompts: int, max_tokens: int) -> dict[str, torch.Tensor]:
+    """`input_ids`, `loss_mask`, `attention_mask` [N, T]: each check prompt with the target's
+    greedy answer, right-padded; the answers are the labels."""
+    eos = eos_token_ids(model, tokenizer)
+    rows = [(x, torch.tensor(greedy_generate(model, x, max_tokens, eos).tokens))
+            for x in check_prompts(tokenizer, prompts, max_tokens)]
+    width = max(len(x) + len(a) for x, a in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    loss, attention = torch.zeros_like(ids, dtype=torch.bool), torch.zeros_like(ids)
+    for i, (x, a) in enumerate(rows):
+        ids[i, : len(x) + len(a)] = torch.cat([x, a])
+        loss[i, len(x) : len(x) + len(a)] = True
+        attention[i, : len(x) + len(a)] = 1
+    return {"input_ids": ids, "loss_mask": loss, "attention_mask": attention}
+
+
+def rigged_block_head(overrides: list[str], out: Path, prompts: int, max_tokens: int, steps: int = 40,
+                      check=None) -> Path:
+    """A block drafter of `overrides` (`+head=dflash ...`) for the configured target, trained
+    `steps` full-batch steps on the target's answers, saved in the project's format; `check(head)`
+    sees it before it is saved."""
+    cfg = compose_root(overrides)
+    model, tokenizer = load_target(cfg.target.name_or_path, dtype="float32", device="cpu")
+    trainee = CATALOG[cfg.head.name].trainee(cfg, model, None)
+    batch = answered_rows(model, tokenizer, prompts, max_tokens)
+    with torch.no_grad():
+        hs = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+                   output_hidden_states=True).hidden_states
+    aux = torch.cat([hs[i] for i in trainee.head.aux_layer_ids], -1)
+    batch |= {"aux_hidden": aux, "final_hidden": hs[-1]}
+    opt = torch.optim.AdamW([p for p in trainee.head.parameters() if p.requires_grad], lr=2e-3)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        opt.zero_grad()
+        trainee(batch)["loss"].backward()
+        opt.step()
+    if check is not None:
+        check(trainee.head)
+    return trainee.save_pretrained(out)
 
 
 def check_lines(cmd: list[str], count: int, root: Path, **env: str) -> list[dict]:

@@ -28,7 +28,7 @@ from heads.export.write import detect_format, export_head, formats_for, load_exp
 from heads.folder import load_head
 from heads.formats import load_for_decoding
 from heads.kinds import check_export_formats, head_kind
-from tests.support.heads import ORIGINAL_LAYOUT, make_eagle3_head
+from tests.support.heads import ORIGINAL_LAYOUT, gguf_tensor, make_eagle3_head
 from tests.support.targets import LLAMA3_ROPE, build_tiny_target
 
 EAGLE3 = head_kind("eagle3")
@@ -68,13 +68,6 @@ def head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
     return make_eagle3_head(tiny_llama_dir, tmp_path_factory.mktemp("gguf") / "head", cfg=LLAMA_CPP_LAYOUT)
 
 
-def as_torch(t) -> torch.Tensor:
-    data = np.array(t.data)
-    if t.tensor_type == GGMLQuantizationType.BF16:
-        return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(data)
-
-
 @pytest.mark.parametrize("dtype", list(GGML))
 def test_gguf_holds_the_head_as_llama_cpp_loads_it(head_dir, tmp_path, dtype):
     out, report = export_head(head_dir, "gguf", tmp_path / "g", dtype=dtype)
@@ -92,10 +85,10 @@ def test_gguf_holds_the_head_as_llama_cpp_loads_it(head_dir, tmp_path, dtype):
         is_norm = want.dim() == 1  # 1-D tensors in F32, as the converter writes them
         assert got[name].tensor_type == (GGMLQuantizationType.F32 if is_norm else GGML[dtype]), name
         assert list(got[name].shape) == list(reversed(want.shape)), name  # GGUF's ne order
-        assert torch.equal(as_torch(got[name]), want.float() if is_norm else want), name
+        assert torch.equal(gguf_tensor(got[name]), want.float() if is_norm else want), name
     d2t = got["d2t"]
     assert d2t.tensor_type == GGMLQuantizationType.I64
-    assert torch.equal(as_torch(d2t), trained["d2t"] + torch.arange(len(trained["d2t"])))  # absolute ids
+    assert torch.equal(gguf_tensor(d2t), trained["d2t"] + torch.arange(len(trained["d2t"])))  # absolute ids
     assert report["tensors"] == len(trained)  # read back through the layout's strict reader
 
 
