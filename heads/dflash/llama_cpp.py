@@ -121,7 +121,8 @@ class DFlashGGUF:
     def check_expressible(self, cfg: dict, target_layers: int) -> None:
         reason = self.refusal(cfg, target_layers)
         if reason is not None:
-            raise UserError(f"export.formats={self.fmt}: {reason}; export {self.arch} (vLLM) instead")
+            vllm = self.fmt.removesuffix("-gguf")
+            raise UserError(f"export.formats={self.fmt}: {reason}; export {vllm} (vLLM) instead")
 
     # ---- writing ------------------------------------------------------------------------------
     def names(self, cfg: dict) -> dict[str, str]:
