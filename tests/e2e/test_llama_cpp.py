@@ -7,8 +7,8 @@ The heads are the formats the main job's `export.formats=null` writes for them (
 `head.norm_output=false`, the layout llama.cpp's graph expresses) and are rigged to be accepted
 (`tests.support.rigged`). One `scripts/check_llama_cpp.py` run serves all three, so llama.cpp
 decodes the prompts without a draft once. Runs where scripts/setup_llama_cpp.sh built
-`.llama-cpp/bin/llama-server` (CI builds it beside its lanes, .ci/run); elsewhere it is skipped
-with that reason.
+`.llama-cpp/bin/llama-server`; elsewhere it is skipped with that reason (CI does not build it:
+the build and this test would take ~20 CPU-minutes past its time limit, .ci/run).
 """
 
 from __future__ import annotations

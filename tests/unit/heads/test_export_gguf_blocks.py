@@ -10,6 +10,7 @@ tables. Real heads on the tiny llama target (hidden 64, 4 heads of 16, 2 kv head
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -74,10 +75,20 @@ def heads(tiny_model, tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="module")
+def exported(heads, tiny_model, tmp_path_factory) -> dict[tuple[str, str], tuple[Path, dict]]:
+    """Each head exported once per dtype, self-checked against the target (the tests read these;
+    one that edits a file edits a copy). 7 tokens asked: a block drafter drafts its block - 1."""
+    root = tmp_path_factory.mktemp("gguf-exports")
+    return {(kind, dtype): export_head(heads[kind], f"{kind}-gguf", root / f"{kind}-{dtype}", tiny_model,
+                                       dtype=dtype, num_speculative_tokens=7)
+            for kind in heads for dtype in GGML}
+
+
 @pytest.mark.parametrize("dtype", list(GGML))
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
-def test_gguf_holds_the_head_as_llama_cpp_loads_it(heads, tiny_model, tmp_path, kind, dtype):
-    out, report = export_head(heads[kind], f"{kind}-gguf", tmp_path / "g", dtype=dtype)
+def test_gguf_holds_the_head_as_llama_cpp_loads_it(heads, exported, tiny_model, kind, dtype):
+    out, report = exported[kind, dtype]
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "draft.gguf"]
     _, _, trained = load_head(heads[kind], kind)
     names = DFLASH_NAMES if kind == "dflash" else dspark_names(tiny_model.config.vocab_size)
@@ -93,8 +104,8 @@ def test_gguf_holds_the_head_as_llama_cpp_loads_it(heads, tiny_model, tmp_path, 
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
-def test_gguf_keys_are_the_ones_llama_cpp_reads(heads, tiny_model, tmp_path, kind):
-    out, _ = export_head(heads[kind], f"{kind}-gguf", tmp_path / "g")
+def test_gguf_keys_are_the_ones_llama_cpp_reads(heads, exported, tiny_model, kind):
+    out, _ = exported[kind, "bfloat16"]
     cfg = load_head(heads[kind], kind)[0]
     fields = GGUFReader(out / "draft.gguf").fields
     values = {k: f.contents() for k, f in fields.items() if not k.startswith("GGUF.")}
@@ -126,11 +137,10 @@ def test_gguf_keys_are_the_ones_llama_cpp_reads(heads, tiny_model, tmp_path, kin
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
-def test_gguf_reads_back_as_the_trained_head(heads, tiny_model, tiny_llama_dir, tmp_path, kind):
+def test_gguf_reads_back_as_the_trained_head(heads, exported, tiny_model, tiny_llama_dir, kind):
     """float32: the exported head's outputs are the trained head's, bit for bit, through our
     export reader and through the reader evaluation uses (`heads.formats`)."""
-    out, report = export_head(heads[kind], f"{kind}-gguf", tmp_path / "g", target_model=tiny_model,
-                              dtype="float32")
+    out, report = exported[kind, "float32"]
     assert report["max_abs_diff_vs_trained_float32"] == 0.0
     assert detect_format(out) == f"{kind}-gguf"
     record = head_kind(kind)
@@ -199,17 +209,17 @@ TAMPERED = {
 
 
 @pytest.mark.parametrize("case", list(TAMPERED))
-def test_the_reader_refuses_what_llama_cpp_would_serve_differently(heads, tmp_path, case):
+def test_the_reader_refuses_what_llama_cpp_would_serve_differently(exported, tmp_path, case):
     kind, edit, message = TAMPERED[case]
-    out, _ = export_head(heads[kind], f"{kind}-gguf", tmp_path / "g")
+    out = Path(shutil.copytree(exported[kind, "bfloat16"][0], tmp_path / "g"))
     _rewrite(out / "draft.gguf", edit)
     with pytest.raises(UserError, match=message):
         head_kind(kind).formats[f"{kind}-gguf"].read(out)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
-def test_card_serves_it_with_llama_server_drafting_the_block(heads, tmp_path, kind):
-    out, _ = export_head(heads[kind], f"{kind}-gguf", tmp_path / "g", num_speculative_tokens=7)
+def test_card_serves_it_with_llama_server_drafting_the_block(exported, kind):
+    out, _ = exported[kind, "bfloat16"]
     card = (out / "README.md").read_text()
     draft = out.resolve() / "draft.gguf"
     assert f"-md {draft} --spec-type draft-{kind} --spec-draft-n-max {BLOCK - 1}" in card  # the block, not 7
