@@ -117,10 +117,19 @@ def head_outputs(head: DSparkHead, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
+def config_fields(cfg: dict) -> dict:
+    """DFlash's fields and DSpark's; what the confidence head reads only where there is one (a
+    GGUF without it cannot say)."""
+    fields = {k: cfg[k] for k in FIELDS}
+    if not cfg["enable_confidence_head"]:
+        del fields["confidence_head_with_markov"]
+    return dflash.config_fields(cfg) | fields
+
+
 CHECK = KindOps(
     build=partial(dflash.build_head, head_class=DSparkHead),
     outputs=head_outputs,
-    config_fields=lambda cfg: dflash.config_fields(cfg) | {k: cfg[k] for k in FIELDS},
+    config_fields=config_fields,
 )
 
 

@@ -37,6 +37,8 @@ def _confidence(cfg: dict) -> tuple[bool, bool]:
 
 
 class DSparkGGUF(DFlashGGUF):
+    """The `dspark-gguf` layout: DFlash's and the Markov and confidence heads (module docstring)."""
+
     fmt, spec_type = "dspark-gguf", "draft-dspark"
     extra_keys: ClassVar[dict] = {".sample_from_anchor": BOOL, ".has_confidence_head": BOOL}
 

@@ -151,6 +151,16 @@ def test_gguf_reads_back_as_the_trained_head(heads, exported, tiny_model, tiny_l
         assert type(head).kind == kind and all(torch.equal(trained[k], got[k]) for k in trained)
 
 
+def test_a_dspark_head_without_its_confidence_head_writes_none(tiny_model, tiny_llama_dir, tmp_path):
+    head = random_dspark_head(tiny_model, str(tiny_llama_dir), aux_layer_ids=AUX, confidence_head=False)
+    out, report = export_head(head.save_pretrained(tmp_path / "h"), "dspark-gguf", tmp_path / "g", tiny_model,
+                              dtype="float32")
+    assert report["max_abs_diff_vs_trained_float32"] == 0.0
+    reader = GGUFReader(out / "draft.gguf")
+    assert reader.fields["dflash.has_confidence_head"].contents() is False
+    assert not {t.name for t in reader.tensors} & {"conf_proj.weight", "conf_proj.bias"}
+
+
 def test_gguf_is_a_default_format_of_block_heads(heads):
     """`export.formats=null` (the main job's) writes the GGUF beside vLLM's two layouts."""
     assert formats_for(heads["dflash"], None) == ["dflash", "dflash-speculators", "dflash-gguf"]
