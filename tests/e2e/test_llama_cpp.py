@@ -23,7 +23,7 @@ from conf.kinds import Eagle3Config
 from data_prep.target import load_target
 from heads.eagle3.model import Eagle3Head
 from heads.export.write import export_head, formats_for
-from tests.support.rigged import check_lines, rigged_block_head, rigged_head
+from tests.support.rigged import answered_rows, check_lines, rigged_block_head, rigged_head
 from trainer.kinds.eagle3 import Eagle3Trainee
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,8 +57,10 @@ def heads(root: Path) -> dict[str, Path]:
     eagle = rigged_head(model, tokenizer, TARGET, root / "eagle3", Eagle3Head, cfg,
                         lambda h, lm: Eagle3Trainee(h, lm, cfg.ttt_length, cfg.step_weight),
                         PROMPTS, MAX_TOKENS, steps=STEPS)
-    blocks = {kind: rigged_block_head([f"+head={kind}", "head.anchors_per_sample=24"], root / kind, PROMPTS,
-                                      MAX_TOKENS, BLOCK_STEPS) for kind in ("dflash", "dspark")}
+    rows = answered_rows(model, tokenizer, PROMPTS, MAX_TOKENS)
+    overrides = [f"target.name_or_path={TARGET}", "head.anchors_per_sample=24"]
+    blocks = {kind: rigged_block_head([f"+head={kind}", *overrides], model, rows, root / kind, BLOCK_STEPS)
+              for kind in ("dflash", "dspark")}
     return {"eagle3": eagle, **blocks}
 
 

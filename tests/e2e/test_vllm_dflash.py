@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from conf.compose import compose_root
+from data_prep.target import load_target
 from heads.export.write import export_head
-from tests.support.rigged import check_lines, rigged_block_head
+from tests.support.rigged import answered_rows, check_lines, rigged_block_head
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -43,8 +45,10 @@ def different_k_norms(head) -> None:
 @pytest.fixture(scope="module")
 def lines(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("dflash-vllm")
-    head = rigged_block_head(["+head=dflash", "head.anchors_per_sample=24"], root / "head", PROMPTS, NEW,
-                             STEPS, check=different_k_norms)
+    cfg = ["+head=dflash", "head.anchors_per_sample=24"]
+    model, tokenizer = load_target(compose_root(cfg).target.name_or_path, dtype="float32", device="cpu")
+    head = rigged_block_head(cfg, model, answered_rows(model, tokenizer, PROMPTS, NEW), root / "head", STEPS,
+                             check=different_k_norms)
     exports = [export_head(head, fmt, root / fmt)[0] for fmt in ("dflash", "dflash-speculators")]
     cmd = [str(VLLM_PYTHON), str(SCRIPT), *map(str, exports), "--prompts", str(PROMPTS),
            "--max-tokens", str(NEW), "--main-python", sys.executable]

@@ -21,7 +21,7 @@ import torch
 from conf.compose import compose_root
 from conf.schema import EvalConfig
 from data_prep.capture import TOP, greedy_ids
-from data_prep.target import eos_token_ids, load_target
+from data_prep.target import eos_token_ids
 from data_prep.vocab import build_draft_vocab
 from trainer.batching import collate
 from trainer.decoding import greedy_generate
@@ -83,20 +83,19 @@ def answered_rows(model, tokenizer, prompts: int, max_tokens: int) -> dict[str, 
     return {"input_ids": ids, "loss_mask": loss, "attention_mask": attention}
 
 
-def rigged_block_head(overrides: list[str], out: Path, prompts: int, max_tokens: int, steps: int = 40,
+def rigged_block_head(overrides: list[str], model, rows: dict[str, torch.Tensor], out: Path, steps: int = 40,
                       check=None) -> Path:
-    """A block drafter of `overrides` (`+head=dflash ...`) for the configured target, trained
-    `steps` full-batch steps on the target's answers, saved in the project's format; `check(head)`
-    sees it before it is saved."""
+    """A block drafter of `overrides` (`+head=dflash ...`, its target the configured one, loaded as
+    `model`), trained `steps` full-batch steps on `answered_rows`' `rows`, saved in the project's
+    format; `check(head)` sees it before it is saved. Callers rigging several heads answer the
+    prompts once."""
     cfg = compose_root(overrides)
-    model, tokenizer = load_target(cfg.target.name_or_path, dtype="float32", device="cpu")
     trainee = CATALOG[cfg.head.name].trainee(cfg, model, None)
-    batch = answered_rows(model, tokenizer, prompts, max_tokens)
     with torch.no_grad():
-        hs = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+        hs = model(rows["input_ids"], attention_mask=rows["attention_mask"],
                    output_hidden_states=True).hidden_states
     aux = torch.cat([hs[i] for i in trainee.head.aux_layer_ids], -1)
-    batch |= {"aux_hidden": aux, "final_hidden": hs[-1]}
+    batch = {**rows, "aux_hidden": aux, "final_hidden": hs[-1]}
     opt = torch.optim.AdamW([p for p in trainee.head.parameters() if p.requires_grad], lr=2e-3)
     torch.manual_seed(0)
     for _ in range(steps):
