@@ -44,7 +44,7 @@ import torch
 from conf.errors import UserError
 from heads.export import llama_cpp as gguf_draft
 from heads.export.card import CardFacts
-from heads.export.core import ExportContext, Layout, Tensors, check_layout, legacy_rope
+from heads.export.core import ExportContext, Layout, Tensors, check_layout
 from heads.export.gguf_file import Value, read_gguf
 from heads.export.llama_cpp import ARRAY, BOOL, I32, LAYER_KEYS, STRING, U32, WEIGHTS_FILE, Schema
 from heads.window import window_of
@@ -106,9 +106,8 @@ class DFlashGGUF:
         and aux ids are then checked at export)."""
         if _window(cfg) is not None:
             return f"head.sliding_window={_window(cfg)}: this export writes no window for llama.cpp"
-        if "rope_parameters" in cfg and legacy_rope(cfg["rope_parameters"])[1] is not None:
-            return (f"the draft layers' rope_parameters {cfg['rope_parameters']} (its target's) scale "
-                    "positions, which this export does not write for llama.cpp")
+        if (reason := gguf_draft.scaled_rope(cfg)) is not None:
+            return reason
         if "target_hidden_size" in cfg and cfg["target_hidden_size"] != cfg["hidden_size"]:
             return (f"target_hidden_size {cfg['target_hidden_size']} != hidden_size {cfg['hidden_size']}: "
                     "llama.cpp fuses target features of the draft's own width")

@@ -57,7 +57,7 @@ import torch
 from conf.errors import UserError
 from heads.export import llama_cpp as gguf_draft
 from heads.export.card import CardFacts
-from heads.export.core import ExportContext, Layout, Tensors, check_layout, legacy_rope
+from heads.export.core import ExportContext, Layout, Tensors, check_layout
 from heads.export.gguf_file import Value, read_gguf
 from heads.export.llama_cpp import ARRAY, BOOL, I32, LAYER_KEYS, STRING, U32, WEIGHTS_FILE, Schema
 from heads.parts import NORM_FLAGS, norm_flags
@@ -114,9 +114,8 @@ def refusal(cfg: dict, target_layers: int | None = None) -> str | None:
                 f"{' and '.join(EXPRESSIBLE)})")
     if window_of(cfg) is not None:
         return f"head.sliding_window={window_of(cfg)}: llama.cpp's EAGLE-3 draft attends over every position"
-    if "rope_parameters" in cfg and legacy_rope(cfg["rope_parameters"])[1] is not None:
-        return (f"the draft layer's rope_parameters {cfg['rope_parameters']} (its target's) scale "
-                "positions, which this export does not write for llama.cpp")
+    if (reason := gguf_draft.scaled_rope(cfg)) is not None:
+        return reason
     ids = sorted(cfg.get("aux_layer_ids") or ())
     if target_layers is not None and (len(ids) != 3 or ids[-1] >= target_layers):
         return (f"head.aux_layer_ids={ids}: llama.cpp captures exactly 3 layer inputs of the "

@@ -79,6 +79,16 @@ class Schema:
             raise UserError(f"{where}: unknown keys {unknown}, missing {missing}, of another type {wrong}")
 
 
+def scaled_rope(cfg: dict) -> str | None:
+    """Why a head whose rope scales positions is refused (none of the drafts' keys write a rope
+    scaling, so llama.cpp would rope it unscaled), or None. A command's `head.*` settings carry no
+    rope: the target's is checked at export."""
+    if "rope_parameters" in cfg and legacy_rope(cfg["rope_parameters"])[1] is not None:
+        return (f"the draft's rope_parameters {cfg['rope_parameters']} (its target's) scale "
+                "positions, which this export does not write for llama.cpp")
+    return None
+
+
 def layer_values(schema: Schema, cfg: dict, ctx: ExportContext, blocks: int) -> dict[str, object]:
     """`LAYER_KEYS`' values for a draft of `blocks` layers of a Llama/Qwen3-style head config (one
     head dim for keys, values and the rope; no rope scaling, which each layout refuses first)."""
