@@ -39,6 +39,13 @@ def window_of(config) -> int | None:
     return fields.get("sliding_window")
 
 
+def asked_window(settings: dict) -> int | None:
+    """The window of a saved head's config (its layer types say, `window_of`) or of a command's
+    `head.*` settings, which carry `sliding_window` alone: the export refusals read both, so a
+    format that cannot hold a window is refused when the command starts, not after training."""
+    return window_of(settings) if "layer_types" in settings else settings.get("sliding_window")
+
+
 def near(queries: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor | bool:
     """Bool [..., Q, K]: key positions `keys` [K] within `window` of query positions `queries`
     [..., Q] (True where there is no window). Keys after a query are the causal mask's to hide."""

@@ -47,7 +47,7 @@ from heads.export.card import CardFacts
 from heads.export.core import ExportContext, Layout, Tensors, check_layout
 from heads.export.gguf_file import Value, read_gguf
 from heads.export.llama_cpp import ARRAY, BOOL, I32, LAYER_KEYS, STRING, U32, WEIGHTS_FILE, Schema
-from heads.window import window_of
+from heads.window import asked_window
 
 # Per-layer tensors: our names (after `layers.{i}.`) -> llama.cpp's (after `blk.{i}.`).
 LAYER_NAMES = {
@@ -70,11 +70,6 @@ TOP_NAMES = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.we
 def placeholder_tokens(n: int) -> list[str]:
     """The draft vocabulary's pieces: distinct, never tokenized (module docstring)."""
     return [f"<tok_{i}>" for i in range(n)]
-
-
-def _window(cfg: dict) -> int | None:
-    """A saved head's window (its layer types say), or a command's `head.sliding_window`."""
-    return window_of(cfg) if "layer_types" in cfg else cfg.get("sliding_window")
 
 
 class DFlashGGUF:
@@ -104,8 +99,8 @@ class DFlashGGUF:
         """Why llama.cpp's DFlash graph would serve a head of these settings as another head, or
         None. `cfg`: a saved head's config or a command's `head.*` settings (the target's rope
         and aux ids are then checked at export)."""
-        if _window(cfg) is not None:
-            return f"head.sliding_window={_window(cfg)}: this export writes no window for llama.cpp"
+        if (window := asked_window(cfg)) is not None:
+            return f"head.sliding_window={window}: this export writes no window for llama.cpp"
         if (reason := gguf_draft.scaled_rope(cfg)) is not None:
             return reason
         if "target_hidden_size" in cfg and cfg["target_hidden_size"] != cfg["hidden_size"]:

@@ -61,7 +61,7 @@ from heads.export.core import ExportContext, Layout, Tensors, check_layout
 from heads.export.gguf_file import Value, read_gguf
 from heads.export.llama_cpp import ARRAY, BOOL, I32, LAYER_KEYS, STRING, U32, WEIGHTS_FILE, Schema
 from heads.parts import NORM_FLAGS, norm_flags
-from heads.window import window_of
+from heads.window import asked_window
 
 ARCH, FORMAT = "eagle3", "gguf"
 MARKER = gguf_draft.marker(FORMAT, ARCH)  # the folder's config.json
@@ -112,8 +112,8 @@ def refusal(cfg: dict, target_layers: int | None = None) -> str | None:
     if off:
         return (f"head.{off[0]}=true, which llama.cpp's EAGLE-3 draft cannot express (it reads only "
                 f"{' and '.join(EXPRESSIBLE)})")
-    if window_of(cfg) is not None:
-        return f"head.sliding_window={window_of(cfg)}: llama.cpp's EAGLE-3 draft attends over every position"
+    if (window := asked_window(cfg)) is not None:
+        return f"head.sliding_window={window}: llama.cpp's EAGLE-3 draft attends over every position"
     if (reason := gguf_draft.scaled_rope(cfg)) is not None:
         return reason
     ids = sorted(cfg.get("aux_layer_ids") or ())

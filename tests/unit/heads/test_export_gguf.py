@@ -150,11 +150,14 @@ def test_gguf_is_a_default_format_of_the_heads_llama_cpp_expresses(head_dir, tin
     assert formats_for(default, ["gguf"]) == ["gguf"]  # asked for: refused by the writer, below
 
 
-@pytest.mark.parametrize("override,field", [("head.norm_output=true", "head.norm_output"),
-                                            ("head.fc_norm=true", "head.fc_norm")])
-def test_gguf_asked_for_a_head_it_cannot_express_is_refused_when_the_command_starts(override, field):
+@pytest.mark.parametrize("override,message", [
+    ("head.norm_output=true", "head.norm_output=true, which llama.cpp"),
+    ("head.fc_norm=true", "head.fc_norm=true, which llama.cpp"),
+    ("head.sliding_window=64", "head.sliding_window=64: llama.cpp's EAGLE-3 draft attends over every"),
+])
+def test_gguf_asked_for_a_head_it_cannot_express_is_refused_when_the_command_starts(override, message):
     cfg = compose_root(["+head=eagle3", "head.norm_output=false", override, "export.formats=[gguf]"])
-    with pytest.raises(UserError, match=f"^export.formats=gguf: {field}=true, which llama.cpp") as err:
+    with pytest.raises(UserError, match=f"^export.formats=gguf: {message}") as err:
         check_export_formats(cfg)
     assert "\n" not in str(err.value)
     check_export_formats(compose_root(["+head=eagle3", "head.norm_output=false", "export.formats=[gguf]"]))

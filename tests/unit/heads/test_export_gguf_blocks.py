@@ -178,6 +178,15 @@ def test_a_confidence_head_of_the_hidden_alone_is_refused_when_the_command_start
     assert default_formats(head_kind("dspark"), settings) == ["dspark", "dspark-speculators"]
 
 
+def test_a_windowed_block_head_is_refused_when_the_command_starts():
+    """A command's `head.sliding_window` (its settings carry no layer types yet) is read as the
+    saved head's would be: refused when asked for, left out of the defaults."""
+    cfg = compose_root(["+head=dflash", "head.sliding_window=64", "export.formats=[dflash-gguf]"])
+    with pytest.raises(UserError, match="^export.formats=dflash-gguf: head.sliding_window=64: "):
+        check_export_formats(cfg)
+    assert default_formats(head_kind("dflash"), vars(cfg.head)) == ["dflash", "dflash-speculators"]
+
+
 @pytest.mark.parametrize("edit, message", [
     ({"sliding_window": 2, "layer_types": ["sliding_attention"] * 2}, "head.sliding_window=2"),
     ({"aux_layer_ids": [2, 4, 8]}, r"head.aux_layer_ids=\[2, 4, 8\].*ids 0..7"),
