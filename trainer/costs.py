@@ -80,6 +80,7 @@ class Throughput:
     tokens: int = 0
     waited: float = 0.0
     began: float = field(default_factory=time.perf_counter)
+    first_step: tuple[float, int] | None = None  # (seconds since `began`, tokens) as the first step ended
 
     def waiting(self, batches: Iterable) -> Iterator:
         """Yield from `batches`, adding the seconds spent waiting for each to `waited`."""
@@ -98,6 +99,22 @@ class Throughput:
     def tokens_per_s(self, apart_s: float = 0.0) -> float:
         """Since `began`, less `apart_s` seconds (the work between steps, for the steps' own rate)."""
         return self.tokens / max(self.elapsed() - apart_s, 1e-9)
+
+    def step_ended(self) -> None:
+        """Mark the end of the first step (later calls change nothing)."""
+        if self.first_step is None:
+            self.first_step = (self.elapsed(), self.tokens)
+
+    def steady_tokens_per_s(self, apart_s: float = 0.0) -> float:
+        """The steps' own rate after the first, less `apart_s` seconds of work between steps (all
+        of it after the first step). The first step starts the loader and touches every weight
+        and optimizer buffer once, which a run pays once: read over the training probe's six
+        steps with it, the rate charged a sixth of it to every step of the run (on SmolLM2 10%
+        too slow, and the main job ended minutes early). A fit of one step has only its rate."""
+        if self.first_step is None or self.first_step[1] == self.tokens:
+            return self.tokens_per_s(apart_s)
+        seconds, tokens = self.first_step
+        return (self.tokens - tokens) / max(self.elapsed() - seconds - apart_s, 1e-9)
 
     def wait_fraction(self) -> float:
         return self.waited / self.elapsed()

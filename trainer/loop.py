@@ -227,7 +227,7 @@ class FitReport:
     skipped_steps: int
     acceptance_collapse: dict | None  # `trainer.collapse.CollapseWatch.record`
     train_tokens_per_s: float
-    step_tokens_per_s: float  # the steps alone: the work between them apart, in `between_steps`
+    step_tokens_per_s: float  # the steps after the first alone: the work between them apart (`between_steps`)
     tokens_per_step: float  # of this call's steps
     between_steps: BetweenSteps
     data_wait_fraction: float
@@ -302,6 +302,7 @@ def fit(
         run.say(run.guard.skip_line())
         sched.step()
         state.step += 1
+        run.pace.step_ended()
         run.bar.update(1)
         if (line := deadline_stop(deadline, state.step, total)) is not None:
             run.say(line)
@@ -451,7 +452,7 @@ def report(run: Run, first_step: int) -> FitReport:
     pace, spent, state = run.pace, run.costs.spent, run.state
     rates = {
         "train_tokens_per_s": pace.tokens_per_s(),
-        "step_tokens_per_s": pace.tokens_per_s(apart_s=spent.seconds),
+        "step_tokens_per_s": pace.steady_tokens_per_s(apart_s=spent.seconds),
         "tokens_per_step": pace.tokens / max(state.step - first_step, 1),
         "data_wait_fraction": pace.wait_fraction(),
     }

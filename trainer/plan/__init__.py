@@ -16,14 +16,15 @@ runs, before the data stage:
    enough for `PROBE_STEPS` steps) is captured (the capture rate: the target's bare forward plus
    storage, its one-off set-up apart; with one pass, `data_prep.onepass`, reading back what the
    regeneration probe kept, which the run's answers will be too, as the probes keep their states
-   for the run) and the chosen head trains `PROBE_STEPS` steps on it with
-   the real loop. The loop times its steps apart from what runs between them, so the plan has
-   the training rate (online capture included), the seconds a validation takes per validation
-   token, and what saving the best head and a checkpoint cost: a full-vocabulary Medusa head
-   saves hundreds of MB, and validation grows with the data, so both are modelled at the
-   cadence of `optim.val_every` and `optim.save_every` (`train_cost`) rather than averaged
-   into the rate of six steps. Unless `optim.val_every` is given, the plan also sets it
-   (`planned_val_every`): a long run validates about `VALIDATIONS` times, not every 50 steps;
+   for the run) and the chosen head trains `PROBE_STEPS` steps on it with the real loop. The
+   loop times its steps after the first (whose warm-up a run pays once) apart from what runs
+   between them, so the plan has the training rate (online capture included), the seconds a
+   validation takes per validation token, and what saving the best head and a checkpoint cost:
+   a full-vocabulary Medusa head saves hundreds of MB, and validation grows with the data, so
+   both are modelled at the cadence of `optim.val_every` and `optim.save_every` (`train_cost`)
+   rather than averaged into the rate of six steps. Unless `optim.val_every` is given, the plan
+   also sets it (`planned_val_every`): a long run validates about `VALIDATIONS` times, not every
+   50 steps;
 3. evaluation: the evaluator's greedy decoder, and its speculative decoder with the head the probe
    trained, each write a few tokens of its first prompt, and of its longest where the
    long-context task (`eval.context_lengths`) makes prompts longer (prefill and per-token costs,

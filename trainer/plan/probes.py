@@ -52,7 +52,7 @@ from trainer.plan.policy import (
 )
 
 PROBE_SAMPLES = MIN_CONVERSATIONS  # conversations in the capture-and-train probe folder, at least
-PROBE_STEPS = 6  # training steps timed on it (the first one included: the real run pays it too)
+PROBE_STEPS = 6  # training steps on it, timed after the first (`Throughput.steady_tokens_per_s`)
 PROBE_TOKENS = 16  # tokens the evaluator's decoder writes to time one token
 PROBE_SHARE = 0.5  # of the budget, the most the probes may take before the plan is made
 EXPORT_BYTES_PER_S = 200e6  # an export writes the head once per format

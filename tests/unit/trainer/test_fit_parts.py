@@ -125,6 +125,20 @@ def test_throughput_counts_the_waits_for_batches():
     assert pace.tokens_per_s(apart_s=0.01) > pace.tokens_per_s()
 
 
+def test_the_steps_rate_leaves_the_first_steps_warm_up_out():
+    pace = Throughput()
+    pace.tokens = 100
+    time.sleep(0.2)  # a slow first step
+    pace.step_ended()
+    assert pace.steady_tokens_per_s() == pytest.approx(pace.tokens_per_s(), rel=0.05)  # one step: its own
+    pace.tokens += 100
+    time.sleep(0.01)
+    pace.step_ended()  # only the first is marked
+    assert pace.first_step[1] == 100
+    assert pace.steady_tokens_per_s() > 2 * pace.tokens_per_s()
+    assert pace.steady_tokens_per_s(apart_s=0.005) > pace.steady_tokens_per_s()
+
+
 def test_collapse_is_named_once_and_a_run_that_never_rose_at_its_end():
     watch = CollapseWatch(OptimConfig(lr=1e6))
     history = [{"step": 2, "val": {SIM: 1.3}}]
