@@ -352,10 +352,15 @@ class DistConfig(Checked):
     strategy: str = "none"  # none | ddp | deepspeed
     zero_stage: int = 0  # DeepSpeed's ZeRO stage, 1 to 3 (dist=zero1..zero3); 0 without it
     mixed_precision: str = "auto"  # auto | no | bf16 | fp16
+    # How long a collective waits for the slowest rank before the job is aborted. Hours: one rank
+    # may work alone while the others wait (a node-local data folder, decoded validation), and
+    # NCCL's own default, 10 minutes, aborted such jobs (SpecForge's --dist-timeout is minutes too).
+    timeout_min: int = 360
 
     def check(self) -> None:
         self._one_of("strategy", STRATEGIES)
         self._one_of("mixed_precision", MIXED_PRECISION)
+        self._at_least(1, "timeout_min")
         if self.strategy == "deepspeed":
             self._require("zero_stage", lambda v: v in (1, 2, 3), "1, 2 or 3 with deepspeed")
         else:

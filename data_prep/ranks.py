@@ -29,9 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from data_prep.sources import prompt_uid
+from data_prep.target import resolve_device
 
 TIMEOUT = datetime.timedelta(days=1)
 
@@ -46,10 +48,14 @@ class Ranks:
 
     @classmethod
     def from_env(cls) -> Ranks:
-        """torchrun's RANK and WORLD_SIZE; joins (or starts) the process group."""
+        """torchrun's RANK and WORLD_SIZE; joins (or starts) the process group, with this
+        process's GPU, if it has one, made current (`cuda:LOCAL_RANK`) first, so that whatever
+        names plain `cuda` later (the target, the engine's free-memory probe) is its own GPU."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1:
             return cls()
+        if torch.cuda.is_available():
+            torch.cuda.set_device(resolve_device("cuda"))
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=TIMEOUT)
         return cls(dist.get_rank(), dist.get_world_size(), dist.new_group(backend="gloo", timeout=TIMEOUT))

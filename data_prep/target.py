@@ -76,10 +76,25 @@ def cache_root() -> Path:
     return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
 
 
+def rank_device(device: str, local_rank: int | None, cuda_count: int) -> torch.device:
+    """Where one process puts its target: `target.device` (auto: a GPU if there is one), and
+    under torchrun (`local_rank`: its LOCAL_RANK) a GPU named without an index is the rank's own,
+    `cuda:LOCAL_RANK`, as torchrun's GPU-per-rank convention has it. A bare `cuda` meant the
+    current device, which torchrun leaves at 0: eight ranks loaded eight targets onto GPU 0 and
+    sized their engines from its free memory, while seven GPUs idled. Pure, for the tests."""
+    dev = torch.device(("cuda" if cuda_count else "cpu") if device == "auto" else device)
+    if dev.type != "cuda" or dev.index is not None or local_rank is None:
+        return dev
+    if local_rank >= cuda_count:
+        raise UserError(f"target.device={device}: this is local rank {local_rank} and {cuda_count} GPU(s) "
+                        "are visible; start one process per GPU (torchrun --nproc_per_node)")
+    return torch.device("cuda", local_rank)
+
+
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    """`rank_device` for this process: its LOCAL_RANK (set by torchrun) and the GPUs it sees."""
+    local = os.environ.get("LOCAL_RANK")
+    return rank_device(device, None if local is None else int(local), torch.cuda.device_count())
 
 
 def input_device(model) -> torch.device:

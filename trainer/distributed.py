@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 
 import torch
 
@@ -83,11 +84,31 @@ def deepspeed_plugin(cfg: DistConfig, optim: OptimConfig):
         zero_stage=cfg.zero_stage,
         gradient_accumulation_steps=optim.grad_accum,
         gradient_clipping=optim.grad_clip,
+        # ZeRO-3 partitions the head when accelerate prepares it; nothing is built inside
+        # `zero.Init` (`frozen_target_outside_zero3`), and the kept head is gathered to 16 bits
+        # when saved (`selection.save_best`: accelerate refuses `get_state_dict` otherwise).
+        zero3_init_flag=False,
+        zero3_save_16bit_model=cfg.zero_stage == 3,
     )
     # Batches are length-grouped (their row count varies) and never pass through a DataLoader
     # that accelerate could read; DeepSpeed only uses this number for its bookkeeping.
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
     return plugin
+
+
+def frozen_target_outside_zero3() -> None:
+    """Forget the DeepSpeed config that selecting the plugin handed transformers.
+
+    accelerate gives transformers its config whatever `zero3_init_flag` says, and at stage 3
+    transformers then builds every later model inside `deepspeed.zero.Init`: the frozen target
+    (`data_prep.target.Target.load_model`, `load_parts`) came back as partitioned placeholders
+    that no DeepSpeed engine gathers, so its first forward failed ("Padding_idx must be within
+    num_embeddings"), and `generate` turned to ZeRO-3's synced loop. Only the head is DeepSpeed's
+    to shard (as SpecForge and speculators shard only the draft); accelerate reads its own copy
+    of the config when it prepares the head, never transformers'."""
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
 
 
 def build_accelerator(cfg: DistConfig, optim: OptimConfig, project_dir: str):
@@ -102,7 +123,8 @@ def build_accelerator(cfg: DistConfig, optim: OptimConfig, project_dir: str):
     if world > 1:
         # Without cpu=True two CPU processes run as two lonely replicas; NCCL needs CUDA.
         kwargs["cpu"] = cpu
-        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo" if cpu else "nccl")]
+        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo" if cpu else "nccl",
+                                                            timeout=timedelta(minutes=cfg.timeout_min))]
     if cfg.strategy == "deepspeed":
         kwargs.pop("cpu", None)  # accelerate rejects cpu=True with DeepSpeed; gloo does the job
         kwargs["deepspeed_plugin"] = deepspeed_plugin(cfg, optim)
@@ -112,6 +134,8 @@ def build_accelerator(cfg: DistConfig, optim: OptimConfig, project_dir: str):
         project_dir=project_dir,
         **kwargs,
     )
+    if cfg.strategy == "deepspeed":
+        frozen_target_outside_zero3()
     if acc.num_processes != world:
         raise RuntimeError(
             f"launched with WORLD_SIZE={world} but accelerate formed {acc.num_processes} process(es)"

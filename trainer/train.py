@@ -60,7 +60,9 @@ def prepare_data(cfg: RootConfig, acc, target: Target, kind: HeadKind) -> DataFo
     file system) the ranks build it together, each regenerating and capturing its share
     (`data_prep.ranks`). Else it is built once per node: global rank 0 first; then the first
     rank of each other node builds its own copy (from the same config the same bytes); then
-    every other rank reuses its node's. A barrier closes each turn."""
+    every other rank reuses its node's. A barrier closes each turn, on the ranks' gloo group,
+    which waits a day: a turn takes as long as regenerating and capturing the whole data set,
+    and the training group (NCCL) would abort the waiting ranks after `dist.timeout_min`."""
     ranks = Ranks.from_env()
     if ranks.share_folder(data_base(cfg)):
         return prepare(cfg, target=target, ranks=ranks, kind=kind)
@@ -69,7 +71,7 @@ def prepare_data(cfg: RootConfig, acc, target: Target, kind: HeadKind) -> DataFo
     for now in range(3):
         if now == turn:
             folder = prepare(cfg, target=target, kind=kind)
-        acc.wait_for_everyone()
+        ranks.barrier()
     return folder
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from conf.errors import UserError
-from data_prep.target import load_target
+from conf.schema import RootConfig, TargetConfig
+from data_prep.target import load_target, rank_device, resolve_target
 
 
 def write_gguf(path, arch: str) -> None:
@@ -77,3 +79,34 @@ def test_a_wrong_or_missing_part_is_one_line_and_leaves_nothing(tmp_path, monkey
         T.alias_gguf("fake-model")
 
 
+
+
+@pytest.mark.parametrize(
+    "device, local_rank, gpus, expected",
+    [
+        ("auto", None, 0, "cpu"),  # one process, no GPU
+        ("auto", None, 8, "cuda"),  # one process: the current GPU, as before
+        ("auto", 3, 8, "cuda:3"),  # torchrun: the rank's own GPU, not GPU 0
+        ("cuda", 5, 8, "cuda:5"),
+        ("cuda:1", 5, 8, "cuda:1"),  # a GPU the user named stays theirs
+        ("auto", 1, 0, "cpu"),  # CPU ranks
+        ("cpu", 2, 8, "cpu"),
+    ],
+)
+def test_each_rank_resolves_its_own_gpu(device, local_rank, gpus, expected):
+    """`rank_device` is pure (LOCAL_RANK and the GPU count are arguments): no GPU is needed."""
+    assert rank_device(device, local_rank, gpus) == torch.device(expected)
+
+
+def test_a_rank_without_a_gpu_of_its_own_is_one_line():
+    with pytest.raises(UserError, match="target.device=auto: this is local rank 2 and 2 GPU"):
+        rank_device("auto", 2, 2)
+
+
+def test_data_prep_under_torchrun_puts_each_rank_s_target_on_its_gpu(tiny_llama_dir, monkeypatch):
+    """What `torchrun -m data_prep.prepare` resolves on rank 1 of a 2-GPU node (`resolve_target`
+    loads no weights). The GPU count is faked: no GPU exists on these machines."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cfg = RootConfig(target=TargetConfig(name_or_path=str(tiny_llama_dir)))
+    assert resolve_target(cfg).device == torch.device("cuda:1")
