@@ -21,6 +21,7 @@ captured within that noise (tests/e2e/test_capture_server.py).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from functools import partial
 
 import torch
 
@@ -42,17 +43,19 @@ def served_online(cfg: RootConfig, hidden_states: str) -> bool:
     return hidden_states == "online" and cfg.data.capture.backend == "server"
 
 
+def held_modules(target: Target, spec: CaptureSpec, skeleton: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of the target's `skeleton` that a process running no decoder layer holds: the
+    input embeddings and lm_head (a head copies them), and the final norm where the states need
+    it (`needs_tail`). Its own function so that the memory plan (`trainer.plan.memory`) prices
+    exactly what `held_parts` loads."""
+    tail = [final_norm(target, skeleton)] if needs_tail(spec, target.config.num_hidden_layers) else []
+    return [skeleton.get_input_embeddings(), skeleton.get_output_embeddings(), *tail]
+
+
 def held_parts(target: Target, spec: CaptureSpec) -> torch.nn.Module:
-    """The target as a training process fed by servers holds it: its skeleton with the input
-    embeddings and lm_head loaded (a head copies them), and the final norm where the states need
-    it (`needs_tail`); no decoder layer, so a target of any size fits."""
-    layers = target.config.num_hidden_layers
-
-    def pick(skeleton: torch.nn.Module) -> list[torch.nn.Module]:
-        tail = [final_norm(target, skeleton)] if needs_tail(spec, layers) else []
-        return [skeleton.get_input_embeddings(), skeleton.get_output_embeddings(), *tail]
-
-    return load_parts(target, pick)
+    """The target as a training process fed by servers holds it: its skeleton with
+    `held_modules` loaded; no decoder layer, so a target of any size fits."""
+    return load_parts(target, partial(held_modules, target, spec))
 
 
 def documents(batch: Batch) -> list[tuple[int, int, int]]:

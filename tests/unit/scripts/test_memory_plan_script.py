@@ -1,0 +1,41 @@
+"""scripts/memory_plan.py: a real `--help`, and the Llama-3.1-8B-shaped table's rows, whose target
+bytes are the hand-computed ones (bf16, untied embeddings: 2 x 128256 x 4096 x 2 bytes and the
+final norm offline; every weight of the 8B target before and online)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.cli import cli_env
+
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "memory_plan.py"
+PARTS = (2 * 128256 * 4096 + 4096) * 2
+# embeddings, lm_head and final norm; per layer 4 attention projections (q, o: 4096^2; k, v:
+# 4096 x 1024), 3 MLP matrices (4096 x 14336), 2 norms; in bf16, plus the rotary tables
+# (inv_freq and its original: 64 float32 each).
+WHOLE = PARTS + 32 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) * 2 + 2 * 64 * 4
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          env=cli_env(), timeout=300)
+
+
+def test_help_names_its_options_and_defaults():
+    done = run("--help")
+    assert done.returncode == 0 and "--world" in done.stdout and "optim.batch_tokens=16384" in done.stdout
+
+
+def test_rows_offline_and_online_before_and_after():
+    done = run("--world", "8")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    by = {(r["mode"], r["when"]): r for r in rows}
+    assert set(by) == {(m, w) for m in ("offline", "online") for w in ("before", "after")}
+    assert by["offline", "after"]["target"] == PARTS
+    assert by["offline", "before"]["target"] == by["online", "after"]["target"] == WHOLE
+    assert by["offline", "after"]["training_rank"] == by["offline", "before"]["training_rank"] - WHOLE + PARTS
+    assert "fits 80 GB" in done.stdout
