@@ -315,7 +315,18 @@ class OptimConfig(Checked):
     # resolved when the root config is built.
     val_every: int | None = None
     DEFAULT_VAL_EVERY: ClassVar[int] = 50
+    # The most validation batches each rank runs in one validation: the first ones of the split's
+    # fixed batch order, so every validation scores the same batches (`trainer.batching.
+    # validation_batches`). null: per device (`conf.device_defaults`): 200 on CUDA, where a
+    # validation of a large split would cost more than the steps between two; the whole split on
+    # a CPU. 0: the whole split.
+    val_batches: int | None = None
+    # Steps between checkpoints, unless `save_every_min` is in force.
     save_every: int = 50
+    # Minutes of wall time between checkpoints, read at logging steps on rank 0's clock
+    # (`trainer.saving`). null: per device: 30 on CUDA (a step takes 50-300 ms there, and a
+    # checkpoint of an 8B target's head gigabytes), off on a CPU. 0: every `save_every` steps.
+    save_every_min: float | None = None
     loader_workers: int = 0
     # Decoded validation: at every validation the built-in decoder runs this many validation
     # prompts (the eval.* shape, greedy, eval.max_new_tokens) with the current head and logs
@@ -337,6 +348,10 @@ class OptimConfig(Checked):
         self._at_least(1, "grad_accum", "batch_tokens", "max_batch_size")
         self._optional_positive("epochs", "val_every")
         self._at_least(1, "save_every")
+        self._require("val_batches", lambda v: v is None or v >= 0,
+                      "null (per device) or a number of batches >= 0 (0 = the whole split)")
+        self._require("save_every_min", lambda v: v is None or v >= 0,
+                      "null (per device) or minutes >= 0 (0 = every optim.save_every steps)")
         self._at_least(0, "val_decode_prompts")
         self._one_of("select_by", SELECT_BY)
         if self.select_by == "decoded" and self.val_decode_prompts == 0:

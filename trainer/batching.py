@@ -123,6 +123,15 @@ def rank_batches(ds, optim: OptimConfig, seed: int, epoch: int, rank: int, world
     return shard_batches(all_batches, rank, world)
 
 
+def validation_batches(ds, optim: OptimConfig, seed: int, rank: int, world: int, limit: int | None) -> list:
+    """This rank's validation batches: epoch 0's order, rebuilt the same at every validation,
+    cut to its first `limit` (None: all). Rank r's first k are the order's batches r, r + world,
+    ..., so across ranks a capped validation reads the first k x world batches of one fixed,
+    shuffled order: the same batches at every validation, so that scores compare across steps
+    and the kept head is chosen fairly, and as many on every rank, so collectives pair up."""
+    return rank_batches(ds, optim, seed, 0, rank, world)[:limit]
+
+
 class Rows(torch.utils.data.Dataset):
     """`ds` read a row at a time: the items of a packed batch are rows, lists of sample indices."""
 

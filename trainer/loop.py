@@ -40,18 +40,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from conf.device_defaults import Cadence
 from conf.errors import UserError
 from conf.files import atomic_write_text
 from conf.schema import OptimConfig, RootConfig
 from conf.sizes import Sizes
 from data_prep.capture import NONFINITE, overflow_message
-from trainer.batching import batch_loader, rank_batches
+from trainer.batching import batch_loader, rank_batches, validation_batches
 from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.collapse import CollapseWatch
 from trainer.costs import BetweenSteps, BetweenStepsClock, Throughput
 from trainer.deadline import deadline_stop
 from trainer.health import NonFiniteGuard, NonFiniteWatch, describe, sample_at
 from trainer.logger import RunLogger
+from trainer.saving import CheckpointClock, rank0_share
 from trainer.selection import DECODED, keeps, kept_head_dir, save_best, selection_score
 from trainer.tally import Tally
 from trainer.trainee import Batch, BatchIndex
@@ -115,14 +117,16 @@ def _loader(ds, batches: list, optim: OptimConfig, device: torch.device, index: 
 
 @torch.no_grad()
 def validation_metrics(
-    accelerator, trainee, val_ds, cfg: RootConfig, capture: Capture | None = None
+    accelerator, trainee, val_ds, cfg: RootConfig, capture: Capture | None = None, limit: int | None = None
 ) -> dict[str, float]:
+    """The trainee's metrics over this rank's validation batches, at most `limit` of them (None:
+    the whole split; `trainer.batching.validation_batches`), reduced over the ranks."""
     model = accelerator.unwrap_model(trainee)
     trainee.eval()
     tally = Tally()
     flags: list[torch.Tensor] = []
-    batches = rank_batches(
-        val_ds, cfg.optim, cfg.seed, 0, accelerator.process_index, accelerator.num_processes
+    batches = validation_batches(
+        val_ds, cfg.optim, cfg.seed, accelerator.process_index, accelerator.num_processes, limit
     )
     for batch in _loader(val_ds, batches, cfg.optim, accelerator.device, model.batch_index, capture):
         moved, flag = checked_device_batch(batch, accelerator.device, capture)
@@ -256,6 +260,8 @@ class Run:
     bar: tqdm
     collapse: CollapseWatch
     owns_logger: bool  # opened by this fit (closed by it), else its caller's (flushed, left open)
+    val_batches: int | None  # the most validation batches per rank (`Cadence`); None: all
+    saves: CheckpointClock  # when to checkpoint, by steps or by rank 0's clock
     costs: BetweenStepsClock = field(default_factory=BetweenStepsClock)
     pace: Throughput = field(default_factory=Throughput)
     tally: Tally = field(default_factory=Tally)  # the trainee's metrics since the last logging step
@@ -278,9 +284,11 @@ def fit(
     deadline: float | None = None,
     logger: RunLogger | None = None,
 ) -> FitReport:
-    """Train, validating every `val_every` steps; the best head (by `selection_score`) goes to
-    run_dir/head. `capture`: online mode's per-batch target forward (None: the data holds the
-    hidden states). `val_decode`: decoded validation (`trainer.val_decode`; None: off).
+    """Train, validating every `val_every` steps (at most the device's `Cadence.val_batches` per
+    rank) and checkpointing as `trainer.saving` decides (by steps, or on CUDA by wall time); the
+    best head (by `selection_score`) goes to run_dir/head. `capture`: online mode's per-batch
+    target forward (None: the data holds the hidden states). `val_decode`: decoded validation
+    (`trainer.val_decode`; None: off).
     `deadline`: a `time.perf_counter()` value; the step that ends past it is the last, validated
     and saved as the last step is (`trainer.deadline`; None: train the planned steps).
     `logger`: the main job's tracker, left open for what it logs after training (the
@@ -312,7 +320,7 @@ def fit(
             log(run, loss, sched.get_last_lr()[0])
         if state.step % sizes.val_every == 0 or last:
             validate(run)
-        if state.step % optim.save_every == 0 or last:
+        if run.saves.due(state.step) or last:
             checkpoint(run)
         if last:
             break
@@ -362,6 +370,7 @@ def start(
     """The `Run` of a fit about to take its first step (`state.step`: a resumed run's next, with
     the `history` its checkpoint kept), logging to `logger` (None: a `RunLogger` of its own)."""
     shown = cfg.logging.progress and accelerator.is_main_process
+    cadence = Cadence.of(cfg.optim, accelerator.device.type == "cuda")
     trainee.train()
     return Run(
         cfg, accelerator, trainee, val_ds, run_dir, capture, val_decode, state,
@@ -371,6 +380,9 @@ def start(
         bar=tqdm(total=total, initial=state.step, desc="train", disable=not shown),
         collapse=CollapseWatch(cfg.optim),
         owns_logger=logger is None,
+        val_batches=cadence.val_batches,
+        saves=CheckpointClock(cfg.optim.save_every, cadence.save_every_s, cfg.logging.log_every,
+                              rank0_share(accelerator)),
     )
 
 
@@ -418,7 +430,7 @@ def validate(run: Run) -> None:
     run.guard.check()
     step, acc = run.state.step, run.accelerator
     with run.costs.timed("validate"):
-        metrics = validation_metrics(acc, run.trainee, run.val_ds, run.cfg, run.capture)
+        metrics = validation_metrics(acc, run.trainee, run.val_ds, run.cfg, run.capture, run.val_batches)
         run.guard.check_validation(metrics, run.val_ds)
         if run.val_decode is not None:
             metrics[DECODED] = decoded_validation(acc, run.trainee, run.val_decode)
@@ -445,6 +457,7 @@ def checkpoint(run: Run) -> None:
         save_checkpoint(run.accelerator, run.run_dir, run.state, {HISTORY: history})
         if run.accelerator.is_main_process:  # the run_dir's copy, for its readers (training.png)
             atomic_write_text(run.run_dir / HISTORY, history)
+    run.saves.saved()
 
 
 def report(run: Run, first_step: int) -> FitReport:

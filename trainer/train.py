@@ -27,6 +27,7 @@ import torch
 from omegaconf import DictConfig
 
 from conf.compose import hydra_main
+from conf.device_defaults import cpu_sized_line
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import RootConfig, to_root_config
 from conf.sizes import Sizes
@@ -230,6 +231,8 @@ def run(cfg: RootConfig) -> dict:
     check_source(cfg)
     torch.manual_seed(cfg.seed)
     acc = build_accelerator(cfg.dist, cfg.optim, str(run_dir))
+    if acc.is_main_process and (line := cpu_sized_line(cfg, acc.device.type == "cuda")):
+        print(line)  # a GPU run on the CPU-sized defaults: the preset, named once
     target = resolve_target(cfg, acc.device)  # once: every stage below gets this one
     if decodes_on_static_caches(cfg):
         attention_layout(target.config)  # refused before any weights load
