@@ -52,6 +52,18 @@ def held_modules(target: Target, spec: CaptureSpec, skeleton: torch.nn.Module) -
     return [skeleton.get_input_embeddings(), skeleton.get_output_embeddings(), *tail]
 
 
+def holds_whole(cfg: RootConfig, spec: CaptureSpec, hidden_states: str, main: bool) -> bool:
+    """Whether a training process (rank 0: `main`) holds the whole target while it trains, not
+    only the parts its head reads (`held_parts`): where it computes the states (online, but
+    from servers), trains the target itself (Medusa-2, which captures no states) or decodes
+    with it (rank 0's decoded validation and evaluation). Offline the states are in the data
+    folder, so every other rank holds a few tensors where it held 16 GB at 8B
+    (`trainer.plan.memory` plans with this rule; `trainer.train.held_target` follows it)."""
+    computes = hidden_states == "online" and cfg.data.capture.backend != "server"
+    decodes = main and (cfg.optim.val_decode_prompts > 0 or cfg.pipeline.evaluate)
+    return computes or not spec.needs_forward or decodes
+
+
 def held_parts(target: Target, spec: CaptureSpec) -> torch.nn.Module:
     """The target as a training process fed by servers holds it: its skeleton with
     `held_modules` loaded; no decoder layer, so a target of any size fits."""

@@ -12,6 +12,7 @@ weights load. `load_target` is the shorthand for a name: `(model, tokenizer)`.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -36,6 +37,7 @@ from conf.files import (
     staged_dir,
 )
 from conf.schema import DataConfig, RootConfig, TargetConfig
+from data_prep.resident import take
 from data_prep.template import ChatTemplate, load_chat_template
 
 if TYPE_CHECKING:
@@ -376,8 +378,20 @@ class Target:
     @cached_property
     def model(self) -> PreTrainedModel:
         """The weights, loaded on first use and kept: every stage of the run (data prep, the
-        training loop online, decoded validation, evaluation, export) shares this one copy."""
+        training loop online, decoded validation, evaluation, export) shares this one copy,
+        the process's one copy of the target (`data_prep.resident`: a running vLLM engine stops
+        first, and one started later drops it until it is used again)."""
+        take(self.release)
         return self.load_model()
+
+    def release(self) -> None:
+        """Drop the loaded `model` (a stage that uses it later loads it again), and give its GPU
+        memory back to the device, not only to PyTorch's cache, where a vLLM engine started
+        next could not have it."""
+        if self.__dict__.pop("model", None) is not None:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def load_model(self) -> PreTrainedModel:
         """A fresh copy of the weights, in eval mode with gradients off, in `dtype` on `device`,

@@ -4,7 +4,8 @@
 An engine reserves a share of the machine's memory up front (the GPU's, or on the CPU backend a
 share of the RAM), so two side by side would each get half or fail to start; asking for other
 arguments shuts the current one down first. A data prep run asks in stage order (regeneration,
-then capture), so it starts at most one engine per stage.
+then capture), so it starts at most one engine per stage. Nor does an engine run beside the
+transformers copy of the target (`data_prep.resident`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from conf.errors import UserError
+from data_prep.resident import take
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -40,6 +42,7 @@ def engine(target_path: str, dtype: torch.dtype, max_model_len: int, **extra: An
     if _current["key"] == key:
         return _current["llm"]
     shutdown()
+    take(shutdown)  # a transformers copy of the target on this device is dropped first
     from vllm import LLM
 
     cuda = torch.cuda.is_available()

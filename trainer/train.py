@@ -35,7 +35,7 @@ from data_prep.capture import CaptureSpec
 from data_prep.folder import DataFolder
 from data_prep.keys import data_base
 from data_prep.masks import attention_layout
-from data_prep.online_engine import held_parts, served_capture, served_online
+from data_prep.online_engine import held_parts, holds_whole, served_capture, served_online
 from data_prep.prepare import capture_spec, check_source, prepare
 from data_prep.ranks import Ranks
 from data_prep.store import CapturedDataset, online_capture
@@ -51,6 +51,7 @@ from trainer.kinds import build_trainee
 from trainer.logger import RunLogger
 from trainer.loop import fit, read_history
 from trainer.plan import note_stop, plan_run, recheck
+from trainer.plan.memory import check_memory_plan
 from trainer.plan.policy import PlanRecord
 from trainer.training_plot import plot_training
 from trainer.val_decode import build_val_decoder
@@ -214,12 +215,16 @@ def check_served_online(cfg: RootConfig, spec: CaptureSpec) -> None:
                         f"the whole target here, and {why}: set optim.val_decode_prompts=0")
 
 
-def held_target(cfg: RootConfig, target: Target, spec: CaptureSpec):
-    """What this process holds of the target: the parts a head and the served states need
-    (`check_served_online`'s case), else the whole target, loaded once (`Target.model`)."""
-    if served_online(cfg, cfg.data.hidden_states) and spec.needs_forward:
-        return held_parts(target, spec)
-    return target.model
+def held_target(cfg: RootConfig, target: Target, spec: CaptureSpec, hidden_states: str, main: bool):
+    """What this process holds of the target while it trains, decided once the data is there
+    (data prep may have run the whole target, and a vLLM engine may have had the device):
+    the whole target, loaded once (`Target.model`), where it computes states, trains the target
+    or decodes (`holds_whole`); else the parts its head reads (`held_parts`), and the whole
+    target, if data prep loaded it here, is dropped."""
+    if holds_whole(cfg, spec, hidden_states, main):
+        return target.model
+    target.release()
+    return held_parts(target, spec)
 
 
 def run(cfg: RootConfig) -> dict:
@@ -241,7 +246,7 @@ def run(cfg: RootConfig) -> dict:
     check_init_from(cfg, target.config)  # head.init_from: refused before any data stage
     spec = capture_spec(cfg, kind, target.config.num_hidden_layers)
     check_served_online(cfg, spec)
-    model = held_target(cfg, target, spec)
+    check_memory_plan(cfg, target.config, acc.device)  # a run its device cannot hold: one line
     stages = Stages(started)
     sizes, budget = decide_sizes(cfg, acc, target, started, kind)
     if budget is not None:
@@ -254,6 +259,7 @@ def run(cfg: RootConfig) -> dict:
     if budget is not None:
         sizes, budget = recheck(cfg, budget, started, train_ds, val_ds, data.samples)
         cfg = sizes.apply(cfg)
+    model = held_target(cfg, target, spec, data.hidden_states, acc.is_main_process)
     trainee = build_trainee(cfg, model, data.path)
     val_decode = build_val_decoder(cfg, trainee, (model, target.tokenizer), val_ds)
     if served_online(cfg, data.hidden_states):

@@ -39,7 +39,7 @@ from transformers import PretrainedConfig
 
 from conf.errors import UserError
 from conf.schema import RootConfig, derive
-from data_prep.online_engine import held_modules
+from data_prep.online_engine import held_modules, holds_whole
 from data_prep.prepare import capture_spec
 from data_prep.target import Target, resolve_dtype
 from heads.kinds import head_kind
@@ -200,8 +200,7 @@ def plan_memory(cfg: RootConfig, target_config: PretrainedConfig, device: torch.
     kind = head_kind(cfg.head.name)
     spec = capture_spec(cfg, kind, target_config.num_hidden_layers)
     whole = module_bytes([skeleton])
-    servers = cfg.data.capture.backend == "server"
-    parts_only = spec.needs_forward and (mode == "offline" or servers)
+    parts_only = not holds_whole(cfg, spec, mode, main=False)
     held = module_bytes(held_modules(target, spec, skeleton)) if parts_only else whole
     deepspeed_half = strategy.startswith("zero") and half
     trained, trainable, frozen = trainee_bytes(trainee, skeleton, deepspeed_half)
@@ -215,7 +214,7 @@ def plan_memory(cfg: RootConfig, target_config: PretrainedConfig, device: torch.
         mode=mode, strategy=strategy, world=world, tokens=tokens, target=held, target_whole=whole,
         trainable=trainable, frozen=frozen, gradients=grads, optimizer=optimizer,
         activations=activation_bytes_per_token(cfg, target_config, half) * tokens,
-        rank0_whole=parts_only and (cfg.optim.val_decode_prompts > 0 or cfg.pipeline.evaluate),
+        rank0_whole=parts_only and holds_whole(cfg, spec, mode, main=True),
     )
 
 

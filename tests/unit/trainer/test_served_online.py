@@ -132,14 +132,20 @@ def test_a_served_batch_is_the_offline_batch(storage, packed):
     assert NONFINITE not in ahead
 
 
-def test_served_online_holds_the_parts_a_head_needs_and_trains_as_with_the_target(
-    sharp_target, chat_file, tmp_path
+@pytest.mark.parametrize("mode", ["served", "offline"])
+def test_a_rank_holds_the_parts_a_head_needs_and_trains_as_with_the_target(
+    sharp_target, chat_file, tmp_path, mode
 ):
-    cfg = tiny_run_config("eagle3", sharp_target, chat_file, tmp_path / "run", *SERVED,
+    """Online from servers and offline, a rank that does not decode holds the target's parts
+    only, and drops the whole target if data prep loaded it."""
+    setting = SERVED if mode == "served" else ("data.hidden_states=offline",)
+    cfg = tiny_run_config("eagle3", sharp_target, chat_file, tmp_path / "run", *setting,
                           "data.draft_vocab_size=300")
     target = resolve_target(cfg)
-    parts = held_target(cfg, target, capture_spec(cfg, EAGLE3, target.config.num_hidden_layers))
-    full = target.model
+    full = target.model  # as data prep leaves it
+    hidden = "online" if mode == "served" else "offline"
+    parts = held_target(cfg, target, capture_spec(cfg, EAGLE3, target.config.num_hidden_layers), hidden, True)
+    assert "model" not in target.__dict__  # dropped
     assert parts is not full
     assert torch.equal(parts.get_input_embeddings().weight, full.get_input_embeddings().weight)
     assert torch.equal(parts.get_output_embeddings().weight, full.get_output_embeddings().weight)
@@ -152,6 +158,27 @@ def test_served_online_holds_the_parts_a_head_needs_and_trains_as_with_the_targe
             continue
         assert torch.equal(a.head.state_dict()[name], value), name
     assert torch.equal(a.teacher_weight, b.teacher_weight)
+
+
+@pytest.mark.parametrize(
+    ("head", "extra", "hidden", "main", "whole"),
+    [
+        ("eagle3", ("pipeline.evaluate=true",), "offline", True, True),  # rank 0 evaluates with it
+        ("eagle3", ("pipeline.evaluate=true",), "offline", False, False),
+        ("eagle3", ("optim.val_decode_prompts=2",), "offline", True, True),  # rank 0 decodes with it
+        ("eagle3", (), "online", False, True),  # it computes the states
+        ("medusa", ("head.joint=true",), "offline", False, True),  # Medusa-2 trains the target
+    ],
+)
+def test_a_rank_holds_the_whole_target_where_it_runs_it(sharp_target, chat_file, tmp_path, head, extra,
+                                                       hidden, main, whole):
+    cfg = tiny_run_config(head, sharp_target, chat_file, tmp_path / "run", f"data.hidden_states={hidden}",
+                          *extra)
+    target = resolve_target(cfg)
+    spec = capture_spec(cfg, head_kind(head), target.config.num_hidden_layers)
+    held = held_target(cfg, target, spec, hidden, main)
+    assert (held is target.__dict__.get("model")) is whole
+    assert any(p.is_meta for p in held.parameters()) is not whole
 
 
 @pytest.mark.parametrize(
