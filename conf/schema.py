@@ -27,6 +27,10 @@ from conf.errors import UserError, first_line, no_such_key
 from conf.kinds import HEAD_CONFIGS
 
 TARGET_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# transformers' attention implementations (`from_pretrained(attn_implementation=)`), and the Hub
+# kernels it loads without `allow_all_kernels`: kernels-community/<kernel>[@revision][:function].
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+_HUB_KERNEL = re.compile(r"kernels-community/[\w.-]+(@[\w.-]+)?(:[\w.-]+)?")
 STORAGE_DTYPES = ("bfloat16", "fp8")
 MATMUL_DTYPES = ("auto", "target", "bfloat16")
 HIDDEN_STATES = ("offline", "online", "auto")
@@ -105,6 +109,11 @@ class TargetConfig(Checked):
     # OmegaConf has no union of a string and a dict. Capture and online training run on it
     # (`data_prep.target.input_device`); what decodes needs one device (`one_device`).
     device_map: Any = None
+    # The target's attention in transformers: one of ATTN_IMPLEMENTATIONS or a
+    # kernels-community/<kernel> Hub kernel; null: transformers' default (sdpa where the model has
+    # it, else eager). draftsmith's capture and decoders hand the target dense masks, which flash
+    # kernels do not read: they refuse those (`data_prep.masks.check_masked`).
+    attn_implementation: str | None = None
 
     def check(self) -> None:
         self._require("name_or_path", bool, "a Hub id, a folder, a .gguf file or an alias")
@@ -113,6 +122,9 @@ class TargetConfig(Checked):
         self._at_least(0, "num_threads")
         self._require("device_map", _device_map, f"null, one of {', '.join(DEVICE_MAPS)}, or a "
                       "non-empty {module name: cpu | cuda:N | N} map")
+        self._require("attn_implementation", lambda v: v is None or v in ATTN_IMPLEMENTATIONS
+                      or (isinstance(v, str) and _HUB_KERNEL.fullmatch(v) is not None),
+                      f"null, one of {', '.join(ATTN_IMPLEMENTATIONS)}, or kernels-community/<kernel>")
 
     def one_device(self, stage: str, way_out: str) -> None:
         """Refuse `target.device_map` for a stage that needs the whole target on one device

@@ -66,7 +66,7 @@ from typing import Any, Protocol
 import torch
 
 from conf.errors import UserError
-from data_prep.masks import attention_layout
+from data_prep.masks import attention_layout, check_masked
 from data_prep.target import input_device
 from data_prep.template import Tokenized
 
@@ -199,7 +199,9 @@ def attention_masks(config, keep: torch.Tensor, positions: torch.Tensor, dtype: 
     layer's also hiding the keys past its window. A ready-made 4D mask is used as it is, so a
     bool one would give every sliding layer full attention (and eager attention, gpt-oss's,
     would add it as 0/1): the hidden states would not be those the target computes. A target
-    with layers the layout cannot describe (linear attention) keeps `keep` as it is."""
+    with layers the layout cannot describe (linear attention) keeps `keep` as it is. An attention
+    that reads no dense mask (flash) is refused in one line (`masks.check_masked`)."""
+    check_masked(config._attn_implementation, "capture", "data.capture.backend=vllm")
     try:
         layout = attention_layout(config)
     except UserError:

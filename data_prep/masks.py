@@ -67,14 +67,35 @@ class AttentionLayout:
         return {SLIDING if w is not None else FULL: m for w, m in zip(self.kinds, masks)}
 
 
-def attention_layout(config) -> AttentionLayout:
+DECODERS = "draftsmith's regeneration engine and decoder"
+DECODERS_WAY_OUT = "use data.regenerate.backend=vllm, pipeline.evaluate=false and optim.val_decode_prompts=0"
+
+
+def check_masked(implementation: str | None, stage: str, way_out: str) -> None:
+    """Refuse, in one line naming `target.attn_implementation`, an attention that does not read
+    the dense 4D masks `stage` hands the target (static caches, packed documents, sliding windows):
+    transformers passes a ready-made 4D mask to the attention as it is, and flash attention
+    (`flash_attention_*`, and the Hub's kernels, flash ones) reads a mask as padding only, so
+    the hidden states would silently be wrong. None is transformers' default (sdpa or eager)."""
+    if implementation is None or not (implementation.startswith("flash_attention") or "/" in implementation):
+        return
+    raise UserError(
+        f"target.attn_implementation={implementation}: the target gets dense attention masks from "
+        f"{stage}, which this attention does not read; use eager, sdpa or flex_attention, or {way_out}"
+    )
+
+
+def attention_layout(config, implementation: str | None = None) -> AttentionLayout:
     """The layout of a transformers model config (its text decoder's), as transformers' caches
     read it (`get_layer_types_and_kwargs`). Refuses, in one line, a target with layers that are
     neither full nor sliding-window attention (chunked, linear, recurrent, KV shared with
     another layer), or with sliding windows of several sizes: the static caches cannot mask them
-    as transformers does."""
+    as transformers does; and an attention that reads no dense mask (`check_masked`):
+    `implementation`, `target.attn_implementation` before the weights load, else the loaded
+    config's."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
+    check_masked(implementation or config._attn_implementation, DECODERS, DECODERS_WAY_OUT)
     text = config.get_text_config(decoder=True)
     types, kwargs = get_layer_types_and_kwargs(text)
     other = sorted(set(types) - {FULL, SLIDING})
@@ -88,9 +109,7 @@ def attention_layout(config) -> AttentionLayout:
         why = f"its sliding layers use windows of several sizes {sizes}"
     if why:
         raise UserError(
-            f"target ({text.model_type}): {why}, which draftsmith's regeneration engine and "
-            "decoder cannot mask as transformers does (they run full and sliding-window attention "
-            "only); use data.regenerate.backend=vllm, pipeline.evaluate=false and "
-            "optim.val_decode_prompts=0"
+            f"target ({text.model_type}): {why}, which {DECODERS} cannot mask as transformers does "
+            f"(they run full and sliding-window attention only); {DECODERS_WAY_OUT}"
         )
     return AttentionLayout(windows)

@@ -316,6 +316,8 @@ class Target:
     template_file: str | None = None
     template_kwargs: dict | None = None
     template_date: str = DataConfig.template_date
+    # target.attn_implementation: None leaves transformers' default.
+    attn_implementation: str | None = None
 
     @cached_property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -396,27 +398,48 @@ class Target:
     def load_model(self) -> PreTrainedModel:
         """A fresh copy of the weights, in eval mode with gradients off, in `dtype` on `device`,
         or placed by transformers as `device_map` says (and then left where it put each layer:
-        its hooks move activations between devices; inputs go to `input_device`). `model` keeps
-        the run's one copy; a caller that changes weights loads its own."""
+        its hooks move activations between devices; inputs go to `input_device`), with the
+        `attn_implementation` asked (one line if transformers refuses it). On a GPU the weights
+        load straight onto it, not through host RAM (8 ranks x 16 GB at 8B). `model` keeps the
+        run's one copy; a caller that changes weights loads its own."""
         from transformers import AutoModelForCausalLM
 
         if self.num_threads > 0:
             torch.set_num_threads(self.num_threads)
         self.check_device_map()
-        placed = {} if self.device_map is None else {"device_map": self.device_map}
+        placed = self._placement()
+        asked = self.attn_implementation
+        attention = {} if asked is None else {"attn_implementation": asked}
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 self.path, revision=self.revision, dtype=self.dtype, trust_remote_code=self.trust_remote_code,
-                **placed,
+                **placed, **attention,
             )
         except OSError as err:
             raise UserError(
                 f"target.name_or_path={self.name!r}: cannot load a model ({first_line(err)}); "
                 + _EXPECTED
             ) from None
+        except (ImportError, ValueError) as err:  # transformers' refusals of an attention
+            if not attention:
+                raise
+            raise UserError(f"target.attn_implementation={asked}: {first_line(err)}") from None
         if not placed:
             model = model.to(self.device)
         return model.eval().requires_grad_(False)
+
+    def _placement(self) -> dict:
+        """`from_pretrained`'s device_map: `target.device_map`, else the whole target on a CUDA
+        `device`, else none (loaded on the CPU and moved). Not under ZeRO-3, which transformers
+        refuses a device_map with (it partitions the weights itself)."""
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        if self.device_map is not None:
+            return {"device_map": self.device_map}
+        if self.device.type != "cuda" or is_deepspeed_zero3_enabled():
+            return {}
+        index = torch.cuda.current_device() if self.device.index is None else self.device.index
+        return {"device_map": {"": torch.device("cuda", index)}}
 
 
     def check_device_map(self) -> None:
@@ -474,7 +497,7 @@ def resolve_target(cfg: RootConfig, device: str | torch.device | None = None) ->
     return Target(
         t.name_or_path, path, t.revision, t.trust_remote_code, config,
         dev, resolve_dtype(t.dtype, dev), t.num_threads, t.device_map,
-        d.chat_template, d.chat_template_kwargs, d.template_date,
+        d.chat_template, d.chat_template_kwargs, d.template_date, t.attn_implementation,
     )
 
 

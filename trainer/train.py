@@ -240,7 +240,7 @@ def run(cfg: RootConfig) -> dict:
         print(line)  # a GPU run on the CPU-sized defaults: the preset, named once
     target = resolve_target(cfg, acc.device)  # once: every stage below gets this one
     if decodes_on_static_caches(cfg):
-        attention_layout(target.config)  # refused before any weights load
+        attention_layout(target.config, target.attn_implementation)  # refused before any weights load
     kind.check_target(cfg.head, target.config)
     check_max_length(cfg.data.max_length, target.config)
     check_init_from(cfg, target.config)  # head.init_from: refused before any data stage

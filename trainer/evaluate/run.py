@@ -171,7 +171,7 @@ def evaluate(
     ev = cfg.eval
     load_prompts(ev)  # a bad task list is refused before the target loads
     target = resolve_target(cfg) if target is None else target
-    attention_layout(target.config)  # refused before any weights load
+    attention_layout(target.config, target.attn_implementation)  # refused before any weights load
     model = target.model
     tokenizer = target.tokenizer
     kind = folder_kind(head_path)

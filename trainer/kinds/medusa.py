@@ -242,18 +242,33 @@ class MedusaTrainee(nn.Module):
         return MedusaDrafter(self.head, target.config.get_text_config().num_hidden_layers), target
 
 
-def trainable_target(target, lora_rank: int):
+def trainable_target(target, lora_rank: int, checkpointing: bool = False):
     """A trainable copy of the frozen target (the original stays the teacher and the baseline):
-    all weights, or LoRA adapters (alpha = 2 * rank) on every linear layer but the lm_head."""
+    all weights, or LoRA adapters (alpha = 2 * rank) on every linear layer but the lm_head.
+
+    What trains is float32 whatever the target's dtype, the master weights the heads have too:
+    on a GPU the target is bf16, whose resolution is 2**-8 of a weight, and AdamW's steps (lr
+    times about one) round away in bf16 weights and moments. Under mixed precision autocast
+    still computes in bf16. A LoRA copy's frozen base stays in the target's dtype.
+    `checkpointing` (a full copy): each decoder layer's activations are recomputed in backward
+    rather than kept, the memory a GPU lacks for an 8B target's layers; not asked on a CPU,
+    where memory is plenty and the recomputation costs a third more time."""
     student = copy.deepcopy(target)
     if lora_rank == 0:
-        return student.requires_grad_(True)
+        student = student.float().requires_grad_(True)
+        if checkpointing:
+            student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        return student
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(
         r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules="all-linear"
     )
-    return get_peft_model(student, lora)
+    adapted = get_peft_model(student, lora)
+    for param in adapted.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+    return adapted
 
 
 class JointMedusaTrainee(nn.Module):
@@ -273,7 +288,7 @@ class JointMedusaTrainee(nn.Module):
     def __init__(self, head: MedusaHead, target, cfg: MedusaConfig, grad_accum: int = 1):
         super().__init__()
         self.head = head
-        self.target = trainable_target(target, cfg.lora_rank)
+        self.target = trainable_target(target, cfg.lora_rank, checkpointing=target.device.type == "cuda")
         self.__dict__["teacher"] = target if cfg.self_distill else None
         self.cfg = cfg
         self.objective = Objective.from_config(cfg)
@@ -286,16 +301,17 @@ class JointMedusaTrainee(nn.Module):
         """Batches are right-padded, so under the causal mask no real position attends to a pad:
         the decoders run without the attention mask, which transformers would read back (a
         sync) to decide whether SDPA may run as plain causal attention. Packed rows pass their
-        positions and a ready-made 4D mask (`document_inputs`), which it takes as they are."""
+        positions and a ready-made 4D mask (`document_inputs`), which it takes as they are, built
+        per model: the trained float32 copy and a bf16 teacher differ in dtype. No KV cache is
+        built: nothing decodes here."""
         batch = indexed(batch, self.batch_index)
         ids, mask = batch["input_ids"], batch["loss_mask"]
-        packed = document_inputs(self.target, batch["position_ids"]) if "position_ids" in batch else {}
-        hidden = self.target.get_decoder()(input_ids=ids, **packed).last_hidden_state
+        hidden = self._final_hidden(self.target, batch)
         rows, targets, counted = offset_rows(ids, mask, batch[LABEL_INDEX], 1, batch[LABEL_POSITION])
         teacher_project = teacher_rows = None
         if self.teacher is not None:
             with torch.no_grad():
-                teacher_hidden = self.teacher.get_decoder()(input_ids=ids, **packed).last_hidden_state
+                teacher_hidden = self._final_hidden(self.teacher, batch)
                 teacher_rows = teacher_hidden.flatten(0, 1).index_select(0, rows)
             teacher_project = self.teacher.get_output_embeddings()
         lm_sum, lm_top1, _ = token_loss(
@@ -320,6 +336,11 @@ class JointMedusaTrainee(nn.Module):
         loss = lm_sum / n.clamp(min=1) + self.cfg.joint_head_loss_scale * head_loss
         lm = torch.stack([lm_sum.detach(), lm_top1.to(lm_sum.dtype), n.to(lm_sum.dtype)])
         return {"loss": loss, "lm": lm, **sums}
+
+    @staticmethod
+    def _final_hidden(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        packed = document_inputs(model, batch["position_ids"]) if "position_ids" in batch else {}
+        return model.get_decoder()(input_ids=batch["input_ids"], use_cache=False, **packed).last_hidden_state
 
     @staticmethod
     def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:

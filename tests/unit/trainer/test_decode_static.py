@@ -1,9 +1,10 @@
 """The decoder's static KV caches and CUDA graphs. On any machine: verify steps with rejected
 drafts, tree gathers and cache growth give the logits of plain forwards; EAGLE-3 chain drafts on
 the head's static cache are those of the concatenating path training uses; no CUDA graph is
-touched on a CPU. On a GPU: graphed decoding gives eager decoding's tokens, captures each step
-once across requests, and one request per model owns its cache. (Greedy decoding on the static
-cache equals transformers' `generate` on its dynamic one: test_decode_greedy, test_decode_smollm2.)"""
+touched on a CPU; a step that cannot be captured runs eagerly. On a GPU: graphed decoding gives
+eager decoding's tokens, captures each step once across requests, and one request per model
+owns its cache. (Greedy decoding on the static cache equals transformers' `generate` on its
+dynamic one: test_decode_greedy, test_decode_smollm2.)"""
 
 from __future__ import annotations
 
@@ -149,6 +150,48 @@ def test_a_step_graph_replays_new_inputs_against_fixed_buffers():
     for value, slot in ((1.0, 0), (5.0, 2)):
         out = graphs("step", step, torch.tensor([value], device="cuda"), torch.tensor([slot], device="cuda"))
     assert out.tolist() == [2.0, 0.0, 10.0, 0.0] and len(graphs) == 1
+
+
+def routed(x: torch.Tensor) -> torch.Tensor:
+    """A step like an MoE expert loop: `nonzero` reads the routing back to the host."""
+    return x[x.nonzero(as_tuple=True)] * 2
+
+
+CAPTURE_REFUSED = "CUDA error: operation not permitted when stream is capturing"
+
+
+def test_a_step_that_cannot_be_captured_runs_eagerly_after_one_line(capsys):
+    """CUDA cannot exist on this machine: the capture is a stand-in that raises CUDA's error for
+    a host read during capture (what `routed` does on a GPU). The step's outputs are the eager
+    ones; one line names it; neither it (under any shape) nor a later failure is tried or said
+    again, while the graphs stay enabled for what can be captured."""
+    tries = []
+
+    def refused(fn, inputs):
+        tries.append(fn)
+        raise RuntimeError(f"{CAPTURE_REFUSED}\nCUDA kernel errors might be asynchronously reported")
+
+    graphs = StepGraphs(torch.device("cuda"), capture=refused)
+    for x in (torch.tensor([0.0, 1.0, 2.0]), torch.tensor([3.0, 0.0, 0.0]), torch.zeros(5)):
+        assert torch.equal(graphs("experts", routed, x), routed(x))
+    assert torch.equal(graphs("other", routed, torch.ones(2)), torch.full((2,), 2.0))
+    assert len(tries) == 2 and len(graphs) == 0 and graphs.enabled
+    assert capsys.readouterr().err.splitlines() == [
+        f"cuda graphs: step 'experts' cannot be captured ({CAPTURE_REFUSED}); it runs eagerly"
+    ]
+
+
+@cuda
+def test_a_refused_capture_leaves_the_stream_as_it_was(capsys):
+    """On a GPU, the real refusal: the caller's stream is current again and nothing captures;
+    the step's output is eager decoding's, and a capturable step is still captured."""
+    graphs, x = StepGraphs(torch.device("cuda")), torch.tensor([0.0, 1.0, 2.0], device="cuda")
+    stream = torch.cuda.current_stream()
+    assert torch.equal(graphs("experts", routed, x), routed(x))
+    assert torch.cuda.current_stream() == stream and not torch.cuda.is_current_stream_capturing()
+    assert "cuda graphs: step 'experts' cannot be captured (" in capsys.readouterr().err
+    assert torch.equal(graphs("double", torch.mul, x, torch.tensor(2.0, device="cuda")), x * 2)
+    assert len(graphs) == 1
 
 
 @cuda

@@ -4,6 +4,7 @@ self-distilled LoRA training leaves the target's greedy outputs (almost) unchang
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from conf.schema import DistConfig, LoggingConfig, OptimConfig, RootConfig, Targ
 from heads.medusa.model import TARGET_DIR, MedusaHead, load_joint_target
 from tests.support.targets import TINY
 from trainer.distributed import build_accelerator
-from trainer.kinds.medusa import build_medusa_trainee, greedy_token_drift
+from trainer.kinds.medusa import build_medusa_trainee, greedy_token_drift, trainable_target
 from trainer.loop import FitReport, fit, validation_metrics
 
 VOCAB, PROMPT, ANSWER = 1024, 8, 24
@@ -212,3 +213,55 @@ def test_heads_warmup_keeps_the_head_loss_off_the_target(target, data, tmp_path)
     assert any(not torch.allclose(a, b) for a, b in zip(after, lm_only))
 
 
+
+
+def test_medusa2_trains_float32_master_weights_of_a_bf16_target(tiny_model, tmp_path):
+    """A GPU target is bf16. What trains is float32, starting from the bf16 weights upcast, while
+    the teacher stays bf16; so an AdamW step under bf16 autocast whose updates lie below bf16's
+    resolution still changes the weights (bf16 weights and moments would round it away)."""
+    target = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    cfg = make_cfg(tmp_path, MedusaConfig(num_heads=1, joint=True))
+    trainee = build_medusa_trainee(cfg, target, None).train()
+    weights = target.state_dict()
+    trained = dict(trainee.target.named_parameters())
+    assert {n: p.dtype for n, p in trained.items()} == {n: torch.float32 for n in trained}
+    for name, param in trained.items():
+        torch.testing.assert_close(param.detach(), weights[name].float(), rtol=0, atol=0)
+    assert {p.dtype for p in trainee.teacher.parameters()} == {torch.bfloat16}
+
+    ids = torch.randint(3, target.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)}
+    opt = torch.optim.AdamW(trainee.param_groups(lr=1e-6, weight_decay=0.0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trainee(batch)["loss"].backward()
+    opt.step()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    before, after = weights[name], trained[name].detach()
+    large = before.float().abs() > 1e-2  # where a 1e-6 step is far below bf16's spacing
+    assert large.sum() > 100
+    assert (after[large] != before[large].float()).all()  # the update survives in float32
+    assert torch.equal(after[large].bfloat16(), before[large])  # and would round away in bf16
+
+    lora = build_medusa_trainee(derive(cfg, {"head.lora_rank": 4}), target, None)
+    dtypes = {p.requires_grad: set() for p in lora.target.parameters()}
+    for param in lora.target.parameters():
+        dtypes[param.requires_grad].add(param.dtype)
+    assert dtypes == {True: {torch.float32}, False: {torch.bfloat16}}  # adapters fp32, base as loaded
+
+
+def test_gradient_checkpointing_keeps_the_full_target_gradients(target, data):
+    """A GPU's trained target recomputes its layers in backward (`trainable_target(checkpointing=
+    True)`, asked where the target is on CUDA): the same loss and gradients as keeping them."""
+    ids = data[0][0]["input_ids"][None]
+
+    def grads(checkpointing: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        student = trainable_target(target, 0, checkpointing).train()
+        assert student.is_activation_checkpointing == checkpointing
+        loss = student(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), [p.grad for p in student.parameters()]
+
+    (loss, kept), (recomputed_loss, recomputed) = grads(False), grads(True)
+    torch.testing.assert_close(recomputed_loss, loss, rtol=0, atol=0)
+    for a, b in zip(recomputed, kept):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
