@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from data_prep.target import Target, check_max_length, resolve_target
 from heads.export.write import default_formats, export_head, formats_for
 from heads.formats import check_init_from
 from heads.kinds import HeadKind, check_export_formats
-from trainer.checkpoint import checkpoint_step, latest_checkpoint
+from trainer.checkpoint import check_layout, checkpoint_step, latest_checkpoint
 from trainer.closing import closing_lines
 from trainer.distributed import build_accelerator
 from trainer.evaluate.run import evaluate
@@ -143,7 +144,8 @@ def check_run_dir(cfg: RootConfig) -> None:
     """One run_dir holds one run. A second run started into it with `resume=false` would mix the
     two (the old run's later checkpoints outlive pruning and a later `resume=true` picks them up;
     its head, plan and summary are overwritten), so it is refused before anything is written, and
-    `resume=true` needs a checkpoint to go on from."""
+    `resume=true` needs a checkpoint to go on from, saved on as many processes and the same ZeRO
+    stage (`check_layout`)."""
     run_dir = Path(cfg.run_dir)
     last = latest_checkpoint(run_dir)
     if cfg.resume:
@@ -152,6 +154,7 @@ def check_run_dir(cfg: RootConfig) -> None:
                 f"resume=true: no checkpoint under {run_dir}/checkpoints to resume from "
                 "(drop resume=true to start afresh, or point run_dir at the interrupted run)"
             )
+        check_layout(last, int(os.environ.get("WORLD_SIZE", 1)), cfg.dist.zero_stage)
         return
     if last is not None:
         raise UserError(

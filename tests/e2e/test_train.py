@@ -167,3 +167,37 @@ def test_bad_overrides_are_one_line_before_loading(overrides, expected, tmp_path
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
     assert proc.stdout == ""
     assert not cache.exists() and not (run_dir / "summary.json").exists()
+
+
+def saved_model(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a checkpoint: accelerate's safetensors file, or under DeepSpeed its
+    own model states, with ZeRO's frozen fragments (None where it wrote none)."""
+    if (checkpoint / "model.safetensors").exists():
+        return load_file(checkpoint / "model.safetensors")
+    states = torch.load(checkpoint / "pytorch_model" / "mp_rank_00_model_states.pt", weights_only=False)
+    return {**states["module"], "frozen_param_fragments": states.get("frozen_param_fragments")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dist", ["ddp", "zero2"])
+def test_two_process_checkpoints_hold_what_trains_and_resume_exactly(sharp_target, chat_file, tmp_path, dist):
+    """Under DDP accelerate writes the wrapped model's state, under DeepSpeed its own model
+    states: neither holds a frozen table (nor ZeRO's frozen fragments), and a run resumed from its
+    step-3 checkpoint, its frozen tables rebuilt from the target, ends where the whole run did."""
+    run_dir = tmp_path / "run"
+    launcher = two_processes()
+    args = train_args(sharp_target, chat_file, run_dir, f"dist={dist}", "optim.max_steps=6",
+                      "optim.save_every=3", "optim.val_every=100")
+    assert run_train_cli(args, launcher=launcher).returncode == 0
+    last = run_dir / "checkpoints" / "step-0000006"
+    whole = saved_model(last)
+    assert not [k for k in whole if "embed_tokens" in k] and [k for k in whole if "fc.weight" in k]
+    assert whole.pop("frozen_param_fragments", None) is None
+    shutil.rmtree(last)
+    resumed = run_train_cli([*args, "resume=true"], launcher=launcher)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = saved_model(last)
+    again.pop("frozen_param_fragments", None)
+    assert again.keys() == whole.keys()
+    for k, v in whole.items():
+        assert torch.equal(again[k], v), k
