@@ -24,10 +24,10 @@ import datetime
 import hashlib
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from data_prep.sources import prompt_uid
 from data_prep.target import resolve_device
 
 TIMEOUT = datetime.timedelta(days=1)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,11 @@ class Ranks:
         box = [value]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+    def main_does(self, work: Callable[[], T]) -> T:
+        """`work()` done by rank 0 alone, its value on every rank; the others wait meanwhile, as
+        long as it takes (this group waits a day). Should rank 0 fail, torchrun stops the rest."""
+        return self.from_main(work() if self.main else None)
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's `value`, in rank order, on every rank."""

@@ -306,13 +306,14 @@ def fit(
     run = start(cfg, accelerator, trainee, train_ds, val_ds, run_dir, capture, val_decode, state, history,
                 total, logger)
     first_step = state.step
+    share = rank0_share(accelerator) if world > 1 else None  # whose clock ends training: rank 0's
     for loss in optimizer_steps(run, train_ds, opt, params, total):
         run.say(run.guard.skip_line())
         sched.step()
         state.step += 1
         run.pace.step_ended()
         run.bar.update(1)
-        if (line := deadline_stop(deadline, state.step, total)) is not None:
+        if (line := deadline_stop(deadline, state.step, total, share, cfg.logging.log_every)) is not None:
             run.say(line)
             total = state.step  # this step is the last: validated and saved as such
         last = state.step == total

@@ -58,7 +58,7 @@ from trainer.training_plot import plot_training
 from trainer.val_decode import build_val_decoder
 
 
-def prepare_data(cfg: RootConfig, acc, target: Target, kind: HeadKind) -> DataFolder:
+def prepare_data(cfg: RootConfig, acc, target: Target, kind: HeadKind, ranks: Ranks) -> DataFolder:
     """The data folder on every rank. Where every rank sees the data cache (one node, or a shared
     file system) the ranks build it together, each regenerating and capturing its share
     (`data_prep.ranks`). Else it is built once per node: global rank 0 first; then the first
@@ -66,7 +66,6 @@ def prepare_data(cfg: RootConfig, acc, target: Target, kind: HeadKind) -> DataFo
     every other rank reuses its node's. A barrier closes each turn, on the ranks' gloo group,
     which waits a day: a turn takes as long as regenerating and capturing the whole data set,
     and the training group (NCCL) would abort the waiting ranks after `dist.timeout_min`."""
-    ranks = Ranks.from_env()
     if ranks.share_folder(data_base(cfg)):
         return prepare(cfg, target=target, ranks=ranks, kind=kind)
     turn = 0 if acc.is_main_process else 1 if acc.is_local_main_process else 2
@@ -91,23 +90,21 @@ class Stages:
         self._last = now
 
 
-def decide_sizes(cfg: RootConfig, acc, target: Target, started: float,
-                 kind: HeadKind) -> tuple[Sizes, PlanRecord | None]:
+def decide_sizes(cfg: RootConfig, acc, target: Target, started: float, kind: HeadKind,
+                 ranks: Ranks) -> tuple[Sizes, PlanRecord | None]:
     """The run's sizes, decided once: the user's (or their defaults), or the time budget's plan
-    (`trainer.plan`) with its record. The probes run in one process, with the whole target in
-    it, so a multi-process run, or one whose states come from servers (`check_served_online`),
-    keeps the user's sizes and says so."""
+    (`trainer.plan`) with its record, the same on every rank (rank 0 plans, the ranks probe
+    together). The probes run the whole target here, so a run whose states come from servers
+    (`check_served_online`) keeps the user's sizes and says so."""
     if cfg.budget_s is None:
         return Sizes.of(cfg), None
-    unplanned = (f"across {acc.num_processes} processes" if acc.num_processes > 1 else
-                 "with the states from servers" if served_online(cfg, cfg.data.hidden_states) else None)
-    if unplanned is not None:
+    if served_online(cfg, cfg.data.hidden_states):
         sizes = Sizes.of(cfg)
         if acc.is_main_process:
-            print(f"budget={cfg.budget}: not planned {unplanned}; "
+            print(f"budget={cfg.budget}: not planned with the states from servers; "
                   f"data.max_samples={sizes.conversations}, optim.epochs={sizes.epochs}")
         return sizes, None
-    return plan_run(cfg, target, started, kind)
+    return plan_run(cfg, target, started, kind, ranks)
 
 
 def decodes_on_static_caches(cfg: RootConfig) -> bool:
@@ -251,16 +248,17 @@ def run(cfg: RootConfig) -> dict:
     check_served_online(cfg, spec)
     check_memory_plan(cfg, target.config, acc.device)  # a run its device cannot hold: one line
     stages = Stages(started)
-    sizes, budget = decide_sizes(cfg, acc, target, started, kind)
+    ranks = Ranks.from_env()  # the ranks' own gloo group: probes and data prep outlast NCCL's waits
+    sizes, budget = decide_sizes(cfg, acc, target, started, kind, ranks)
     if budget is not None:
         stages.done("probes")
     cfg = sizes.apply(cfg)
-    data = prepare_data(cfg, acc, target, kind)
+    data = prepare_data(cfg, acc, target, kind, ranks)
     stages.done("data")
     train_ds = CapturedDataset(data.path, "train")
     val_ds = CapturedDataset(data.path, "validation")
     if budget is not None:
-        sizes, budget = recheck(cfg, budget, started, train_ds, val_ds, data.samples)
+        sizes, budget = recheck(cfg, budget, started, train_ds, val_ds, data.samples, ranks)
         cfg = sizes.apply(cfg)
     model = held_target(cfg, target, spec, data.hidden_states, acc.is_main_process)
     trainee = build_trainee(cfg, model, data.path)

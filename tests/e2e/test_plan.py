@@ -1,15 +1,16 @@
 """The time budget from the command line: a two-minute budget is planned and kept (resumed, it keeps
-its plan), explicit sizes win over it, and a budget the evaluation alone overruns stops in one
-line before the data stage."""
+its plan), under torchrun too, explicit sizes win over it, and a budget the evaluation alone
+overruns stops in one line before the data stage."""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import pytest
 
-from tests.support.cli import run_train_cli
+from tests.support.cli import free_port, run_train_cli
 from tests.support.runs import tiny_run_args
 from trainer.plan.policy import MIN_CONVERSATIONS
 
@@ -52,6 +53,29 @@ def test_a_two_minute_budget_is_planned_and_kept(tiny_llama_dir, tmp_path):
     assert "as planned before the interruption" in again.stdout
     resumed = json.loads((run_dir / "summary.json").read_text())
     assert (resumed["data_dir"], resumed["steps"]) == (summary["data_dir"], summary["steps"])
+
+
+@pytest.mark.slow
+def test_two_ranks_are_planned_together_and_keep_the_plan(tiny_llama_dir, tmp_path):
+    """torchrun with 2 ranks: rank 0 probes what one rank does alone and plans for both (one plan
+    line), the ranks train the probe's steps and the run together, and the run keeps the budget
+    (its deadline read on rank 0's clock for both: they stop at the same step)."""
+    run_dir = tmp_path / "run"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(free_port())]
+    started = time.perf_counter()
+    proc = run_train_cli(budget_args(tiny_llama_dir, run_dir, "budget=2m", "dist=ddp"), launcher=launcher)
+    wall = time.perf_counter() - started
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("plan: ") and "conversations x" in x]
+    assert len(lines) == 1 and lines[0].endswith("of 2 min"), lines
+    assert "not planned" not in proc.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    a, b = summary["replica_checksums"]
+    assert a == b != 0.0
+    assert wall <= 120 * 1.15  # the budget, +15% (torchrun's own start and end)
+    assert summary["data_samples"] >= 0.8 * summary["budget"]["plan"]["conversations"]
 
 
 @pytest.mark.slow

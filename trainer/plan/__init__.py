@@ -79,6 +79,7 @@ from pathlib import Path
 from conf.files import atomic_write_text, read_json
 from conf.schema import RootConfig
 from conf.sizes import Sizes
+from data_prep.ranks import SINGLE, Ranks
 from data_prep.target import Target
 from heads.kinds import HeadKind
 from trainer.loop import steps_per_epoch
@@ -98,40 +99,51 @@ def _keep(cfg: RootConfig, record: PlanRecord) -> PlanRecord:
     return record
 
 
-def plan_run(cfg: RootConfig, target: Target, started: float, kind: HeadKind) -> tuple[Sizes, PlanRecord]:
+def plan_run(cfg: RootConfig, target: Target, started: float, kind: HeadKind,
+             ranks: Ranks = SINGLE) -> tuple[Sizes, PlanRecord]:
     """Measure, plan and print the plan line: the sizes that fill the budget, and the record
     summary.json keeps. A plan whose smallest size still does not fit stops here, in one line,
     before the data stage (`unmet_line`). A resumed run (`resume=true`) takes the interrupted
     run's record from its run_dir instead: the data folder and the learning-rate schedule must be
-    the ones its checkpoints were made with."""
+    the ones its checkpoints were made with. Under torchrun rank 0 plans, the ranks probe
+    together (`probes.measure`), and every rank goes on with rank 0's record."""
     answers = cfg.data.regenerate.num_samples
     if cfg.resume and plan_file(cfg).exists():
         where = plan_file(cfg)
         record = PlanRecord.from_dict(read_json(where, "resume=true: the interrupted run's plan"), str(where))
         sizes = record.sizes(answers)
-        print(f"plan: {sizes.conversations:,} conversations, {sizes.epochs} epochs, as planned "
-              f"before the interruption ({where})", flush=True)
+        if ranks.main:
+            print(f"plan: {sizes.conversations:,} conversations, {sizes.epochs} epochs, as planned "
+                  f"before the interruption ({where})", flush=True)
         return sizes, record
-    rates, shape = probed_rates(cfg, target, started, kind)
-    plan = fitting_plan(cfg, time.perf_counter() - started, rates, shape)
-    record = _keep(cfg, PlanRecord(plan, rates))
-    print(plan.line(), flush=True)
+    rates, shape = probed_rates(cfg, target, started, kind, ranks)
+
+    def plan() -> PlanRecord:
+        made = fitting_plan(cfg, time.perf_counter() - started, rates, shape)
+        print(made.line(), flush=True)
+        return _keep(cfg, PlanRecord(made, rates))
+
+    record = ranks.main_does(plan)
     return record.sizes(answers), record
 
 
-def probed_rates(cfg: RootConfig, target: Target, started: float,
-                 kind: HeadKind) -> tuple[Rates, RegenShape | None]:
-    """The probes' rates: an earlier run's on this machine, target and settings (`reuse`), or
-    measured now and kept for the next run."""
-    found = reuse.kept(cfg, target)
+def probed_rates(cfg: RootConfig, target: Target, started: float, kind: HeadKind,
+                 ranks: Ranks = SINGLE) -> tuple[Rates, RegenShape | None]:
+    """The probes' rates for `ranks` processes (`Rates.for_ranks`): an earlier run's on this
+    machine, target, settings and world (`reuse`), or measured now and kept for the next run.
+    Several ranks regenerate with as many engines, priced at the probe's rate: the engine's
+    replayed schedule (`shape`) is one engine's."""
+    found = ranks.main_does(lambda: reuse.kept(cfg, target, ranks.world))
     if found is not None:
         rates, shape, path = found
-        print(f"plan: the probes' rates of an earlier run on this machine, target and settings, reused "
-              f"(delete {path} to measure them again)", flush=True)
-        return rates, shape
-    rates, shape = measure(cfg, target, started, kind)
-    reuse.keep(cfg, target, rates, shape)
-    return rates, shape
+        if ranks.main:
+            print(f"plan: the probes' rates of an earlier run on this machine, target and settings, reused "
+                  f"(delete {path} to measure them again)", flush=True)
+    else:
+        rates, shape = measure(cfg, target, started, kind, ranks)
+        if ranks.main:
+            reuse.keep(cfg, target, ranks.world, rates, shape)
+    return rates.for_ranks(ranks.world), shape if ranks.world == 1 else None
 
 
 def note_stop(cfg: RootConfig, record: PlanRecord, steps: int) -> PlanRecord:
@@ -143,19 +155,25 @@ def note_stop(cfg: RootConfig, record: PlanRecord, steps: int) -> PlanRecord:
 
 
 def recheck(cfg: RootConfig, record: PlanRecord, started: float, train_ds, val_ds,
-            samples: int) -> tuple[Sizes, PlanRecord]:
+            samples: int, ranks: Ranks = SINGLE) -> tuple[Sizes, PlanRecord]:
     """After the data stage (`samples` rows built), with `cfg` carrying the plan's sizes: the
     sizes the budget has left room for, measured with the time really spent so far
     (`decide_recheck`), with the training deadline, and the record with what was decided (a
-    resumed run's record holds it already)."""
+    resumed run's record holds it already). Decided by rank 0 on its clock for every rank: the
+    ranks must train the same steps, and the deadline is read on rank 0 alone
+    (`trainer.deadline`)."""
     deadline = record.deadline(started)
-    if record.recheck is None:
-        per_epoch = steps_per_epoch(train_ds, cfg.optim, cfg.seed, 1)
+
+    def decide() -> PlanRecord:
+        per_epoch = steps_per_epoch(train_ds, cfg.optim, cfg.seed, ranks.world)
         left = deadline - time.perf_counter()
         decided = decide_recheck(record.plan, record.rates, left, per_epoch, samples, sum(train_ds.lengths),
                                  sum(val_ds.lengths), cfg.optim)
-        record = _keep(cfg, replace(record, recheck=decided))
         if decided.steps < decided.epochs * per_epoch or decided.short_of_data:
             print(f"plan: {decided.steps} training steps ({decided.epochs} epochs of {per_epoch}) fit the "
                   f"{decided.train_left_s / 60:.1f} min left", flush=True)
+        return _keep(cfg, replace(record, recheck=decided))
+
+    if record.recheck is None:
+        record = ranks.main_does(decide)
     return replace(record.sizes(cfg.data.regenerate.num_samples), deadline=deadline), record

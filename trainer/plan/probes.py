@@ -28,6 +28,7 @@ from data_prep.keys import regen_cache_file
 from data_prep.linears import DecodeLinears
 from data_prep.onepass import one_pass
 from data_prep.prepare import capture_spec, prepare
+from data_prep.ranks import SINGLE, Ranks
 from data_prep.regen_cost import StepCost
 from data_prep.regen_engine import default_workers, planned_slots
 from data_prep.regenerate import read_cache
@@ -166,12 +167,15 @@ def regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path, kind: Hea
     return probed
 
 
-def train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int, kind: HeadKind) -> TrainProbe:
+def train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int, kind: HeadKind,
+                ranks: Ranks = SINGLE) -> TrainProbe:
     """A folder of the first `samples` conversations captured (capture tokens/s) and up to
     `PROBE_STEPS` training steps of the chosen head on it, the last validated and saved. The
-    head it trained stays in run_dir/head for the evaluation probe."""
+    head it trained stays in run_dir/head for the evaluation probe. Several `ranks` train it
+    together as the run will (DDP or ZeRO, every rank on its own batches: the rate is the
+    world's), on the folder rank 0 captured alone."""
     probe = probe_config(cfg, samples, cfg.data.hidden_states, run_dir)
-    data = prepare(probe, target=target, keep_states=one_pass(cfg), kind=kind)
+    data = ranks.main_does(lambda: prepare(probe, target=target, keep_states=one_pass(cfg), kind=kind))
     train_ds = CapturedDataset(data.path, "train")
     steps = min(PROBE_STEPS, steps_per_epoch(train_ds, probe.optim, probe.seed, 1))
     if steps == 0:
@@ -277,12 +281,16 @@ def within_share(cfg: RootConfig, started: float, after: str) -> None:
         )
 
 
-def measure(cfg: RootConfig, target: Target, run_started: float,
-            kind: HeadKind) -> tuple[Rates, RegenShape | None]:
+def measure(cfg: RootConfig, target: Target, run_started: float, kind: HeadKind,
+            ranks: Ranks = SINGLE) -> tuple[Rates, RegenShape | None]:
     """Run the probes on the run's target and its loaded weights (`trainer.plan`'s docstring), each
     checked against `PROBE_SHARE` of the budget and, with what is measured so far, against the
     smallest plan (`run_started`: the run's start, which the plan counts from): the rates, and the
-    regeneration engine's shape (None: another backend, or nothing was left to answer)."""
+    regeneration engine's shape (None: another backend, or nothing was left to answer).
+
+    Under torchrun (`ranks`) rank 0 regenerates, captures and evaluates alone, as one rank of
+    the run does its share (`Rates.for_ranks` makes them the world's), while every rank trains
+    the probe's steps together; the values are rank 0's on every rank."""
     started = time.perf_counter()
     run_dir = Path(cfg.run_dir) / "plan-probe"
 
@@ -291,15 +299,25 @@ def measure(cfg: RootConfig, target: Target, run_started: float,
         rates = rates_of(cfg, kind, regenerated, trained, evaluate_s, started)
         fitting_plan(cfg, time.perf_counter() - run_started, rates, regenerated.shape, bound=True)
 
-    try:
+    def regenerate() -> RegenProbe:
         regenerated = regeneration_probe(cfg, target, run_dir, kind)
         checked("regeneration", regenerated, TrainProbe.unmeasured(regenerated.row_tokens))
-        trained = train_probe(cfg, target, run_dir, train_probe_samples(cfg, regenerated), kind)
+        return regenerated
+
+    def evaluate(trained: TrainProbe) -> float:
         checked("training", regenerated, trained)
         evaluate_s = evaluation_probe(cfg, target, run_dir / "head")
         within_share(cfg, started, "evaluation")
+        return evaluate_s
+
+    try:
+        regenerated = ranks.main_does(regenerate)
+        trained = train_probe(cfg, target, run_dir, train_probe_samples(cfg, regenerated), kind, ranks)
+        trained = ranks.from_main(trained)  # rank 0's clock, as for every rate
+        evaluate_s = ranks.main_does(lambda: evaluate(trained))
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if ranks.main:  # the others are past their last read of it, or stopped with rank 0
+            shutil.rmtree(run_dir, ignore_errors=True)
     return rates_of(cfg, kind, regenerated, trained, evaluate_s, started), regenerated.shape
 
 

@@ -50,21 +50,23 @@ def machine() -> dict:
             "torch": torch.__version__, "gpus": gpus}
 
 
-def rates_key(cfg: RootConfig, target: Target) -> dict:
-    """Everything the probes' rates depend on (module docstring)."""
+def rates_key(cfg: RootConfig, target: Target, world: int) -> dict:
+    """Everything the probes' rates depend on (module docstring); `world`: the ranks that
+    trained the probe together."""
     settings = {name: getattr(cfg, name) for name in SETTINGS}
     as_json = json.loads(json.dumps({k: asdict(v) if is_dataclass(v) else v for k, v in settings.items()},
                                     default=str))
-    return {"version": VERSION, "machine": machine(), "target": target.identity, "settings": as_json}
+    return {"version": VERSION, "machine": machine(), "target": target.identity, "settings": as_json,
+            "world": world}
 
 
 def rates_file(cfg: RootConfig, key: dict) -> Path:
     return data_base(cfg) / "plans" / f"{digest(key)}.json"
 
 
-def keep(cfg: RootConfig, target: Target, rates: Rates, shape: RegenShape | None) -> Path:
+def keep(cfg: RootConfig, target: Target, world: int, rates: Rates, shape: RegenShape | None) -> Path:
     """Write what `measure` returned under the run's key."""
-    key = rates_key(cfg, target)
+    key = rates_key(cfg, target, world)
     path = rates_file(cfg, key)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"key": key, "rates": asdict(rates),
@@ -73,10 +75,10 @@ def keep(cfg: RootConfig, target: Target, rates: Rates, shape: RegenShape | None
     return path
 
 
-def kept(cfg: RootConfig, target: Target) -> tuple[Rates, RegenShape | None, Path] | None:
+def kept(cfg: RootConfig, target: Target, world: int) -> tuple[Rates, RegenShape | None, Path] | None:
     """The rates an earlier run kept under this run's key, its regeneration cache read now, or
     None (none kept, or a file this version cannot read: the probes then run and replace it)."""
-    key = rates_key(cfg, target)
+    key = rates_key(cfg, target, world)
     path = rates_file(cfg, key)
     try:
         record = json.loads(path.read_text())

@@ -96,6 +96,23 @@ def test_a_deadline_ends_the_step_that_passes_it_short_of_the_total():
     assert deadline_stop(time.perf_counter() + 3600, 3, 10) is None
 
 
+def test_ranks_stop_at_the_deadline_on_rank_0s_clock_at_logging_steps():
+    """Under torchrun each rank passes its clock's verdict to `share`, which hands every rank
+    rank 0's: here rank 0 is past its deadline and rank 1 is not, and both stop, at the first
+    logging step (every 5), where the ranks share; between those steps nothing is shared."""
+    past, ahead = time.perf_counter(), time.perf_counter() + 3600
+    shared: list[bool] = []
+
+    def rank0(verdict: bool) -> bool:  # rank 0's own verdict
+        shared.append(verdict)
+        return verdict
+
+    assert deadline_stop(past, 3, 10, rank0, every=5) is None and shared == []
+    line = "step 5: the time the budget left for training is spent; stopping before step 10"
+    assert deadline_stop(past, 5, 10, rank0, every=5) == line and shared == [True]
+    assert deadline_stop(ahead, 5, 10, lambda _: shared[0], every=5) == line  # rank 1 takes rank 0's
+
+
 def test_work_between_steps_is_timed_per_kind_and_a_misspelt_kind_fails():
     clock = BetweenStepsClock()
     for _ in range(2):

@@ -232,7 +232,8 @@ def test_a_second_run_of_the_same_settings_plans_with_the_first_runs_rates(tiny_
                                                                            monkeypatch, capsys):
     """The probes' rates are kept under everything they depend on: a second run that differs only
     in what changes no rate (run_dir, budget, logging) plans with them without probing, the
-    regeneration cache read afresh; another head, another machine or another file measure."""
+    regeneration cache read afresh; another head, another world, another machine or another
+    file measure."""
     source = tmp_path / "chats.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in conversations(3 * PROBE_SAMPLES)))
     cfg = tiny_prep_config(tiny_llama_dir, source, tmp_path / "cache", "data.regenerate.enabled=true",
@@ -240,7 +241,7 @@ def test_a_second_run_of_the_same_settings_plans_with_the_first_runs_rates(tiny_
     target = resolve_target(cfg)
     shape = RegenShape(StepCost(0.01, 0.0, 1e-6, 1e-5), [[(12, 4), (9, 4)]], 2, 8, 1, 1.02)
     first = rates(cached_spans=((0, 3),), probe_s=240.0, regenerate_step_cost={"per_step": 0.01})
-    path = reuse.keep(cfg, target, first, shape)
+    path = reuse.keep(cfg, target, 1, first, shape)
     assert path.parent == tmp_path / "cache" / "plans"
 
     def refused(*args):
@@ -252,9 +253,10 @@ def test_a_second_run_of_the_same_settings_plans_with_the_first_runs_rates(tiny_
     assert again == dataclasses.replace(first, cached_spans=(), probe_s=0.0)  # the cache holds none now
     assert again_shape == shape
     assert str(path) in capsys.readouterr().out
-    assert reuse.kept(derive(cfg, {"head.ttt_length": 2}), target) is None
+    assert reuse.kept(derive(cfg, {"head.ttt_length": 2}), target, 1) is None
+    assert reuse.kept(cfg, target, 2) is None  # two ranks trained another probe
     monkeypatch.setattr(reuse, "machine", lambda: {"cpu": "another"})
-    assert reuse.kept(cfg, target) is None
+    assert reuse.kept(cfg, target, 1) is None
     monkeypatch.undo()
     path.write_text("{")  # cut off: measured again, not an error
-    assert reuse.kept(cfg, target) is None
+    assert reuse.kept(cfg, target, 1) is None

@@ -17,6 +17,7 @@ from data_prep.capture import NONFINITE, TOP, CaptureSpec, stored
 from data_prep.online_engine import ServedCapture, documents
 from data_prep.prefetch import prefetched
 from data_prep.prepare import capture_spec
+from data_prep.ranks import SINGLE
 from data_prep.target import resolve_target
 from heads.kinds import head_kind
 from tests.support.runs import tiny_run_config, user_error_line
@@ -204,7 +205,7 @@ def test_served_online_keeps_the_sizes_the_budget_would_plan(sharp_target, chat_
     cfg = tiny_run_config("eagle3", sharp_target, chat_file, tmp_path / "run", *SERVED, "budget=10m",
                           "data.max_samples=null")
     acc = build_accelerator(cfg.dist, cfg.optim, str(tmp_path / "run"))
-    sizes, plan = decide_sizes(cfg, acc, resolve_target(cfg), time.perf_counter(), EAGLE3)
+    sizes, plan = decide_sizes(cfg, acc, resolve_target(cfg), time.perf_counter(), EAGLE3, SINGLE)
     assert plan is None and sizes == Sizes.of(cfg)
     assert "budget=10m: not planned with the states from servers" in capsys.readouterr().out
 
