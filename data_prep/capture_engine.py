@@ -48,7 +48,7 @@ from data_prep.connector_names import ASK, STOCK_CONNECTOR, SYNC_CONNECTOR, SYNC
 from data_prep.keys import data_base
 from data_prep.regen_server import Dispatcher, Endpoint, RequestFailed, call, connect
 from data_prep.target import Target
-from data_prep.vllm_engine import check_vllm_installed, engine
+from data_prep.vllm_engine import check_vllm_backend, engine
 
 ENDPOINTS = "data.capture.endpoints"
 
@@ -56,7 +56,7 @@ ENDPOINTS = "data.capture.endpoints"
 def check_capture_backend(cfg: CaptureConfig) -> None:
     """What the capture backend needs from the outside world, before anything loads."""
     if cfg.backend == "vllm":
-        check_vllm_installed("data.capture.backend=vllm")
+        check_vllm_backend("data.capture.backend=vllm")
     folder = Path(cfg.dir).expanduser() if cfg.dir else None
     if folder is not None and folder.exists() and not folder.is_dir():
         raise UserError(f"data.capture.dir={cfg.dir!r}: not a folder")

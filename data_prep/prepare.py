@@ -40,7 +40,7 @@ from data_prep.onepass import StateStore, one_pass, state_store
 from data_prep.ranks import SINGLE, Ranks
 from data_prep.sources import check_source_exists
 from data_prep.target import Target, check_max_length, resolve_target
-from data_prep.vllm_engine import check_vllm_installed
+from data_prep.vllm_engine import check_vllm_backend
 from heads.kinds import HeadKind, check_export_formats, head_kind
 
 
@@ -73,7 +73,7 @@ def check_source(cfg: RootConfig) -> None:
     if template and not Path(template).expanduser().is_file():
         raise UserError(f"data.chat_template={template!r}: no such file (expected a .jinja chat template)")
     if cfg.data.regenerate.enabled and cfg.data.regenerate.backend == "vllm":
-        check_vllm_installed("data.regenerate.backend=vllm")
+        check_vllm_backend("data.regenerate.backend=vllm")
     check_capture_backend(cfg.data.capture)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from data_prep.vllm_engine import check_vllm_installed, engine
+from data_prep.vllm_engine import check_vllm_backend, engine
 
 
 def vllm_generate(
@@ -26,7 +26,7 @@ def vllm_generate(
 ) -> list[list[int]]:
     """Each prompt's new token ids through the first stop token, as `regen_engine.generate`
     returns them; one vLLM engine per process and target."""
-    check_vllm_installed("data.regenerate.backend=vllm")
+    check_vllm_backend("data.regenerate.backend=vllm")
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

