@@ -430,17 +430,15 @@ class Target:
 
     def _placement(self) -> dict:
         """`from_pretrained`'s device_map: `target.device_map`, else the whole target on a CUDA
-        `device`, else none (loaded on the CPU and moved). Not under ZeRO-3, which transformers
-        refuses a device_map with (it partitions the weights itself)."""
-        from transformers.integrations import is_deepspeed_zero3_enabled
-
+        `device`, else none (loaded on the CPU and moved). (Under ZeRO-3, which would refuse a
+        device_map, the main job loads the target outside DeepSpeed's reach:
+        `trainer.distributed.frozen_target_outside_zero3`.)"""
         if self.device_map is not None:
             return {"device_map": self.device_map}
-        if self.device.type != "cuda" or is_deepspeed_zero3_enabled():
+        if self.device.type != "cuda":
             return {}
         index = torch.cuda.current_device() if self.device.index is None else self.device.index
         return {"device_map": {"": torch.device("cuda", index)}}
-
 
     def check_device_map(self) -> None:
         """Refuse, in one line and before any weights load, a `target.device_map` dict that names

@@ -8,6 +8,7 @@ a new head kind is a new trainee module and nothing in the loop.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -51,6 +52,21 @@ class Trainee(Protocol):
         is now: decoded validation measures the head in training with the evaluator's decoder.
         The verifier is `target`, or the trainee's own target where it trains one."""
         ...
+
+
+FP32 = 4  # bytes of a float32 value: the losses' probabilities, AdamW's moments and master copies
+
+
+@dataclass(frozen=True)
+class RowSizes:
+    """What one trained row of a head keeps for backward, in the terms each kind's estimate
+    (`TrainerKind.activations`, for `trainer.plan.memory`) is written in."""
+
+    hidden: int  # the target's hidden size
+    vocab: int  # the target's vocabulary
+    heads: int  # the head's attention heads
+    act: int  # bytes of one activation: 2 under bf16/fp16 autocast, else 4
+    layer: int  # bytes one decoder layer keeps: about 10 hidden-sized and 4 MLP-sized values
 
 
 def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:

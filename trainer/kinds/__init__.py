@@ -23,6 +23,7 @@ from heads.formats import init_trainee_head
 from heads.kinds import HeadKind
 from trainer.decoding.drafters import Shape, Tree
 from trainer.kinds import dflash, dspark, eagle3, medusa, peagle
+from trainer.trainee import RowSizes
 
 
 @dataclass(frozen=True)
@@ -33,14 +34,16 @@ class TrainerKind:
     trainee: Callable[[RootConfig, Any, Path | None], nn.Module]
     # (loaded head, target model, shapes to draft) -> the decoder's drafter
     drafter: Callable[[Any, Any, Sequence[Shape]], Any]
+    # (cfg, a row's sizes) -> bytes autograd keeps per trained token, an estimate (`trainer.plan.memory`)
+    activations: Callable[[RootConfig, RowSizes], int]
 
 
 CATALOG: dict[str, TrainerKind] = {
-    "eagle3": TrainerKind(eagle3.build_eagle3_trainee, eagle3.eagle3_drafter),
-    "medusa": TrainerKind(medusa.build_medusa_trainee, medusa.medusa_drafter),
-    "peagle": TrainerKind(peagle.build_peagle_trainee, peagle.peagle_drafter),
-    "dflash": TrainerKind(dflash.build_dflash_trainee, dflash.dflash_drafter),
-    "dspark": TrainerKind(dspark.build_dspark_trainee, dspark.dspark_drafter),
+    "eagle3": TrainerKind(eagle3.build_eagle3_trainee, eagle3.eagle3_drafter, eagle3.eagle3_activations),
+    "medusa": TrainerKind(medusa.build_medusa_trainee, medusa.medusa_drafter, medusa.medusa_activations),
+    "peagle": TrainerKind(peagle.build_peagle_trainee, peagle.peagle_drafter, eagle3.eagle3_activations),
+    "dflash": TrainerKind(dflash.build_dflash_trainee, dflash.dflash_drafter, dflash.dflash_activations),
+    "dspark": TrainerKind(dspark.build_dspark_trainee, dspark.dspark_drafter, dflash.dflash_activations),
 }
 
 

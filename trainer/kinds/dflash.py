@@ -39,9 +39,11 @@ from trainer.decoding.dflash import DFlashDrafter
 from trainer.decoding.drafters import Shape
 from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean
 from trainer.trainee import (
+    FP32,
     LABEL_INDEX,
     Batch,
     HeadTrainee,
+    RowSizes,
     indexed,
     label_index,
     position_ids,
@@ -234,6 +236,17 @@ def mask_token_id(cfg) -> int:
         return cfg.head.mask_token_id  # checked against the vocabulary by `heads.dflash.model.draft_config`
     target = resolve_target(cfg)
     return default_mask_token_id(target.tokenizer, target.config.get_text_config().vocab_size)
+
+
+def dflash_activations(cfg, rows: RowSizes) -> int:
+    """Bytes a DFlash (or DSpark) step keeps per token, an estimate: the context's fused features
+    (float32), and `anchors_per_sample` blocks of `block_size` rows per `max_length` tokens, each
+    row `num_layers` layers and the draft's and teacher's float32 full-vocabulary distributions."""
+    head, h = cfg.head, rows.hidden
+    drafted = min(head.block_size, head.anchors_per_sample * head.block_size / cfg.data.max_length)
+    fused = len(head.aux_layer_ids or ()) or 5  # SpecForge's default reads 5 target layers
+    per_row = head.num_layers * rows.layer + 2 * FP32 * rows.vocab
+    return round(fused * h * FP32 + h * rows.act + drafted * per_row)
 
 
 def build_dflash_trainee(cfg, target, data_dir: Path | None, head_class: type[DFlashHead] = DFlashHead,

@@ -25,10 +25,12 @@ from trainer.decoding import Eagle3Drafter
 from trainer.decoding.drafters import Shape
 from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean
 from trainer.trainee import (
+    FP32,
     LABEL_INDEX,
     LABEL_POSITION,
     Batch,
     HeadTrainee,
+    RowSizes,
     indexed,
     label_batch_index,
     position_ids,
@@ -310,6 +312,20 @@ def draft_vocab(cfg, target, data_dir: Path | None) -> tuple[torch.Tensor, torch
         counts = torch.zeros(vocab, dtype=torch.long)
         return build_draft_vocab(counts, min(cfg.data.draft_vocab_size, vocab))
     return load_draft_vocab(data_dir)
+
+
+def eagle3_activations(cfg, rows: RowSizes) -> int:
+    """Bytes an EAGLE-3 (or P-EAGLE) step keeps per token, an estimate: the inputs (3 aux layers
+    and the final state, float32) and `fc`'s, then per draft row (`ttt_length` per token, times
+    P-EAGLE's `parallel_tokens`) a layer and the float32 probabilities over the draft vocabulary
+    of the loss's chunks, the teacher's float32 distribution once, and step 0's attention scores
+    and probabilities in float32 over the row's `max_length` keys (SDPA with a mask runs its math
+    kernel)."""
+    head, h = cfg.head, rows.hidden
+    vd = min(cfg.data.draft_vocab_size, rows.vocab)
+    drafted = (head.ttt_length or 1) * getattr(head, "parallel_tokens", 1)
+    attention = 2 * FP32 * rows.heads * cfg.data.max_length
+    return 4 * h * FP32 + 3 * h * rows.act + drafted * (rows.layer + FP32 * vd) + FP32 * vd + attention
 
 
 def build_eagle3_trainee(cfg, target, data_dir: Path | None) -> Eagle3Trainee:

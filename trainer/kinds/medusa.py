@@ -29,8 +29,10 @@ from trainer.decoding import MedusaDrafter
 from trainer.decoding.drafters import Shape
 from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean
 from trainer.trainee import (
+    FP32,
     LABEL_INDEX,
     LABEL_POSITION,
+    RowSizes,
     indexed,
     label_batch_index,
     shift_left,
@@ -302,8 +304,9 @@ class JointMedusaTrainee(nn.Module):
         the decoders run without the attention mask, which transformers would read back (a
         sync) to decide whether SDPA may run as plain causal attention. Packed rows pass their
         positions and a ready-made 4D mask (`document_inputs`), which it takes as they are, built
-        per model: the trained float32 copy and a bf16 teacher differ in dtype. No KV cache is
-        built: nothing decodes here."""
+        per model: the trained float32 copy and a bf16 teacher differ in dtype. (`use_cache=False`
+        would build no cache, but reads the device back in transformers' mask code: 4 syncs a
+        step, `tests/unit/trainer/test_sync_free.py`.)"""
         batch = indexed(batch, self.batch_index)
         ids, mask = batch["input_ids"], batch["loss_mask"]
         hidden = self._final_hidden(self.target, batch)
@@ -340,7 +343,7 @@ class JointMedusaTrainee(nn.Module):
     @staticmethod
     def _final_hidden(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         packed = document_inputs(model, batch["position_ids"]) if "position_ids" in batch else {}
-        return model.get_decoder()(input_ids=batch["input_ids"], use_cache=False, **packed).last_hidden_state
+        return model.get_decoder()(input_ids=batch["input_ids"], **packed).last_hidden_state
 
     @staticmethod
     def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -401,6 +404,13 @@ def greedy_token_drift(original, tuned, prompts: list[list[int]], max_new_tokens
         changed += int((before != after).sum())
         total += before.numel()
     return changed / max(total, 1)
+
+
+def medusa_activations(cfg, rows: RowSizes) -> int:
+    """Bytes a Medusa step keeps per token, an estimate: `num_heads` heads of `num_layers` blocks
+    (2 hidden-sized values each) and a float32 full-vocabulary distribution per head."""
+    head = cfg.head
+    return head.num_heads * (head.num_layers * 2 * rows.hidden * rows.act + FP32 * rows.vocab)
 
 
 def build_medusa_trainee(cfg, target, data_dir: Path) -> nn.Module:

@@ -44,10 +44,10 @@ from data_prep.prepare import capture_spec
 from data_prep.target import Target, resolve_dtype
 from heads.kinds import head_kind
 from trainer.distributed import mixed_precision
-from trainer.kinds import build_trainee
+from trainer.kinds import CATALOG, build_trainee
+from trainer.trainee import FP32, RowSizes
 
 GB = 1e9
-FP32 = 4  # bytes: AdamW's moments, master copies and the loss's probabilities are float32
 
 
 @dataclass(frozen=True)
@@ -150,40 +150,17 @@ def optimizer_bytes(strategy: str, world: int, trained: int, param_size: int) ->
 
 
 def activation_bytes_per_token(cfg: RootConfig, target_config: PretrainedConfig, half: bool) -> int:
-    """An estimate of what autograd keeps per trained token (activations in 2 bytes under
-    bf16/fp16, else 4; a decoder layer keeps about 10 hidden-sized and 4 MLP-sized values per row,
-    its norms' inputs and the concatenated EAGLE input included), plus what the loss keeps:
-
-    - EAGLE-3 / P-EAGLE: the inputs (3 aux layers and the final state, float32), then per draft
-      row (`ttt_length` per token; P-EAGLE: `parallel_tokens` slots per TTT step) a layer and the
-      float32 probabilities over the draft vocabulary of the loss's chunks, the teacher's float32
-      distribution once, and step 0's attention scores and probabilities in float32 over the
-      row's `max_length` keys (SDPA with a mask runs its math kernel);
-    - DFlash / DSpark: per token the context's fused features, and `anchors_per_sample` blocks of
-      `block_size` rows per `max_length` tokens, each row `num_layers` layers and the draft's and
-      teacher's float32 full-vocabulary distributions;
-    - Medusa: per token `num_heads` heads of `num_layers` blocks (2 hidden-sized values each) and
-      a float32 full-vocabulary distribution per head.
-
-    Estimates: transient peaks (a chunk's bf16 logits, a backward's scratch) are left out, and a
-    real batch's padding or short samples change the counts."""
+    """An estimate of what autograd keeps per trained token, the kind's own
+    (`TrainerKind.activations`): activations in 2 bytes under bf16/fp16, else 4, a decoder layer
+    about 10 hidden-sized and 4 MLP-sized values per row, plus what its loss keeps. Estimates:
+    transient peaks (a chunk's bf16 logits, a backward's scratch) are left out, and a real
+    batch's padding or short samples change the counts."""
     t = target_config.get_text_config()
-    h, vocab = t.hidden_size, t.vocab_size
     inter = getattr(cfg.head, "intermediate_size", None) or t.intermediate_size
     heads = getattr(cfg.head, "num_attention_heads", None) or t.num_attention_heads
-    a = 2 if half else 4
-    layer = (10 * h + 4 * inter) * a
-    head = cfg.head
-    if head.name in ("eagle3", "peagle"):
-        vd = min(cfg.data.draft_vocab_size, vocab)
-        rows = (head.ttt_length or 1) * getattr(head, "parallel_tokens", 1)
-        attention = 2 * FP32 * heads * cfg.data.max_length
-        return 4 * h * FP32 + 3 * h * a + rows * (layer + FP32 * vd) + FP32 * vd + attention
-    if head.name in ("dflash", "dspark"):
-        rows = min(head.block_size, head.anchors_per_sample * head.block_size / cfg.data.max_length)
-        fused = len(head.aux_layer_ids or ()) or 5  # SpecForge's default reads 5 target layers
-        return round(fused * h * FP32 + h * a + rows * (head.num_layers * layer + 2 * FP32 * vocab))
-    return head.num_heads * (head.num_layers * 2 * h * a + FP32 * vocab)
+    act = 2 if half else 4
+    rows = RowSizes(t.hidden_size, t.vocab_size, heads, act, (10 * t.hidden_size + 4 * inter) * act)
+    return CATALOG[cfg.head.name].activations(cfg, rows)
 
 
 def plan_memory(cfg: RootConfig, target_config: PretrainedConfig, device: torch.device, world: int,
