@@ -43,7 +43,7 @@ def llama_31_8b() -> LlamaConfig:
 
 def float32_frozen_extra(trainee: torch.nn.Module) -> int:
     """Bytes the trainee's frozen floating tensors would add stored in float32 rather than as
-    built: 0 while the code builds them in float32."""
+    built (in bf16 under mixed precision: `trainer.trainee.store_frozen_tables`)."""
     frozen = [*(p for p in trainee.parameters() if not p.requires_grad), *trainee.buffers()]
     return sum(t.numel() * (FP32 - t.element_size()) for t in frozen if t.is_floating_point())
 

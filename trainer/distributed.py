@@ -64,6 +64,12 @@ def mixed_precision(cfg: DistConfig) -> str:
     return "bf16" if torch.cuda.is_available() or native_bf16() else "no"
 
 
+def autocast_dtype(cfg: DistConfig) -> torch.dtype | None:
+    """The 16-bit dtype training computes in under `mixed_precision` (autocast, or DeepSpeed's
+    16-bit weights); None when it runs in float32."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision(cfg))
+
+
 def _skip_deepspeed_shm_build() -> None:
     """DeepSpeed compiles a shared-memory comm helper at init (~4 minutes on 2 cores) that gloo
     never uses; replace its builder.

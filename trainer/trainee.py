@@ -130,6 +130,27 @@ def strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
+def store_frozen_tables(trainee: nn.Module, dtype: torch.dtype | None) -> None:
+    """Store the trainee's frozen target tables (its `frozen_tables`, state-dict names of
+    parameters or buffers) in `dtype`, the 16-bit dtype training computes in (None: left as built).
+
+    autocast caches the casts of trainable leaves only: a float32 frozen table was re-cast to 16
+    bits at every step it was multiplied (a DFlash step cast its whole [V, H] lm_head twice), and
+    held twice the bytes (2.1 GB of float32 embedding at Llama-3-8B). Stored as autocast's cast
+    would make them, the matmuls see the same numbers; the tables never train, so float32 kept
+    nothing. Rotary frequencies and index maps are not tables and are not named."""
+    if dtype is None:
+        return
+    for name in getattr(trainee, "frozen_tables", ()):
+        owner, _, leaf = name.rpartition(".")
+        module = trainee.get_submodule(owner)
+        table = getattr(module, leaf)
+        if isinstance(table, nn.Parameter):
+            table.data = table.data.to(dtype)
+        else:
+            setattr(module, leaf, table.to(dtype))  # a registered buffer stays one
+
+
 class HeadTrainee:
     """The parts of a trainee that trains its `head` alone and reports per-step top-1 agreement
     (`correct[k]`/`total[k]`): EAGLE-3, P-EAGLE and DFlash share them. The score is the chain
@@ -137,6 +158,8 @@ class HeadTrainee:
     to be right independently of the slots before it)."""
 
     head: nn.Module
+    # Frozen copies of the target's tables (`store_frozen_tables`): none unless a kind names them.
+    frozen_tables: tuple[str, ...] = ()
 
     @staticmethod
     def summarize(sums: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -89,8 +89,10 @@ class DSparkHead(DFlashHead):
         return config
 
     def bias(self, prev: torch.Tensor) -> torch.Tensor:
-        """The Markov head's logit bias [..., V] for slots whose previous token is `prev` [...]."""
-        return self.markov_head.bias(self.markov_head.embed(prev)).to(self.lm_head.weight.dtype)
+        """The Markov head's logit bias [..., V] for slots whose previous token is `prev` [...], in
+        float32: added to the logits of a 16-bit lm_head (training stores the shared tables in its
+        dtype) the sum stays float32, as it was when the tables were."""
+        return self.markov_head.bias(self.markov_head.embed(prev)).float()
 
     def biased_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] of slots' hidden states [..., H] whose previous token is `prev` [...]."""

@@ -22,8 +22,9 @@ from conf.schema import RootConfig
 from heads.formats import init_trainee_head
 from heads.kinds import HeadKind
 from trainer.decoding.drafters import Shape, Tree
+from trainer.distributed import autocast_dtype
 from trainer.kinds import dflash, dspark, eagle3, medusa, peagle
-from trainer.trainee import RowSizes
+from trainer.trainee import RowSizes, store_frozen_tables
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,12 @@ def build_trainee(cfg: RootConfig, target, data_dir: Path | None) -> nn.Module:
     """A fresh trainee of the configured kind for `target`, over the data folder `data_dir`
     (None: no folder; a kind with a draft vocabulary then takes its lowest ids, for benchmarks).
     With `head.init_from`, its head starts from that folder's weights (`heads.formats`): every
-    caller (the run, the planner's probes, the benchmarks) trains what the run will."""
+    caller (the run, the planner's probes, the benchmarks) trains what the run will. Its frozen
+    tables are stored in the 16-bit dtype a mixed-precision run computes in (`store_frozen_tables`)."""
     trainee = CATALOG[cfg.head.name].trainee(cfg, target, data_dir)
     if cfg.head.init_from:
         init_trainee_head(cfg, trainee.head, target)
+    store_frozen_tables(trainee, autocast_dtype(cfg.dist))
     return trainee
 
 

@@ -140,6 +140,8 @@ class Slots(NamedTuple):
 
 class DFlashTrainee(HeadTrainee, nn.Module):
     drafter_class: ClassVar[type[DFlashDrafter]] = DFlashDrafter  # what validation decodes with
+    frozen_tables = ("head.embed_tokens.weight", "head.lm_head.weight")
+
     def __init__(
         self,
         head: DFlashHead,

@@ -140,14 +140,17 @@ def draft_teacher(
     at those rows, the argmax over the whole vocabulary that capture kept; `target_to_draft` [V]:
     target id -> draft id or -1. The renormalised softmax reads the draft ids' logits alone, so
     this equals the full-vocabulary computation (logits of every row, their argmax, a softmax over
-    the draft columns) at a draft-vocabulary's share of its multiply-adds. The product runs in the
-    training dtype (under bf16 autocast where training runs it), the softmax in float32.
+    the draft columns) at a draft-vocabulary's share of its multiply-adds. The product runs in
+    `draft_lm_head`'s dtype, the training dtype (`trainer.trainee.store_frozen_tables`: 16 bits
+    under mixed precision, DeepSpeed's runs without autocast included), the softmax in float32.
     """
     logits = final_hidden.to(draft_lm_head.dtype) @ draft_lm_head.T
     return F.softmax(logits.float(), dim=-1), target_to_draft[target_top.long()]
 
 
 class Eagle3Trainee(HeadTrainee, nn.Module):
+    frozen_tables = ("head.embed_tokens.weight", "teacher_weight")
+
     def __init__(
         self,
         head: Eagle3Head,

@@ -12,8 +12,9 @@ not of a formula that could drift from them. What a rank holds:
   Rank 0 holds the whole target besides wherever something decodes with it (decoded
   validation, the evaluation): counted in place of its parts, as an upper bound;
 - the trainee's parameters (trainable, and frozen with its buffers). Under DDP they stay as built
-  (autocast casts on the fly); DeepSpeed casts the parameters, not the buffers, to 16 bits when
-  it runs in bf16/fp16;
+  (autocast casts the trainable ones on the fly; the frozen tables are built in the 16-bit
+  training dtype, `trainer.trainee.store_frozen_tables`); DeepSpeed casts the parameters, not the
+  buffers, to 16 bits when it runs in bf16/fp16;
 - gradients and AdamW's state, by strategy (the ZeRO paper's accounting, Rajbhandari et al.
   2020, for DeepSpeed): DDP keeps a gradient per trainable parameter plus its bucket copy
   (accelerate leaves `gradient_as_bucket_view` off) and two float32 moments; ZeRO keeps 16-bit

@@ -1,6 +1,7 @@
 """scripts/memory_plan.py: a real `--help`, and the Llama-3.1-8B-shaped table's rows, whose target
 bytes are the hand-computed ones (bf16, untied embeddings: 2 x 128256 x 4096 x 2 bytes and the
-final norm offline; every weight of the 8B target before and online)."""
+final norm offline; every weight of the 8B target before and online), and the frozen tables'
+bytes halved after (bf16, not float32)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ PARTS = (2 * 128256 * 4096 + 4096) * 2
 # 4096 x 1024), 3 MLP matrices (4096 x 14336), 2 norms; in bf16, plus the rotary tables
 # (inv_freq and its original: 64 float32 each).
 WHOLE = PARTS + 32 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) * 2 + 2 * 64 * 4
+
+# Bytes the trainee's frozen tables shed stored in bf16: the embedding and the teacher's rows,
+# 2 bytes of each value.
+FROZEN_SAVED = (128256 + 32000) * 4096 * (4 - 2)
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -37,5 +42,8 @@ def test_rows_offline_and_online_before_and_after():
     assert set(by) == {(m, w) for m in ("offline", "online") for w in ("before", "after")}
     assert by["offline", "after"]["target"] == PARTS
     assert by["offline", "before"]["target"] == by["online", "after"]["target"] == WHOLE
-    assert by["offline", "after"]["training_rank"] == by["offline", "before"]["training_rank"] - WHOLE + PARTS
+    # the frozen tables (embedding, 32000 teacher rows) went from float32 to bf16
+    assert by["offline", "before"]["frozen"] - by["offline", "after"]["frozen"] == FROZEN_SAVED
+    before, after = by["offline", "before"]["training_rank"], by["offline", "after"]["training_rank"]
+    assert after == before - WHOLE + PARTS - FROZEN_SAVED
     assert "fits 80 GB" in done.stdout

@@ -37,13 +37,15 @@ def test_offline_holds_the_embeddings_lm_head_and_final_norm_of_the_target_in_it
     assert offline.target_whole == online.target_whole
 
 
-def test_the_trainee_frozen_tables_are_priced_as_built():
+@pytest.mark.parametrize("precision, table_bytes", [("bf16", BF16), ("no", 4)])
+def test_the_trainee_frozen_tables_are_priced_as_built(precision, table_bytes):
     """EAGLE-3's trainee: the frozen embedding and the teacher's draft rows as the code stores
-    them (float32 today), the vocabulary maps, and the rotary tables (head_dim/2 floats, twice)."""
-    p = plan(mode="offline")
+    them (in the training dtype: bf16 under mixed precision, float32 without), the vocabulary
+    maps, and the rotary tables (head_dim/2 float32 values, twice, whatever the precision)."""
+    p = plan(f"dist.mixed_precision={precision}", mode="offline")
     head_dim = H // TINY["num_attention_heads"]
-    floats = 4
-    expected = (VOCAB * H + DRAFT * H) * floats + VOCAB * 8 + DRAFT * 8 + VOCAB + 2 * head_dim // 2 * floats
+    rotary = 2 * head_dim // 2 * 4
+    expected = (VOCAB * H + DRAFT * H) * table_bytes + VOCAB * 8 + DRAFT * 8 + VOCAB + rotary
     assert p.frozen == expected
 
 
