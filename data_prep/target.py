@@ -209,7 +209,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
     # A failed conversion leaves nothing: the float32 copy is large (0.5 GB for SmolLM2).
     with staged_dir(out_dir) as tmp:
         with disk_full_is_one_line(out_dir.parent, "free space and run again (or set $DRAFTSMITH_CACHE)"):
-            plain.save_pretrained(tmp)
+            _save_weights(plain, tmp)
             tok.save_pretrained(tmp)
         reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
         probe = torch.arange(16).unsqueeze(0) + 100
@@ -219,6 +219,19 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
             raise RuntimeError(f"converted copy of {gguf} does not reproduce its logits")
         (tmp / "draftsmith_source.json").write_text(json.dumps({"gguf": str(gguf)}))
     return out_dir
+
+
+def _save_weights(model, folder: Path) -> None:
+    """`model`'s config, generation config and weights (safetensors) into `folder`, as
+    `save_pretrained` writes them, but from any process: under torchrun transformers writes
+    weights from rank 0 alone once a process group exists, and the conversion is made by
+    whichever rank holds its lock (rank 1's copy came out without weights or config)."""
+    from safetensors.torch import save_model
+
+    model.config.save_pretrained(folder)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(folder)
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def gguf_cache_dir(gguf: Path) -> Path:

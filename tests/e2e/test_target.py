@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from data_prep.target import load_target, resolve_target_path
+from tests.support.cli import cli_env, free_port
 from tests.support.targets import QWEN_CODER
 
 
@@ -88,3 +89,33 @@ def test_qwen_coder_main_job_end_to_end(head, tmp_path):
     report = json.loads((run_dir / "eval" / "eval.json").read_text())
     assert report["lossless"] is True and summary["steps"] == 2 and "budget" not in summary
     assert len(summary["exports"]) == 2
+
+
+CONVERT_ON_RANK_1 = """
+import os
+from data_prep.ranks import Ranks
+from data_prep.target import load_target, resolve_target_path
+ranks = Ranks.from_env()
+if ranks.rank == 1:  # the rank that holds the conversion lock first, with the process group up
+    path = resolve_target_path("smollm2-135m-instruct")
+    model, _ = load_target(path)
+    print("converted", sorted(os.listdir(path)), model.config.model_type)
+ranks.barrier()
+ranks.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_other_than_0_converts_the_embedded_gguf(tmp_path):
+    """Under torchrun whichever rank takes the conversion lock converts the GGUF; transformers
+    writes a model's weights from rank 0 alone once a process group exists, and rank 1's folder
+    came out without config or weights (the main job's first run from a cold cache failed)."""
+    script = tmp_path / "convert.py"
+    script.write_text(CONVERT_ON_RANK_1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=cli_env(DRAFTSMITH_CACHE=str(tmp_path / "cache")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("converted")]
+    assert "'config.json'" in line and "'model.safetensors'" in line and line.endswith("llama")
