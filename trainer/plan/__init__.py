@@ -129,9 +129,9 @@ def plan_run(cfg: RootConfig, target: Target, started: float, kind: HeadKind,
 
 def probed_rates(cfg: RootConfig, target: Target, started: float, kind: HeadKind,
                  ranks: Ranks = SINGLE) -> tuple[Rates, RegenShape | None]:
-    """The probes' rates for `ranks` processes (`Rates.for_ranks`): an earlier run's on this
-    machine, target, settings and world (`reuse`), or measured now and kept for the next run.
-    Several ranks regenerate with as many engines, priced at the probe's rate: the engine's
+    """The probes' rates for `ranks` processes, measured by them together: an earlier run's on
+    this machine, target, settings and world (`reuse`), or measured now and kept for the next
+    run. Several ranks regenerate with as many engines, priced at the probe's rate: the engine's
     replayed schedule (`shape`) is one engine's."""
     found = ranks.main_does(lambda: reuse.kept(cfg, target, ranks.world))
     if found is not None:
@@ -143,7 +143,7 @@ def probed_rates(cfg: RootConfig, target: Target, started: float, kind: HeadKind
         rates, shape = measure(cfg, target, started, kind, ranks)
         if ranks.main:
             reuse.keep(cfg, target, ranks.world, rates, shape)
-    return rates.for_ranks(ranks.world), shape if ranks.world == 1 else None
+    return rates, shape if ranks.world == 1 else None
 
 
 def note_stop(cfg: RootConfig, record: PlanRecord, steps: int) -> PlanRecord:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from conf.errors import UserError
 from conf.schema import OptimConfig, RootConfig
@@ -47,17 +47,6 @@ class Rates:
     probe_s: float  # the probes' own time, spent before the plan
     # the regeneration engine's fitted step cost (`regen_cost.StepCost`); None: another backend
     regenerate_step_cost: dict | None = None
-
-    def for_ranks(self, world: int) -> Rates:
-        """The rates of `world` ranks from probes in which rank 0 regenerated and captured alone
-        (`probes.measure`): each rank answers and captures its share at that rate on its own
-        device (a GPU each; on a CPU a core each, torchrun's one thread per rank), so those
-        stages go `world` times as fast. Training and validation were probed by every rank
-        together and are the world's already; the evaluation is rank 0's alone."""
-        if world == 1:
-            return self
-        return replace(self, regenerate_tokens_per_s=self.regenerate_tokens_per_s * world,
-                       capture_tokens_per_s=self.capture_tokens_per_s * world)
 
 
 @dataclass(frozen=True)

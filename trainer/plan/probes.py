@@ -126,12 +126,15 @@ def answer_rounds(answered: dict[str, list[dict]]) -> list[list[tuple[int, int]]
     return rounds
 
 
-def regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path, kind: HeadKind) -> RegenProbe:
-    """The first conversations regenerated into the cache, up to as many new ones as the engine
-    holds at once (`planned_slots`), at least `PROBE_SAMPLES` (their ids into a throwaway online
-    folder): a warm cache's answers are passed over, not taken for the probe (all cached, the
-    rate stays unknown and regeneration is priced free). The engine's fitted step cost comes
-    with the folder's stats (`PrepStats.regenerate_step_cost`), and becomes the `RegenShape`."""
+def regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path, kind: HeadKind,
+                       ranks: Ranks = SINGLE) -> RegenProbe:
+    """The first conversations regenerated into the cache, up to as many new ones as the engines
+    hold at once (`planned_slots`, each rank's engine its share), at least `PROBE_SAMPLES` (their
+    ids into a throwaway online folder): a warm cache's answers are passed over, not taken for
+    the probe (all cached, the rate stays unknown and regeneration is priced free). The ranks
+    answer it together, as they will the run's (`data_prep.ranks`: the rate is the world's). The
+    engine's fitted step cost comes with the folder's stats (`PrepStats.regenerate_step_cost`),
+    and becomes the `RegenShape`."""
     d = cfg.data
     if not d.regenerate.enabled:
         return RegenProbe()
@@ -141,12 +144,13 @@ def regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path, kind: Hea
     workers = r.workers or default_workers(target.model, r.batch_size)
     kept = len(capture_spec(cfg, kind, target.identity["num_hidden_layers"]).layers) if one_pass(cfg) else 0
     slots = planned_slots(target.model, r.batch_size, workers, d.max_length, kept)  # few at long contexts
-    before = read_cache(cache)
-    size = uncached_prefix(cached_spans(cfg, tpl, before), max(PROBE_SAMPLES, slots // r.num_samples))
+    before = ranks.main_does(lambda: read_cache(cache))  # before any rank writes to it
+    size = uncached_prefix(cached_spans(cfg, tpl, before),
+                           max(PROBE_SAMPLES, ranks.world * slots // r.num_samples))
     # The first long wait of a run, and often all its regeneration (a small budget's plan reuses
     # the probe's answers): its bar draws as the run's would.
     data = prepare(probe_config(cfg, size, "online", run_dir, cfg.logging.progress), target=target,
-                   keep_states=one_pass(cfg), kind=kind)
+                   ranks=ranks, keep_states=one_pass(cfg), kind=kind)
     answered = read_cache(cache)
     shape = None
     if data.stats.regenerate_step_cost is not None:
@@ -163,7 +167,9 @@ def regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path, kind: Hea
         conversations=size,
         shape=shape,
     )
-    shutil.rmtree(data.path, ignore_errors=True)
+    ranks.barrier()  # every rank has read the folder
+    if ranks.main:
+        shutil.rmtree(data.path, ignore_errors=True)
     return probed
 
 
@@ -171,11 +177,11 @@ def train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int, ki
                 ranks: Ranks = SINGLE) -> TrainProbe:
     """A folder of the first `samples` conversations captured (capture tokens/s) and up to
     `PROBE_STEPS` training steps of the chosen head on it, the last validated and saved. The
-    head it trained stays in run_dir/head for the evaluation probe. Several `ranks` train it
-    together as the run will (DDP or ZeRO, every rank on its own batches: the rate is the
-    world's), on the folder rank 0 captured alone."""
+    head it trained stays in run_dir/head for the evaluation probe. Several `ranks` capture and
+    train it together as they will the run (each its share of the shards, then DDP or ZeRO on
+    its own batches: the rates are the world's)."""
     probe = probe_config(cfg, samples, cfg.data.hidden_states, run_dir)
-    data = ranks.main_does(lambda: prepare(probe, target=target, keep_states=one_pass(cfg), kind=kind))
+    data = prepare(probe, target=target, ranks=ranks, keep_states=one_pass(cfg), kind=kind)
     train_ds = CapturedDataset(data.path, "train")
     steps = min(PROBE_STEPS, steps_per_epoch(train_ds, probe.optim, probe.seed, 1))
     if steps == 0:
@@ -288,9 +294,9 @@ def measure(cfg: RootConfig, target: Target, run_started: float, kind: HeadKind,
     smallest plan (`run_started`: the run's start, which the plan counts from): the rates, and the
     regeneration engine's shape (None: another backend, or nothing was left to answer).
 
-    Under torchrun (`ranks`) rank 0 regenerates, captures and evaluates alone, as one rank of
-    the run does its share (`Rates.for_ranks` makes them the world's), while every rank trains
-    the probe's steps together; the values are rank 0's on every rank."""
+    Under torchrun (`ranks`) the ranks regenerate, capture and train the probes together, as
+    they will the run, so every rate is the world's (their contention for the machine included);
+    rank 0 evaluates alone, as after the run; the values are rank 0's on every rank."""
     started = time.perf_counter()
     run_dir = Path(cfg.run_dir) / "plan-probe"
 
@@ -299,11 +305,6 @@ def measure(cfg: RootConfig, target: Target, run_started: float, kind: HeadKind,
         rates = rates_of(cfg, kind, regenerated, trained, evaluate_s, started)
         fitting_plan(cfg, time.perf_counter() - run_started, rates, regenerated.shape, bound=True)
 
-    def regenerate() -> RegenProbe:
-        regenerated = regeneration_probe(cfg, target, run_dir, kind)
-        checked("regeneration", regenerated, TrainProbe.unmeasured(regenerated.row_tokens))
-        return regenerated
-
     def evaluate(trained: TrainProbe) -> float:
         checked("training", regenerated, trained)
         evaluate_s = evaluation_probe(cfg, target, run_dir / "head")
@@ -311,7 +312,9 @@ def measure(cfg: RootConfig, target: Target, run_started: float, kind: HeadKind,
         return evaluate_s
 
     try:
-        regenerated = ranks.main_does(regenerate)
+        regenerated = ranks.from_main(regeneration_probe(cfg, target, run_dir, kind, ranks))
+        ranks.main_does(lambda: checked("regeneration", regenerated,
+                                        TrainProbe.unmeasured(regenerated.row_tokens)))
         trained = train_probe(cfg, target, run_dir, train_probe_samples(cfg, regenerated), kind, ranks)
         trained = ranks.from_main(trained)  # rank 0's clock, as for every rate
         evaluate_s = ranks.main_does(lambda: evaluate(trained))
