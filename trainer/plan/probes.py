@@ -128,13 +128,15 @@ def answer_rounds(answered: dict[str, list[dict]]) -> list[list[tuple[int, int]]
 
 def regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path, kind: HeadKind,
                        ranks: Ranks = SINGLE) -> RegenProbe:
-    """The first conversations regenerated into the cache, up to as many new ones as the engines
-    hold at once (`planned_slots`, each rank's engine its share), at least `PROBE_SAMPLES` (their
-    ids into a throwaway online folder): a warm cache's answers are passed over, not taken for
-    the probe (all cached, the rate stays unknown and regeneration is priced free). The ranks
-    answer it together, as they will the run's (`data_prep.ranks`: the rate is the world's). The
-    engine's fitted step cost comes with the folder's stats (`PrepStats.regenerate_step_cost`),
-    and becomes the `RegenShape`."""
+    """The first conversations regenerated into the cache, up to as many new ones as the engine
+    holds at once (`planned_slots`), at least `PROBE_SAMPLES` (their ids into a throwaway online
+    folder): a warm cache's answers are passed over, not taken for the probe (all cached, the
+    rate stays unknown and regeneration is priced free). The ranks answer it together, as they
+    will the run's (`data_prep.ranks`: the rate is the world's), each its share: one engine's
+    worth in all, not one each, which on CPU ranks sharing the cores would double the probe's
+    time (the rate of engines half full is, if anything, low). The engine's fitted step cost
+    comes with the folder's stats (`PrepStats.regenerate_step_cost`), and becomes the
+    `RegenShape`."""
     d = cfg.data
     if not d.regenerate.enabled:
         return RegenProbe()
@@ -145,8 +147,7 @@ def regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path, kind: Hea
     kept = len(capture_spec(cfg, kind, target.identity["num_hidden_layers"]).layers) if one_pass(cfg) else 0
     slots = planned_slots(target.model, r.batch_size, workers, d.max_length, kept)  # few at long contexts
     before = ranks.main_does(lambda: read_cache(cache))  # before any rank writes to it
-    size = uncached_prefix(cached_spans(cfg, tpl, before),
-                           max(PROBE_SAMPLES, ranks.world * slots // r.num_samples))
+    size = uncached_prefix(cached_spans(cfg, tpl, before), max(PROBE_SAMPLES, slots // r.num_samples))
     # The first long wait of a run, and often all its regeneration (a small budget's plan reuses
     # the probe's answers): its bar draws as the run's would.
     data = prepare(probe_config(cfg, size, "online", run_dir, cfg.logging.progress), target=target,
