@@ -10,6 +10,11 @@ is there for: tests/unit/data_prep/test_capture_engine.py fails without it on a 
 Tolerance: 1e-4 of each field's largest magnitude (float32 kernels reducing in another order;
 SmolLM2 measured 4e-7 aux and 3e-6 final, 2026-12-04). The engines reserve 1 GiB of KV cache
 (VLLM_CPU_KVCACHE_SPACE): the 8 engine starts take 4 minutes where the default 40% of RAM took 9.
+
+And one copy of the target per process (`data_prep.resident`): the main job with
+`data.regenerate.backend=vllm` loads the transformers target for its probes and capture, and vLLM,
+which reserves most of a device up front, must not start beside it: with the real engine, the
+transformers model is dropped before the engine starts, and loading the model again stops it.
 """
 
 from __future__ import annotations
@@ -65,3 +70,31 @@ def test_vllm_states_equal_transformers(lines, name):
     agree, tokens = line["top1_agree"]
     assert agree == tokens, line
     assert line["unnormed_rel_diff"] > 100 * TOLERANCE, line  # the norm is what makes them equal
+
+
+TAKE_TURNS = """
+import json
+
+from conf.schema import RootConfig, TargetConfig
+from data_prep import vllm_engine
+from data_prep.target import resolve_target
+
+
+target = resolve_target(RootConfig(target=TargetConfig(name_or_path="smollm2-135m-instruct")))
+target.model  # the planner's probes, or the hf capture
+vllm_engine.engine(target.path, target.dtype, 256)  # data.regenerate.backend=vllm
+steps = {"model_held_beside_engine": "model" in target.__dict__}
+target.model  # the evaluation
+steps["engine_running_beside_model"] = vllm_engine._current["llm"] is not None
+print(json.dumps(steps))
+"""
+
+
+def test_the_vllm_engine_never_runs_beside_the_transformers_target():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run([str(VLLM_PYTHON), "-c", TAKE_TURNS], capture_output=True, text=True, cwd=ROOT,
+                          timeout=900, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    steps = json.loads(lines[-1])
+    assert steps == {"model_held_beside_engine": False, "engine_running_beside_model": False}
