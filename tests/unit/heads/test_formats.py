@@ -299,9 +299,10 @@ def test_init_from_starts_the_trainee_from_the_folders_weights(source, head_dir,
     _, _, trained = load_head(head_dir, "eagle3")
     state = trainee.head.state_dict()
     assert all(torch.equal(state[k], v) for k, v in trained.items())
-    # The teacher reads the target's lm_head at the head's own draft ids (not the data's).
+    # The teacher reads the target's lm_head at the head's own draft ids (not the data's), kept
+    # in the training dtype (tests/unit/trainer/test_frozen_tables.py).
     rows = model.get_output_embeddings().weight[torch.arange(512) + trained["d2t"]]
-    assert torch.equal(trainee.teacher_weight, rows.float())
+    assert torch.equal(trainee.teacher_weight, rows.float().to(trainee.teacher_weight.dtype))
 
 
 def test_init_from_a_medusa_export(medusa, tiny, tiny_llama_dir):
