@@ -2,11 +2,12 @@
 
 prepare data (if its cache is missing) -> train -> evaluate -> export, then say in five lines
 where all went (`trainer.closing`; summary.json holds the record, training.png its curves).
-Every rank runs this file and holds its own target (online it computes the hidden states of the
-rank's batches; online from servers, `data.capture.backend=server`, it holds only the few tensors
-the head needs: `check_served_online`); the ranks prepare data together (each its share,
-`data_prep.ranks`), rank 0 evaluates, exports and prints. Several nodes work alike, over a shared
-file system or each with its own copy of the data (see `prepare_data`).
+Every rank runs this file on its own device; the ranks plan the budget together (`trainer.plan`)
+and prepare data together (each its share, `data_prep.ranks`), then each holds of the target what
+it runs (`held_target`: the whole target online, where it computes its batches' states, and on
+rank 0 where it decodes; else the few tensors the head reads), rank 0 evaluates, exports and
+prints. Several nodes work alike, over a shared file system or each with its own copy of the data
+(see `prepare_data`).
 
 `resume=true` (same `run_dir`) goes on after any stop, `kill -9` included: regeneration keeps
 each answered conversation (a torn last line is cut) and answers the rest, capture resumes after
