@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from trainer.saving import Share
+from trainer.saving import Share, rank0_decides
 
 
 def deadline_stop(deadline: float | None, step: int, total: int, share: Share | None = None,
@@ -21,10 +21,8 @@ def deadline_stop(deadline: float | None, step: int, total: int, share: Share | 
         return None
     if share is None:
         past = time.perf_counter() > deadline
-    elif step % every:
-        return None
     else:
-        past = share(time.perf_counter() > deadline)
+        past = rank0_decides(step, every, share, lambda: time.perf_counter() > deadline)
     if not past:
         return None
     return f"step {step}: the time the budget left for training is spent; stopping before step {total}"

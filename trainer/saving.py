@@ -37,13 +37,19 @@ class CheckpointClock:
         steps only, every rank calling `share` there alike."""
         if self.every_s is None:
             return step % self.every_steps == 0
-        if step % self.log_every:
-            return False
-        return self.share(self.clock() - self.since >= self.every_s)
+        return rank0_decides(step, self.log_every, self.share,
+                             lambda: self.clock() - self.since >= self.every_s)
 
     def saved(self) -> None:
         """A checkpoint was just taken: the time to the next counts from now."""
         self.since = self.clock()
+
+
+def rank0_decides(step: int, every: int, share: Share, verdict: Callable[[], bool]) -> bool:
+    """Rank 0's `verdict()`, the same on every rank, asked at every `every`-th step only (the
+    logging steps, where the loop reads the device anyway) and False between them, so that the
+    ranks, whose clocks disagree, take each collective branch at the same step."""
+    return step % every == 0 and share(verdict())
 
 
 def rank0_share(accelerator) -> Share:
