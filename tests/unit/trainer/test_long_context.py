@@ -17,6 +17,7 @@ from tests.support.heads import eagle_head
 from tests.support.runs import user_error_line
 from trainer.evaluate.long_context import TASK, bucket_of, buckets, label, long_context_prompts
 from trainer.evaluate.run import evaluate, slide
+from trainer.plan import probes
 from trainer.plan.probes import evaluation_probe
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -100,12 +101,25 @@ def test_the_evaluator_reports_acceptance_by_context_length(tiny_llama_dir, eagl
     assert "by_context" not in plain and not (tmp_path / "plain" / "context.png").exists()
 
 
-def test_the_planner_prices_the_long_prompts(tiny_llama_dir, eagle_dir):
-    """The same prompt count costs more seconds when it is longer: prefill and every step grow
-    with the context."""
+def test_the_planner_prices_the_long_prompts(tiny_llama_dir, eagle_dir, monkeypatch):
+    """The same prompt count costs more seconds when it is longer: the probe decodes the long
+    prompts and prices each by its length. The decoders run for real; their clock is replaced by
+    a cost that grows with the prompt (prefill and every step read the whole context), so the
+    pricing is checked without a 2-core machine's timing noise."""
+    probed: list[int] = []
+
+    def rates_by_length(decode, ids, warm):
+        real_decode_rates(decode, ids, warm)
+        probed.append(len(ids))
+        return 1e-4 * len(ids), 1e-3 + 1e-6 * len(ids)
+
+    real_decode_rates = probes._decode_rates
+    monkeypatch.setattr(probes, "_decode_rates", rates_by_length)
     target = resolve_target(config(tiny_llama_dir))
     short = evaluation_probe(config(tiny_llama_dir, "eval.context_lengths=[256]"), target, eagle_dir)
+    short_probed, probed[:] = max(probed), []
     long = evaluation_probe(config(tiny_llama_dir, "eval.context_lengths=[1536]"), target, eagle_dir)
+    assert short_probed <= 256 < max(probed), (short_probed, probed)
     assert long > 1.5 * short, (short, long)
 
 
