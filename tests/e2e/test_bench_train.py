@@ -1,5 +1,5 @@
 """`scripts/bench_train.py preset=specforge` at toy sizes (tiny=true): the code path of the GPU
-figure that is set beside SpecForge's, run as gpu_figures.sh runs it, and gpu_table.py reading it."""
+figure that is set beside SpecForge's (`scripts/gpu_check.py`'s train check runs its step)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def script(name: str):
     return module
 
 
-bench_train, gpu_table = script("bench_train"), script("gpu_table")
+bench_train = script("bench_train")
 DOCS, MODES = ("equal", "spread", "lognormal"), ("padded", "packed")
 
 
@@ -60,15 +60,6 @@ def test_one_sane_json_line_per_profile_and_padding(tiny_lines):
     assert by["spread", "padded"]["batch_shapes"] == [[4, 2 * row_len]]
     for docs in ("spread", "lognormal"):
         assert by[docs, "packed"]["padding_share"] < by[docs, "padded"]["padding_share"]
-
-
-def test_gpu_table_sets_the_preset_beside_specforge(tiny_lines, tmp_path):
-    (tmp_path / "bench_train_specforge.log").write_text("warming up\n" + tiny_lines)
-    table = dict(gpu_table.rows(tmp_path))
-    for shape in gpu_table.PRESET_DOCS.values():
-        assert " tok/s, " in table[f"preset=specforge {shape}, padded / packed"]
-    assert table["SpecForge, one H200, 4 x 1024"].startswith("46,643 / 53,419 tok/s")
-    assert table["useful tokens/s over SpecForge's, 4 x 1024"].count(" / ") == 1
 
 
 def test_unknown_choices_are_one_line_errors(capsys):

@@ -4,7 +4,7 @@ needs the whole target on one device, is refused in one line naming `target.devi
 
 On a CPU every layer maps to the CPU, so no activation crosses a device here: these tests hold
 the path (the map reaches `from_pretrained`, nothing moves the model afterwards, inputs go to
-`input_device`); `scripts/gpu_figures.sh` compares a `balanced` split over several GPUs."""
+`input_device`); the last test compares a `balanced` split on a node of several GPUs."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def test_what_decodes_or_runs_several_processes_refuses_a_map(tiny_llama_dir, tm
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a node with 2 or more GPUs")
 def test_balanced_over_the_gpus_captures_what_one_gpu_does(tiny_llama_dir):
-    """The split that matters (`scripts/gpu_figures.sh`, stage devmap): layers on several GPUs,
+    """The split that matters (run it on a node of 2+ GPUs): layers on several GPUs,
     activations crossing them; offline fields, and online ones on the batch's device (cuda:0)."""
     one = resolve_target(RootConfig(target=TargetConfig(name_or_path=str(tiny_llama_dir), device="cuda:0",
                                                         dtype="float32"))).load_model()
