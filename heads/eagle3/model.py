@@ -16,6 +16,7 @@ of attention, forward and backward, went from ~260 to ~170 ms on two CPU cores).
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -49,21 +50,75 @@ class Branches(NamedTuple):
     steps: tuple[KV, ...] = ()
 
 
+# Whether the head's attention is shaped for CUDA's fused SDPA kernels (flash, memory-efficient):
+# None decides by the device (CUDA: yes), True forces that path on any device (the CPU tests hold it
+# equal to the other), False keeps the path a CPU runs everywhere (the old GPU path, to compare).
+# On CUDA a bool mask rules out flash, and with `enable_gqa` the memory-efficient kernel too: SDPA
+# falls back to its math kernel, [B, H, T, T] float32 scores and probabilities (4 GB a tensor at
+# T=2048, B=8). The CPU keeps its path: its kernels take the mask and GQA as they are.
+FUSED_KERNELS: bool | None = None
+
+
+def fused_kernels(x: torch.Tensor) -> bool:
+    """Whether attention over tensors like `x` takes the fused-kernel path (`FUSED_KERNELS`)."""
+    return x.is_cuda if FUSED_KERNELS is None else FUSED_KERNELS
+
+
+def context_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, fused: bool
+) -> torch.Tensor:
+    """Attention of queries q [B,H,T,D] over their own K/V [B,KV,T,D] (TTT step 0, every position;
+    no past). `mask` None: exactly causal, which SDPA runs as flash with GQA on CUDA (the caller
+    passes None only where its mask would be exactly that, a fact of the batch's layout known on
+    the host). Otherwise bool [B|1,1,T,T]: `fused` repeats the K/V groups to every query head, since
+    the memory-efficient kernel, the fused one that takes a mask, does not take GQA; without it the
+    query heads read their group in place (`enable_gqa`), what the CPU's kernels take."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=True)
+    if fused:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
 # Query rows of a later TTT step scored at once: a step materialises [B, H, rows, T] float32 scores
 # (and the probabilities its backward keeps), so a long context runs in chunks of rows, each
 # recomputed in the backward pass (`torch.utils.checkpoint`): memory linear in T, not quadratic.
-# 2**25 scores (128 MiB) leave the main job's rows of 512 tokens in one piece.
+# On a CPU 2**25 scores (128 MiB) leave the main job's rows of 512 tokens in one piece; a fused-
+# kernel device takes `branch_scores`'s share of its memory instead.
 BRANCH_SCORES = 2**25
+# The share of a fused-kernel device's memory one chunk's scores may take, in bytes per score: a
+# chunk holds ~4 float32 tensors of its scores (scores, masked, probabilities, their concatenation)
+# and about as much again while its backward recomputes them, so 1/512 keeps a chunk at ~1/16 of
+# the device (2**27 scores on an 80 GB GPU, 2**25's four times).
+DEVICE_BYTES_PER_SCORE = 512
+
+
+def branch_scores(x: torch.Tensor) -> int:
+    """Scores a later TTT step's chunk may hold for tensors like `x`: `BRANCH_SCORES`, or on the
+    fused-kernel path of a CUDA device the larger `DEVICE_BYTES_PER_SCORE` share of its memory
+    (fewer chunks, each recomputed in the backward pass). Reads the device's properties, never
+    its tensors: no sync."""
+    if not (x.is_cuda and fused_kernels(x)):
+        return BRANCH_SCORES
+    return max(BRANCH_SCORES, _device_memory(x.device.index or 0) // DEVICE_BYTES_PER_SCORE)
+
+
+@cache
+def _device_memory(index: int) -> int:
+    """Total memory of CUDA device `index`, in bytes (asked once)."""
+    return torch.cuda.get_device_properties(index).total_memory
 
 
 def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: Branches) -> torch.Tensor:
     """Attention of queries q [B,H,S,D], this step's K/V [B,KV,S,D], over `past`: equal to
     scaled_dot_product_attention over [context | every step's K/V] with the mask
     [past.mask | diagonal per step], at the multiply-adds of the unmasked keys, in chunks of
-    query rows where the scores would pass `BRANCH_SCORES` (each row reads only its own branch,
+    query rows where the scores would pass `branch_scores` (each row reads only its own branch,
     so rows split freely)."""
     b, h, s, _ = q.shape
-    rows = max(1, BRANCH_SCORES // (b * h * past.context[0].shape[2]))
+    rows = max(1, branch_scores(q) // (b * h * past.context[0].shape[2]))
     if rows >= s:
         return _branch_rows(q, k, v, past)
     parts = []
@@ -167,21 +222,14 @@ class Eagle3Attention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if isinstance(past, Branches):
             out = branch_attention(q, k, v, past)
-        else:
-            if past is None:
-                keys, values = k, v
-            elif isinstance(past, tuple):
+        elif past is None:
+            out = context_attention(q, k, v, mask, fused_kernels(q))
+        else:  # decoding: a few queries over a cache, which the kernels below take as they are
+            if isinstance(past, tuple):
                 keys, values = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
             else:
                 keys, values = past.update(k, v, 0)
-            out = F.scaled_dot_product_attention(
-                q,
-                keys,
-                values,
-                attn_mask=mask,
-                is_causal=mask is None and past is None and t > 1,
-                enable_gqa=True,
-            )
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), (k, v)
 
 

@@ -114,12 +114,12 @@ def counting_syncs(host_scalars=tuple):
 LABELLED = [(14, [range(4, 9), range(11, 14)]), (11, [range(3, 11)]), (9, [range(7, 9)]), (6, [])]
 
 
-def samples(model, fields: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
+def samples(model, fields: tuple[str, ...], labelled=LABELLED) -> list[dict[str, torch.Tensor]]:
     """Items as `data_prep.store.CapturedDataset` yields them (hidden states stored in bf16, the
-    target's top-1 from the stored final one)."""
+    target's top-1 from the stored final one), of `labelled`'s (length, labelled spans)."""
     g = torch.Generator().manual_seed(0)
     out = []
-    for length, spans in LABELLED:
+    for length, spans in labelled:
         ids = torch.randint(3, 3000, (length,), generator=g)
         mask = torch.zeros(length, dtype=torch.bool)
         for span in spans:
@@ -135,26 +135,28 @@ def samples(model, fields: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def eagle3(model, draft: int = 3000, aux: tuple[int, ...] = (2, 4, 5), ttt_length: int = 3):
-    """An EAGLE-3 trainee drafting over the first `draft` ids, and the captured fields it reads."""
+def eagle3(model, draft: int = 3000, aux: tuple[int, ...] = (2, 4, 5), ttt_length: int = 3, **head):
+    """An EAGLE-3 trainee drafting over the first `draft` ids (`head`: more config fields, as
+    `sliding_window`), and the captured fields it reads."""
     vocab = model.config.vocab_size
     d2t, t2d = torch.zeros(draft, dtype=torch.long), torch.zeros(vocab, dtype=torch.bool)
     t2d[:draft] = True
-    head = Eagle3Head.from_target(model, "tiny", Eagle3Config(aux_layer_ids=list(aux)), d2t, t2d)
+    head = Eagle3Head.from_target(model, "tiny", Eagle3Config(aux_layer_ids=list(aux), **head), d2t, t2d)
     lm_head = model.get_output_embeddings().weight
     trainee = Eagle3Trainee(head, lm_head, ttt_length=ttt_length, step_weight=0.8)
     return trainee, ("aux_hidden", "final_hidden", TOP)
 
 
 def peagle(
-    model, draft: int = 3000, aux: tuple[int, ...] = (2, 4, 5), slots: int = 3, anchor_fraction: float = 0.5
+    model, draft: int = 3000, aux: tuple[int, ...] = (2, 4, 5), slots: int = 3, anchor_fraction: float = 0.5,
+    **head,
 ):
-    """A P-EAGLE trainee drafting over the first `draft` ids (mask slots at a sample of anchors),
-    and the captured fields it reads."""
+    """A P-EAGLE trainee drafting over the first `draft` ids (mask slots at a sample of anchors;
+    `head`: more config fields), and the captured fields it reads."""
     vocab = model.config.vocab_size
     d2t, t2d = torch.zeros(draft, dtype=torch.long), torch.zeros(vocab, dtype=torch.bool)
     t2d[:draft] = True
-    cfg = PEagleConfig(aux_layer_ids=list(aux), parallel_tokens=slots, mask_token_id=0)
+    cfg = PEagleConfig(aux_layer_ids=list(aux), parallel_tokens=slots, mask_token_id=0, **head)
     head = PEagleHead.from_target(model, "tiny", cfg, d2t, t2d)
     lm_head = model.get_output_embeddings().weight
     trainee = PEagleTrainee(head, lm_head, slots, 0.8, anchor_fraction=anchor_fraction)

@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from conf.errors import UserError
 from data_prep.capture import TOP
-from heads.eagle3.model import Branches, Eagle3Head
+from heads.eagle3.model import Branches, Eagle3Head, branch_scores, context_attention, fused_kernels
 from heads.formats import read_init_head
 from heads.window import near, window_of
 from trainer.decoding import Eagle3Drafter
@@ -71,6 +72,56 @@ def ttt_attention_mask(
     diag = eye.expand(positions.shape[0], -1, -1)
     context = context_mask(positions, seq_len, starts, window, step)
     return torch.cat([context] + [diag] * step, dim=2)[:, None]
+
+
+def context_step_mask(
+    positions: torch.Tensor, seq_len: int, starts: torch.Tensor | None, window: int | None, fused: bool
+) -> torch.Tensor | None:
+    """Step 0's mask (`ttt_attention_mask`), or None on the `fused` path where it is exactly
+    causal (one document a row, `starts` None, and no window): SDPA then runs it as flash with
+    GQA on CUDA (`heads.eagle3.model.context_attention`). Decided by the batch's layout alone,
+    never by reading a tensor: the training step stays sync-free."""
+    if fused and starts is None and window is None:
+        return None
+    return ttt_attention_mask(positions, seq_len, 0, starts, window)
+
+
+def attention_kernels(
+    head: Eagle3Head, batch_size: int, seq_len: int, packed: bool = False
+) -> dict[str, object]:
+    """Which attention a training step of `head` (its device, dtype, heads and window) takes at
+    rows of `seq_len` tokens, for a GPU check to report: `fused` (`fused_kernels`, the switch
+    `heads.eagle3.model.FUSED_KERNELS` sets: False is the old path), `step0_mask` (None: exactly
+    causal, no mask; "bool"), `step0_kernels` (the SDPA backends that accept step 0's call, forward
+    and backward, each tried alone: "math" alone means [B, H, T, T] scores), and the later TTT
+    steps' `ttt_rows_per_chunk` and `ttt_chunks` (`branch_scores`, at as many rows as tokens).
+    `packed`: two documents a row, as `trainer.batching.pack_row` lays them out."""
+    cfg, weight = head.config, head.fc.weight
+    b, h, kv, d, t = batch_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, seq_len
+    fused = fused_kernels(weight)
+    pos = torch.arange(t, device=weight.device).expand(b, t)
+    starts = torch.where(pos >= t // 2, t // 2, 0) if packed else None
+    mask = context_step_mask(pos, t, starts, window_of(cfg), fused)
+    q = torch.randn(b, h, t, d, device=weight.device, dtype=weight.dtype, requires_grad=True)
+    k, v = (torch.randn(b, kv, t, d, device=weight.device, dtype=weight.dtype, requires_grad=True)
+            for _ in range(2))
+    kernels = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
+        try:
+            with sdpa_kernel([backend]):
+                context_attention(q, k, v, mask, fused).sum().backward()
+        except RuntimeError:  # "No available kernel": this backend refuses the call
+            continue
+        kernels.append(backend.name.lower().removesuffix("_attention"))
+    rows = max(1, branch_scores(q) // (b * h * t))
+    return {
+        "fused": fused,
+        "step0_mask": None if mask is None else "bool",
+        "step0_kernels": kernels,
+        "ttt_rows_per_chunk": rows,
+        "ttt_chunks": -(-t // rows),
+    }
 
 
 def gather_positions(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,10 +246,13 @@ class Eagle3Trainee(HeadTrainee, nn.Module):
         hidden state from step k-1. Step 0 runs every position (all are keys of the context);
         later steps run only the positions in `keep` (default all), since a later step's row
         depends on nothing but its own branch: on chat data this skips the unlabelled prompt.
-        `position_ids` [B,T] (packed rows, see `trainer.batching.pack_row`; None: 0..T-1) keep
-        each sample's attention and rotary positions its own. Near a sample's end a branch reads
-        the next sample's tokens, and predicts them: the loss counts no such prediction, and
-        no other branch attends to it.
+        `position_ids` [B,T] (packed rows, see `trainer.batching.pack_row`; None: 0..T-1, one
+        sample a row) keep each sample's attention and rotary positions its own. Step 0's mask
+        is exactly causal where they are None and there is no window: on the fused-kernel path
+        (`heads.eagle3.model.fused_kernels`) it passes none, which CUDA runs as flash with GQA;
+        a fact of the batch's layout, known on the host, so the step reads no device tensor.
+        Near a sample's end a branch reads the next sample's tokens, and predicts them: the loss
+        counts no such prediction, and no other branch attends to it.
         """
         later = None if keep is None else gather_positions(keep)
         return self.unroll_gathered(aux_hidden, ids, later, position_ids)
@@ -223,7 +277,8 @@ class Eagle3Trainee(HeadTrainee, nn.Module):
                 hidden = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
             at = places.gather(1, pos)  # each row's position in its own sample
             if k == 0:  # the context: causal within each document
-                mask = ttt_attention_mask(pos, t, 0, pos - at, self.window)
+                starts = None if position_ids is None else pos - at
+                mask = context_step_mask(pos, t, starts, self.window, fused_kernels(hidden))
                 hidden, context = self.head.layer(hidden, shift_left(ids, 1, 0), at, mask)
             else:  # step 0's keys under the same rule (a window slides with k), then this row's branch
                 hidden, tokens = self.step_input(k, hidden, ids, pos)
@@ -269,7 +324,7 @@ class Eagle3Trainee(HeadTrainee, nn.Module):
         correct = teacher_p.new_zeros(self.ttt_length)
         total = teacher_p.new_zeros(self.ttt_length)
         later = (batch["ttt_positions"], batch["ttt_valid"])
-        steps = self.unroll_gathered(batch["aux_hidden"], ids, later, position_ids(batch))
+        steps = self.unroll_gathered(batch["aux_hidden"], ids, later, batch.get("position_ids"))
         for k, hidden, _, _ in steps:
             labelled = predicted[k]
             counted = labelled & inside
@@ -323,7 +378,7 @@ def eagle3_activations(cfg, rows: RowSizes) -> int:
     P-EAGLE's `parallel_tokens`) a layer and the float32 probabilities over the draft vocabulary
     of the loss's chunks, the teacher's float32 distribution once, and step 0's attention scores
     and probabilities in float32 over the row's `max_length` keys (SDPA with a mask runs its math
-    kernel)."""
+    kernel on a CPU; CUDA's fused kernels keep less, `context_attention`: an upper bound there)."""
     head, h = cfg.head, rows.hidden
     vd = min(cfg.data.draft_vocab_size, rows.vocab)
     drafted = (head.ttt_length or 1) * getattr(head, "parallel_tokens", 1)
