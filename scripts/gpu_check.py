@@ -7,8 +7,8 @@ next runs):
               over EAGLE-3 steps at SpecForge's shapes)
     loss      the soft-target cross-entropy at SpecForge's shapes: the CPU's chunked path against
               the device's (ms forward + backward, peak memory), and that both agree
-    attention which SDPA kernels the head's first step can take (flash, memory-efficient), and its
-              step time
+    attention which SDPA kernels the head's first step takes, on the path a CPU runs and on the
+              device's own (`heads.eagle3.model.FUSED_KERNELS`), and the step time of each
     train     useful training tokens/s at SpecForge's `bench_train` shapes (4 x 1024 tokens, draft
               vocabulary 32k, TTT 7; padded and packed) beside SpecForge's own 53.4k on one H200
     capture   offline capture tokens/s (hidden states written to disk) beside the target's bare
@@ -57,6 +57,7 @@ from data_prep.capture import HfCapturer, bare_forward, capture_shard
 from data_prep.prepare import capture_spec
 from data_prep.store import open_partial, write_split
 from data_prep.template import Tokenized
+from heads.eagle3 import model as eagle3_model
 from heads.eagle3.model import Eagle3Head
 from heads.kinds import head_kind
 from trainer.decoding import Chain, greedy_generate, speculative_generate
@@ -64,6 +65,7 @@ from trainer.decoding import graphs as decode_graphs
 from trainer.distributed import build_accelerator
 from trainer.evaluate.run import load_drafter
 from trainer.health import NonFiniteWatch
+from trainer.kinds.eagle3 import attention_kernels
 from trainer.loop import adamw, train_step
 from trainer.objective import soft_cross_entropy
 from trainer.tally import Tally
@@ -143,13 +145,14 @@ def eagle3_config(sizes: Sizes, extra: tuple[str, ...] = ()):
 
 
 def specforge_step(sizes: Sizes, device: torch.device, padding: str):
-    """(step, batches): bench_train's preset=specforge step (its own loop, as SpecForge's
-    benchmark times one) and its micro-batches of 4 equal documents."""
+    """(step, batches, trainee): bench_train's preset=specforge step (its own loop, as
+    SpecForge's benchmark times one) and its micro-batches of 4 equal documents."""
     cfg = eagle3_config(sizes)
     trainee = preset_trainee(cfg, sizes.preset, device)
     step, _ = make_step(trainee, cfg.optim, device, bf16=device.type == "cuda")
     warmup, steps = sizes.steps
-    return step, preset_batches(sizes.preset, "equal", padding, warmup + steps, 0.75, trainee, device)
+    batches = preset_batches(sizes.preset, "equal", padding, warmup + steps, 0.75, trainee, device)
+    return step, batches, trainee
 
 
 def check_env(sizes: Sizes, device: torch.device) -> dict:
@@ -234,36 +237,22 @@ def check_loss(sizes: Sizes, device: torch.device) -> dict:
 
 
 def check_attention(sizes: Sizes, device: torch.device) -> dict:
-    """Which fused kernels the head's first step (a causal, GQA attention over whole rows) can
-    take with the bool mask it was given and without one, and forward + backward of each."""
-    c = sizes.preset.head
-    heads, kv, dim = c["num_attention_heads"], c["num_key_value_heads"], 128 if not sizes.cpu else 16
-    rows, length = 4, sizes.preset.row_len
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    q = torch.randn(rows, heads, length, dim, device=device, dtype=dtype)
-    k, v = (torch.randn(rows, kv, length, dim, device=device, dtype=dtype) for _ in range(2))
-    mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def takes(backends, **kw) -> bool:
+    """Which SDPA kernels the head's first step takes (`attention_kernels`: "math" alone is the
+    [B, H, T, T] fallback), on the path a CPU runs (`FUSED_KERNELS=False`, what a GPU ran before)
+    and on the device's own (forced with --cpu, so that CI runs the GPU's path), with the
+    preset=specforge step time of each."""
+    out = {}
+    for path, fused in (("cpu_path", False), ("device_path", True if sizes.cpu else None)):
+        eagle3_model.FUSED_KERNELS = fused
         try:
-            with sdpa_kernel(backends):
-                torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
-            return True
-        except RuntimeError:
-            return False
-
-    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-    out = {"shape": [rows, heads, kv, length, dim], "fused_with_bool_mask": takes(fused, attn_mask=mask),
-           "fused_when_causal": takes(fused, is_causal=True)}
-    q.requires_grad_()
-    for name, kw in (("bool_mask", {"attn_mask": mask}), ("causal", {"is_causal": True})):
-        def run(kw=kw):
-            q.grad = None
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw).sum().backward()
-        reset_peak(device)
-        out[f"{name}_ms"] = round(1000 * timed(run, device), 3)
-        out[f"{name}_peak_mib"] = peak_mib(device)
+            reset_peak(device)
+            step, batches, trainee = specforge_step(sizes, device, "padded")
+            out[path] = attention_kernels(trainee.head, 4, sizes.preset.row_len)
+            warmup, steps = sizes.steps
+            seconds, _ = timed_steps(lambda i, b=batches, s=step: s(b[i]), device, warmup, steps)
+            out[path] |= {"step_ms": round(1000 * sum(seconds) / steps, 2), "peak_mib": peak_mib(device)}
+        finally:
+            eagle3_model.FUSED_KERNELS = None
     return out
 
 
@@ -271,7 +260,7 @@ def check_train(sizes: Sizes, device: torch.device) -> dict:
     out = {"specforge_h200_useful_tokens_per_s": SPECFORGE_USEFUL_TOKENS_PER_S}
     for padding in ("padded", "packed"):
         reset_peak(device)
-        step, batches = specforge_step(sizes, device, padding)
+        step, batches, _ = specforge_step(sizes, device, padding)
         warmup, steps = sizes.steps
         seconds, _ = timed_steps(lambda i, b=batches, s=step: s(b[i]), device, warmup, steps)
         useful = sum(int(b["attention_mask"].sum()) for b in batches[warmup:])
