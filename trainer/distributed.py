@@ -45,8 +45,10 @@ and under Slurm:
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -68,6 +70,61 @@ def autocast_dtype(cfg: DistConfig) -> torch.dtype | None:
     """The 16-bit dtype training computes in under `mixed_precision` (autocast, or DeepSpeed's
     16-bit weights); None when it runs in float32."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision(cfg))
+
+
+def own_autocast(cfg: DistConfig) -> torch.dtype | None:
+    """The autocast dtype draftsmith enters itself around the trainee's forward (`prepare`): the
+    step's 16-bit dtype under DeepSpeed, None elsewhere.
+
+    accelerate enters autocast around a DDP or single-device forward, but turns its autocast off
+    under DeepSpeed, whose bf16/fp16 casts the parameters alone: the float32 buffers and the
+    explicit `.float()` matmuls (branch attention, rotary) then ran as float32 GEMMs, without
+    tensor cores. Under this autocast a DeepSpeed step computes in the dtypes a DDP step does."""
+    return autocast_dtype(cfg) if cfg.strategy == "deepspeed" else None
+
+
+def _under_autocast(forward: Callable, device_type: str, dtype: torch.dtype) -> Callable:
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        # inside DeepSpeed's engine, which turns an outer autocast off around the module it wraps
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def prepare(acc, cfg: DistConfig, trainee: torch.nn.Module, opt: torch.optim.Optimizer):
+    """`acc.prepare(trainee, opt)`, the trainee's forward under `own_autocast`. Under DeepSpeed,
+    rotary frequencies must come back float32: older DeepSpeed releases cast every buffer with
+    `module.bfloat16()`, which rounds `inv_freq` and corrupts positions far into a sequence
+    (huggingface/transformers#29496); that is refused in one line."""
+    dtype = own_autocast(cfg)
+    if dtype is not None:
+        trainee.forward = _under_autocast(trainee.forward, acc.device.type, dtype)
+    trainee, opt = acc.prepare(trainee, opt)
+    if cfg.strategy == "deepspeed":
+        for name, buffer in acc.unwrap_model(trainee).named_buffers():
+            if name.endswith("inv_freq") and buffer.dtype != torch.float32:
+                raise RuntimeError(f"DeepSpeed cast {name} to {buffer.dtype}: use a DeepSpeed that keeps "
+                                   "float32 buffers (0.19 does)")
+    return trainee, opt
+
+
+def fast_float32_matmuls(device_type: str, capability: tuple[int, int] | None = None) -> None:
+    """Let float32 matmuls on a CUDA device of compute capability 8.0 or newer (Ampere on) use
+    TF32 tensor cores, as PyTorch's default of full float32 does not.
+
+    Under mixed precision autocast turns most matmuls to 16 bits; what stays float32 (a step
+    with `dist.mixed_precision=no`, the float32 heads of a few kinds) ran about 8x slower than
+    TF32, whose 10-bit mantissa is still finer than the bf16 the rest of the step computes in.
+    Only the CUDA flag is set: a CPU's matmuls (oneDNN's own setting) keep their results.
+    `capability`: the device's (default: asked of the current CUDA device)."""
+    if device_type != "cuda":
+        return
+    if capability is None:
+        capability = torch.cuda.get_device_capability()
+    if capability >= (8, 0):
+        torch.backends.cuda.matmul.allow_tf32 = True
 
 
 def _skip_deepspeed_shm_build() -> None:
@@ -119,18 +176,26 @@ def frozen_target_outside_zero3() -> None:
 
 def build_accelerator(cfg: DistConfig, optim: OptimConfig, project_dir: str):
     from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     if cfg.strategy == "none" and world > 1:
         raise UserError(f"dist.strategy=none but launched with WORLD_SIZE={world}: use dist=ddp")
     cpu = not torch.cuda.is_available()
-    kwargs = {}
+    kwargs, handlers = {}, []
     if world > 1:
         # Without cpu=True two CPU processes run as two lonely replicas; NCCL needs CUDA.
         kwargs["cpu"] = cpu
-        kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo" if cpu else "nccl",
-                                                            timeout=timedelta(minutes=cfg.timeout_min))]
+        handlers.append(InitProcessGroupKwargs(backend="gloo" if cpu else "nccl",
+                                               timeout=timedelta(minutes=cfg.timeout_min)))
+    if cfg.strategy == "ddp":
+        # DDP broadcast every buffer from rank 0 at every forward (a 0.5 GB float32 teacher table
+        # at Llama-3-8B). A trainee's buffers are constants every rank builds identically from the
+        # same target and data (teacher rows, vocabulary maps, rotary frequencies), or counters
+        # every rank steps alike (Medusa-2's batches seen): nothing to send.
+        handlers.append(DistributedDataParallelKwargs(broadcast_buffers=False))
+    if handlers:
+        kwargs["kwargs_handlers"] = handlers
     if cfg.strategy == "deepspeed":
         kwargs.pop("cpu", None)  # accelerate rejects cpu=True with DeepSpeed; gloo does the job
         kwargs["deepspeed_plugin"] = deepspeed_plugin(cfg, optim)

@@ -51,6 +51,7 @@ from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, s
 from trainer.collapse import CollapseWatch
 from trainer.costs import BetweenSteps, BetweenStepsClock, Throughput
 from trainer.deadline import deadline_stop
+from trainer.distributed import prepare
 from trainer.health import NonFiniteGuard, NonFiniteWatch, describe, sample_at
 from trainer.logger import RunLogger
 from trainer.saving import CheckpointClock, rank0_share
@@ -349,7 +350,7 @@ def prepare_training(cfg: RootConfig, accelerator, trainee, run_dir: Path, total
     groups = trainee.param_groups(optim.lr, optim.weight_decay)
     opt = adamw(groups, optim)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, optim.warmup_ratio))
-    trainee, opt = accelerator.prepare(trainee, opt)
+    trainee, opt = prepare(accelerator, cfg.dist, trainee, opt)
     params = [p for g in groups for p in g["params"]]
     ckpt = latest_checkpoint(run_dir) if cfg.resume else None
     if ckpt is None:

@@ -13,10 +13,12 @@ Everything here is pure tensor maths on rows [N, V], so that EAGLE-3 (soft targe
 vocabulary) and Medusa (the data's token) train the very same objective.
 
 `Objective.from_logits` is the training path from a head's logits: for `ce` it is
-`soft_cross_entropy`, which walks the rows in cache-sized chunks. The [N, V] tensors of the
-unfused chain (float logits, log-probabilities, their product with p, and the same again in the
-backward) are each a pass over main memory, and on a CPU those passes, not the multiply-adds, were
-most of a step's loss time (tens of MiB per pass at a few GB/s).
+`soft_cross_entropy`, which walks the rows in blocks sized for the device (`rows_per_block`). The
+[N, V] tensors of the unfused chain (float logits, log-probabilities, their product with p, and
+the same again in the backward) are each a pass over main memory, and on a CPU those passes, not
+the multiply-adds, were most of a step's loss time (tens of MiB per pass at a few GB/s): a CPU
+walks L2-sized chunks. On a GPU the host's kernel launches decide the time instead: it takes
+blocks of hundreds of MiB, each one compiled pass forward and one backward.
 
 Which rows: `head.prompt_loss_weight=w` trains every real position that is not an answer token
 (prompt, system and template tokens) at weight w against the answers' 1 (0: answers only,
@@ -27,6 +29,8 @@ data folder serves every w; validation metrics stay on the answers. `ce+tv` is c
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,48 +50,116 @@ def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return total / weights.sum().clamp(min=torch.finfo(weights.dtype).tiny)
 
 
-CHUNK_BYTES = 1 << 20  # a chunk of float32 rows that stays in a core's L2 cache
+CHUNK_BYTES = 1 << 20  # a CPU's block: float32 rows that stay in a core's L2 cache
+GPU_BLOCK_BYTES = 1 << 28  # a GPU's block: 256 MiB of float32 logits
+
+
+def rows_per_block(device_type: str, vocab: int, budget: int | None = None) -> int:
+    """Rows of [N, vocab] logits `soft_cross_entropy` takes at a time on a `device_type` device:
+    `budget` bytes of float32 rows (default: `CHUNK_BYTES` on a CPU, `GPU_BLOCK_BYTES` elsewhere),
+    at least one row.
+
+    A CPU's time is its passes over main memory, so a block that stays in L2 cache was fastest
+    there (measured). A GPU's time at small blocks is the host launching kernels: at 8 rows a
+    chunk (32k draft vocabulary) a TTT step launched ~35k of them against tens of milliseconds
+    of GPU work, so a GPU takes every row that fits a budget its memory shrugs off (12k rows at
+    32k vocabulary are 6 blocks)."""
+    if budget is None:
+        budget = CHUNK_BYTES if device_type == "cpu" else GPU_BLOCK_BYTES
+    return max(1, budget // (4 * vocab))
+
+
+def _forward_block(x: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logsumexp, cross-entropy, argmax) [n] of one block of logits x [n, V] against p [n, V]."""
+    x = x.float()
+    lse = torch.logsumexp(x, -1)
+    return lse, lse * p.sum(-1) - (p * x).sum(-1), x.argmax(-1)
+
+
+def _backward_block(x: torch.Tensor, p: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The logits' gradient of one block, g * (sum(p) * softmax - p), in x's dtype. x is copied
+    before the in-place steps: float32 logits' `.float()` is the saved tensor itself."""
+    q = x.to(torch.float32, copy=True).sub_(lse[:, None]).exp_()
+    return q.mul_(p.sum(-1, keepdim=True)).sub_(p).mul_(grad[:, None]).to(x.dtype)
+
+
+@functools.cache
+def _compiled_bodies() -> tuple[Callable, Callable]:
+    """`_forward_block` and `_backward_block` compiled (one fused pass each over a block, as
+    SpecForge's reference loss is one compiled expression); dynamic, since the row count varies
+    from batch to batch."""
+    return torch.compile(_forward_block, dynamic=True), torch.compile(_backward_block, dynamic=True)
+
+
+@functools.cache
+def compile_works(device_type: str) -> bool:
+    """Whether `torch.compile` can build kernels for `device_type` here (CUDA needs Triton); says
+    so in one line, once, when it cannot, and the loss then runs its blocks eagerly."""
+    import torch._dynamo
+    from torch.utils._triton import has_triton
+
+    works = torch._dynamo.is_dynamo_supported() and (device_type != "cuda" or has_triton())
+    if not works:
+        print(f"draftsmith: torch.compile is unavailable on {device_type}; the loss runs eagerly")
+    return works
+
+
+def _bodies(compiled: bool) -> tuple[Callable, Callable]:
+    return _compiled_bodies() if compiled else (_forward_block, _backward_block)
 
 
 class SoftCrossEntropy(torch.autograd.Function):
-    """-(p * log_softmax(logits)).sum(-1) per row, and the rows' argmax, one chunk of rows at a
-    time: forward keeps only each row's logsumexp, backward recomputes the softmax chunk by chunk
-    (grad = g * (sum(p) * softmax - p)), so no [N, V] float tensor beyond the gradient is written.
-    Logits may be bf16 (autocast): each chunk is computed in float32, the gradient is returned in
-    the logits' dtype, as autocast's cast would."""
+    """-(p * log_softmax(logits)).sum(-1) per row, and the rows' argmax, one block of `rows` rows
+    at a time: forward keeps only each row's logsumexp, backward recomputes the softmax block by
+    block (grad = g * (sum(p) * softmax - p)), so no [N, V] float tensor beyond the gradient is
+    written. `compiled`: each block's body runs compiled (`_compiled_bodies`). Logits may be bf16
+    (autocast): each block is computed in float32, the gradient is returned in the logits' dtype,
+    as autocast's cast would."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx, logits: torch.Tensor, p: torch.Tensor, rows: int, compiled: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = logits.shape[0]
-        step = max(1, CHUNK_BYTES // (4 * logits.shape[-1]))
         ce = logits.new_empty(n, dtype=torch.float32)
         lse = torch.empty_like(ce)
         top = torch.empty(n, dtype=torch.long, device=logits.device)
-        for s in range(0, n, step):
-            x, pc = logits[s : s + step].float(), p[s : s + step]
-            lse[s : s + step] = torch.logsumexp(x, -1)
-            ce[s : s + step] = lse[s : s + step] * pc.sum(-1) - (pc * x).sum(-1)
-            top[s : s + step] = x.argmax(-1)
+        body = _bodies(compiled)[0]
+        for s in range(0, n, rows):
+            part = slice(s, s + rows)
+            lse[part], ce[part], top[part] = body(logits[part], p[part])
         ctx.save_for_backward(logits, p, lse)
+        ctx.rows, ctx.compiled = rows, compiled
         ctx.mark_non_differentiable(top)
         return ce, top
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor, _top: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx, grad: torch.Tensor, _top: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         logits, p, lse = ctx.saved_tensors
-        step = max(1, CHUNK_BYTES // (4 * logits.shape[-1]))
+        rows, body = ctx.rows, _bodies(ctx.compiled)[1]
         out = torch.empty_like(logits)
-        for s in range(0, logits.shape[0], step):
-            pc = p[s : s + step]
-            x = logits[s : s + step].float().sub_(lse[s : s + step, None]).exp_()
-            out[s : s + step] = x.mul_(pc.sum(-1, keepdim=True)).sub_(pc).mul_(grad[s : s + step, None])
-        return out, None
+        for s in range(0, logits.shape[0], rows):
+            part = slice(s, s + rows)
+            out[part] = body(logits[part], p[part], lse[part], grad[part])
+        return out, None, None, None
 
 
-def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def soft_cross_entropy(
+    logits: torch.Tensor, p: torch.Tensor, *, rows: int | None = None, compiled: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(-(p * log_softmax(logits)).sum(-1) [N] float32, argmax(logits) [N]) for logits [N, V]
-    (float32 or bf16) and target probabilities p [N, V] float32; see `SoftCrossEntropy`."""
-    return SoftCrossEntropy.apply(logits, p)
+    (float32 or bf16) and target probabilities p [N, V] float32; see `SoftCrossEntropy`.
+
+    `rows` per block (default `rows_per_block` for the logits' device) and `compiled` (default:
+    on CUDA where `compile_works`) choose the path; every choice computes the same numbers
+    (tests/unit/trainer/test_loss_blocks.py). The CPU's path on any device is
+    `rows=rows_per_block("cpu", V), compiled=False`."""
+    device = logits.device.type
+    if rows is None:
+        rows = rows_per_block(device, logits.shape[-1])
+    if compiled is None:
+        compiled = device == "cuda" and compile_works(device)
+    return SoftCrossEntropy.apply(logits, p, rows, compiled)
 
 
 @dataclass(frozen=True)
@@ -120,7 +192,7 @@ class Objective:
         self, logits: torch.Tensor, p: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(`soft` of log_softmax(logits) against p, per row [N]; the logits' argmax [N]): the
-        training path, where the argmax comes from the same pass. `ce` runs chunked
+        training path, where the argmax comes from the same pass. `ce` runs in blocks
         (`soft_cross_entropy`); the other losses need q itself and take the plain path."""
         if self.loss == "ce":
             return soft_cross_entropy(logits, p)

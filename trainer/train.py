@@ -47,7 +47,7 @@ from heads.formats import check_init_from
 from heads.kinds import HeadKind, check_export_formats
 from trainer.checkpoint import check_layout, checkpoint_step, latest_checkpoint
 from trainer.closing import closing_lines
-from trainer.distributed import build_accelerator
+from trainer.distributed import build_accelerator, fast_float32_matmuls
 from trainer.evaluate.run import evaluate
 from trainer.kinds import build_trainee
 from trainer.logger import RunLogger
@@ -237,6 +237,7 @@ def run(cfg: RootConfig) -> dict:
     check_source(cfg)
     torch.manual_seed(cfg.seed)
     acc = build_accelerator(cfg.dist, cfg.optim, str(run_dir))
+    fast_float32_matmuls(acc.device.type)
     if acc.is_main_process and (line := cpu_sized_line(cfg, acc.device.type == "cuda")):
         print(line)  # a GPU run on the CPU-sized defaults: the preset, named once
     target = resolve_target(cfg, acc.device)  # once: every stage below gets this one

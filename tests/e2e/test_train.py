@@ -44,32 +44,57 @@ def two_processes() -> list[str]:
             "--master_port", str(free_port())]
 
 
-GROUP_TIMEOUT = """
+DIST_SETTINGS = """
+import json
 import sys
 import torch
 import torch.distributed as dist
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from conf.schema import DistConfig, OptimConfig
-from trainer.distributed import build_accelerator
-acc = build_accelerator(DistConfig(strategy=sys.argv[1], zero_stage=int(sys.argv[2]), timeout_min=77),
-                        OptimConfig(), sys.argv[3])
+from trainer.distributed import build_accelerator, prepare
+
+class Probe(torch.nn.Module):  # a trained layer beside a head's rotary frequencies
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=32, num_attention_heads=2))
+
+    def forward(self, x):
+        self.autocast = str(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else None
+        return self.linear(x).float().sum()
+
+cfg = DistConfig(strategy=sys.argv[1], zero_stage=int(sys.argv[2]), timeout_min=77, mixed_precision="bf16")
+acc = build_accelerator(cfg, OptimConfig(), sys.argv[3])
+probe = Probe()
+model, _ = prepare(acc, cfg, probe, torch.optim.AdamW(probe.parameters()))
+model(torch.ones(2, 8, dtype=torch.bfloat16 if cfg.strategy == "deepspeed" else torch.float32))
 group = dist.distributed_c10d._get_default_group()
-print("timeout_s", group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+print(json.dumps({"timeout_s": group._get_backend(torch.device("cpu")).options._timeout.total_seconds(),
+                  "broadcast_buffers": getattr(model, "broadcast_buffers", None),
+                  "autocast": probe.autocast, "inv_freq": str(probe.rotary.inv_freq.dtype)}))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy, stage", [("ddp", 0), ("deepspeed", 2)])
-def test_dist_timeout_reaches_the_process_group(tmp_path, strategy, stage):
-    """`dist.timeout_min` is the default group's timeout on every rank, under DDP and DeepSpeed
-    (which starts the group itself): NCCL's default 10 minutes aborted jobs in which one rank
-    works alone. gloo here; the same handler carries it to NCCL."""
-    script = tmp_path / "group_timeout.py"
-    script.write_text(GROUP_TIMEOUT)
+def test_dist_settings_reach_every_rank(tmp_path, strategy, stage):
+    """Under DDP and DeepSpeed alike, on every rank:
+    - `dist.timeout_min` is the default group's timeout (DeepSpeed starts the group itself): NCCL's
+      default 10 minutes aborted jobs in which one rank works alone. gloo here; the same handler
+      carries it to NCCL.
+    - the step's forward runs under the same bf16 autocast: accelerate enters none under
+      DeepSpeed (`trainer.distributed.own_autocast`), and rotary frequencies stay float32.
+    - DDP broadcasts no buffer at each forward: every rank holds the same constants."""
+    script = tmp_path / "dist_settings.py"
+    script.write_text(DIST_SETTINGS)
     cmd = [*two_processes()[:-2], "--master_port", str(free_port()), str(script), strategy, str(stage),
            str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cli_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count(f"timeout_s {77 * 60.0}") == 2, proc.stdout
+    ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert ranks == 2 * [{"timeout_s": 77 * 60.0, "broadcast_buffers": False if strategy == "ddp" else None,
+                          "autocast": "torch.bfloat16", "inv_freq": "torch.float32"}], proc.stdout
 
 
 @pytest.mark.slow

@@ -193,7 +193,7 @@ def draft_teacher(
     this equals the full-vocabulary computation (logits of every row, their argmax, a softmax over
     the draft columns) at a draft-vocabulary's share of its multiply-adds. The product runs in
     `draft_lm_head`'s dtype, the training dtype (`trainer.trainee.store_frozen_tables`: 16 bits
-    under mixed precision, DeepSpeed's runs without autocast included), the softmax in float32.
+    under mixed precision, DeepSpeed's runs included), the softmax in float32.
     """
     logits = final_hidden.to(draft_lm_head.dtype) @ draft_lm_head.T
     return F.softmax(logits.float(), dim=-1), target_to_draft[target_top.long()]

@@ -111,41 +111,6 @@ def test_row_weights_and_their_mean():
     assert float(weighted_mean(values, torch.zeros(4))) == 0.0
 
 
-@pytest.mark.parametrize("chunk_bytes", [1 << 20, 3 * 4 * 11])  # one chunk; chunks of 3 rows, 11 rows
-def test_chunked_cross_entropy_equals_the_plain_chain(monkeypatch, chunk_bytes):
-    """The training path (`from_logits`, ce) gives the unfused chain's loss, argmax and gradient,
-    whichever rows a chunk holds, for targets that do not sum to one too (its psum term)."""
-    monkeypatch.setattr("trainer.objective.CHUNK_BYTES", chunk_bytes)
-    p, logits = dists(11, 11, 5)
-    p = p * torch.linspace(0.5, 1.0, 11)[:, None]
-    g = torch.randn(11, generator=torch.Generator().manual_seed(1))
-    plain = logits.clone().requires_grad_()
-    expected = -(p * F.log_softmax(plain, -1)).sum(-1)
-    (expected * g).sum().backward()
-    fused = logits.clone().requires_grad_()
-    loss, top = CROSS_ENTROPY.from_logits(fused, p)
-    (loss * g).sum().backward()
-    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(fused.grad, plain.grad, rtol=1e-6, atol=1e-6)
-    assert torch.equal(top, logits.argmax(-1))
-
-
-def test_chunked_cross_entropy_reads_bf16_logits_in_float32():
-    """bf16 logits (autocast) are computed in float32 chunk by chunk, as `.float()` before the
-    plain chain computed them, and their gradient comes back in bf16, as autocast's cast would."""
-    p, logits = dists(6, 9, 6)
-    half = logits.bfloat16().requires_grad_()
-    loss, top = CROSS_ENTROPY.from_logits(half, p)
-    loss.sum().backward()
-    widened = half.detach().float().requires_grad_()
-    expected = -(p * F.log_softmax(widened, -1)).sum(-1)
-    expected.sum().backward()
-    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
-    assert half.grad.dtype == torch.bfloat16
-    torch.testing.assert_close(half.grad, widened.grad.bfloat16())
-    assert torch.equal(top, widened.argmax(-1))
-
-
 @pytest.mark.parametrize("loss", ["tv", "lk"])
 def test_from_logits_of_the_other_losses_is_soft_of_log_softmax(loss):
     p, logits = dists(5, 7, 7)
