@@ -62,12 +62,12 @@ from heads.eagle3.model import Eagle3Head
 from heads.kinds import head_kind
 from trainer.decoding import Chain, greedy_generate, speculative_generate
 from trainer.decoding import graphs as decode_graphs
-from trainer.distributed import build_accelerator
+from trainer.distributed import build_accelerator, fast_float32_matmuls, prepare
 from trainer.evaluate.run import load_drafter
 from trainer.health import NonFiniteWatch
 from trainer.kinds.eagle3 import attention_kernels
 from trainer.loop import adamw, train_step
-from trainer.objective import soft_cross_entropy
+from trainer.objective import rows_per_block, soft_cross_entropy
 from trainer.tally import Tally
 
 SPECFORGE_USEFUL_TOKENS_PER_S = 53_419  # docs/benchmarks/eagle3-sequence-packing.md, H200, packed
@@ -161,6 +161,7 @@ def check_env(sizes: Sizes, device: torch.device) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
+        "tf32_matmuls": torch.backends.cuda.matmul.allow_tf32,
         "copy_gb_per_s": copy_gb_per_s(device),
     }
 
@@ -179,7 +180,7 @@ def prepared(cfg, sizes: Sizes, device: torch.device, tmp: str):
         opt = adamw(trainee.param_groups(cfg.optim.lr, cfg.optim.weight_decay), cfg.optim)
         warmup, steps = sizes.steps
         batches = preset_batches(sizes.preset, "equal", "padded", warmup + steps, 0.75, trainee, acc.device)
-        trainee, opt = acc.prepare(trainee, opt)
+        trainee, opt = prepare(acc, cfg.dist, trainee, opt)
         params = [p for g in opt.param_groups for p in g["params"]]
         watch, tally = NonFiniteWatch(acc.device, 0, check_grad_norm=True), Tally()
         def step(batch: dict) -> None:
@@ -213,7 +214,8 @@ def check_sync(sizes: Sizes, device: torch.device) -> dict:
 
 
 def check_loss(sizes: Sizes, device: torch.device) -> dict:
-    """SpecForge's labelled rows (4 x 1024 tokens, 3/4 labelled) over its 32k draft vocabulary."""
+    """SpecForge's labelled rows (4 x 1024 tokens, 3/4 labelled) over its 32k draft vocabulary:
+    the CPU's 1 MiB chunks, eager, against the device's own blocks (compiled on CUDA)."""
     rows = 4 * sizes.preset.row_len * 3 // 4
     vocab = sizes.preset.draft_vocab
     g = torch.Generator(device=device).manual_seed(0)
@@ -222,10 +224,13 @@ def check_loss(sizes: Sizes, device: torch.device) -> dict:
     p = torch.softmax(torch.randn(rows, vocab, device=device, generator=g), -1)
     out = {"rows": rows, "vocab": vocab, "logits_dtype": str(dtype).removeprefix("torch.")}
     values = {}
-    for path in ("cpu", "device"):
-        def run(path=path):
+    paths = {"cpu": {"rows": rows_per_block("cpu", vocab), "compiled": False},
+             # --cpu: the device's whole blocks and its compiled body, on the CPU
+             "device": {"rows": rows_per_block("cuda", vocab), "compiled": True} if sizes.cpu else {}}
+    for path, how in paths.items():
+        def run(how=how):
             logits.grad = None
-            ce, _ = soft_cross_entropy(logits, p)
+            ce, _ = soft_cross_entropy(logits, p, **how)
             ce.sum().backward()
             return ce
         reset_peak(device)
@@ -368,9 +373,9 @@ def check_decode(sizes: Sizes, device: torch.device) -> dict:
 
 
 def check_zero(sizes: Sizes, device: torch.device) -> dict:
-    """ZeRO-2 and ZeRO-3 steps at SpecForge's shapes, one process: step time beside the plain
-    step of `check_train`, and the rotary frequencies still float32 after DeepSpeed prepared the
-    head (an older DeepSpeed cast every buffer to 16 bits and so moved every position)."""
+    """ZeRO-2 and ZeRO-3 `train_step`s at SpecForge's shapes, one process, under the autocast DDP
+    steps take (`trainer.distributed.prepare`, which also refuses rotary frequencies DeepSpeed
+    cast to 16 bits): step time and peak memory."""
     import deepspeed  # noqa: F401 (the check is skipped, as an error line, without it)
 
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -403,6 +408,7 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     started = time.perf_counter()
     sizes, device = Sizes(args.cpu), device_of(args.cpu)
+    fast_float32_matmuls(device.type)  # as `trainer.train` starts
     sink = (args.out / "gpu_check.jsonl").open("a") if args.out else None
     failed = 0
     for name, check in CHECKS.items():
