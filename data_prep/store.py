@@ -33,7 +33,7 @@ from safetensors.torch import save
 
 from conf.errors import UserError
 from conf.files import atomic_write, check_sha256, replace_dir, sha256_file
-from data_prep.capture import TOP, CaptureSpec, checked_capture, decode
+from data_prep.capture import TOP, CaptureSpec, HfCapturer, capture_shard, checked_capture, decode
 from data_prep.linears import DataLinears
 from data_prep.template import Tokenized
 
@@ -163,6 +163,17 @@ def write_split(
             del tensors
         settle()
     return records
+
+
+def capture_shards(model, spec: CaptureSpec, shards: list[list[Tokenized]], partial: Path, batch_tokens: int,
+                   split: str = "train") -> list[dict]:
+    """Offline `hf` capture of `shards` (each a list of samples, sorted by length as `prepare`
+    sorts them) into `partial/split` with `model` as it is (the caller sets its linears:
+    `DataLinears`), in batches of at most `batch_tokens` padded tokens; the shards' records. What
+    `prepare` runs per split, without the spill and the manifest: the unit `bench_capture.py`
+    and a GPU check time beside the target's bare forward (`capture.bare_forward`)."""
+    capturer = HfCapturer(model, spec, batch_tokens)
+    return write_split(partial, split, shards, lambda chunk: capture_shard(capturer, chunk, spec))
 
 
 class TokenSpill:

@@ -22,9 +22,7 @@ from conf.files import atomic_write, sha256_file
 from data_prep.capture import (
     TOP,
     CaptureSpec,
-    HfCapturer,
     attention_masks,
-    capture_shard,
     causal_mask,
     encode,
     exactly_causal,
@@ -34,7 +32,7 @@ from data_prep.capture import (
     pad_batch,
     with_top,
 )
-from data_prep.store import open_partial, shard_name, write_split
+from data_prep.store import capture_shards, open_partial, shard_name
 from data_prep.template import Tokenized
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -147,8 +145,7 @@ def test_pipelined_folder_is_the_serial_folder_byte_for_byte(tiny_model, tmp_pat
         samples.append(Tokenized(ids, [j % 3 != 0 for j in range(len(ids))], False, f"uid-{i}"))
     chunks, batch_tokens = [samples[:6], samples[6:]], 40
     new = open_partial(tmp_path / "new", {"plan": 1})
-    records = write_split(new, "train", chunks,
-                          lambda c: capture_shard(HfCapturer(tiny_model, spec, batch_tokens), c, spec))
+    records = capture_shards(tiny_model, spec, chunks, new, batch_tokens)  # the GPU check's unit
     old = open_partial(tmp_path / "old", {"plan": 1})
     assert records == serial_split(old, "train", chunks, spec, tiny_model, batch_tokens)
     for r in records:
