@@ -20,6 +20,7 @@ from data_prep.store import load_manifest
 from data_prep.target import Target
 from tests.support.runs import shard_bytes, tiny_prep_config
 
+
 def test_refusal_comes_before_the_target_loads(tiny_llama_dir, chat_file, tmp_path, monkeypatch):
     """The free-space probe says 1 MB: nothing is captured, the target is never loaded."""
     monkeypatch.setattr(shutil, "disk_usage", lambda path: type("Usage", (), {"free": 10**6}))
