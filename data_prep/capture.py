@@ -1,8 +1,9 @@
 """Run the frozen target over tokenized samples and keep the hidden states a head trains on.
 
-One forward per length-grouped batch gives every layer's residual stream
-(`output_hidden_states`, the project's one layer convention: HF index k = after k decoder
-layers, N = after the final norm). EAGLE-3 keeps three of them concatenated, Medusa the final
+One forward per length-grouped batch gives the layers' residual streams a head keeps (forward
+hooks on those layers, the forward stopped after the last: `recorded_layers`; the project's one
+layer convention is transformers' `hidden_states` numbering: index k = after k decoder layers,
+N = after the final norm). EAGLE-3 keeps three of them concatenated, Medusa the final
 one, Medusa-2 joint training none (it runs the target itself). Storage is bf16, or fp8 e4m3 with
 one scale per token and layer, which halves the bytes at ~2-3 significant bits of loss.
 
@@ -59,7 +60,7 @@ device first would move them twice online.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -177,7 +178,8 @@ def causal_mask(width: int, device) -> torch.Tensor:
     Under it no real position attends to a pad, so a padding mask would change nothing there.
     Handed over as 4D because with a 2D mask (or none) transformers reads the mask (or the
     position ids) back from the device to choose its attention path: a sync per forward, which
-    online training runs every step. Offline capture uses it too, so both compute alike."""
+    online training runs every step. Offline capture leaves the mask to transformers where that
+    is exact (`exactly_causal`), so that the target gets its causal kernels."""
     return torch.ones(width, width, dtype=torch.bool, device=device).tril()[None, None]
 
 
@@ -217,24 +219,93 @@ def document_inputs(model, position_ids: torch.Tensor) -> dict:
     return {"attention_mask": mask, "position_ids": position_ids}
 
 
-def _all_layers(model, ids: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """Every layer's residual stream [B, T, H] for right-padded ids [B, T] (packed rows if
-    `position_ids` are given): the one forward of offline capture and online training."""
-    if position_ids is None:
-        width = ids.shape[1]
-        positions = torch.arange(width, device=ids.device)[None]
-        mask = attention_masks(model.config, causal_mask(width, ids.device), positions, model.dtype)
-        attention = {"attention_mask": mask}
-    else:
-        attention = document_inputs(model, position_ids)
-    # logits_to_keep=1: the lm_head over the whole vocabulary is not needed here.
-    return model(
-        input_ids=ids,
-        **attention,
-        output_hidden_states=True,
-        use_cache=False,
-        logits_to_keep=1,
-    ).hidden_states
+def exactly_causal(config, packed: bool) -> bool:
+    """Whether leaving the mask to transformers (`attention_mask` None) masks exactly as the
+    ready-made causal mask (`causal_mask` through `attention_masks`) does: rows right-padded, one
+    sample each (`packed` rows need their documents' masks), and every layer attending over every
+    earlier position (a sliding window, or a layout `masks.attention_layout` cannot describe,
+    takes the masks `attention_masks` builds; so does a flash attention, which it refuses). Under
+    it no real position attends to a pad, and transformers runs the causal kernels (flash, SDPA's
+    `is_causal`) instead of a dense [B, 1, T, T] mask. Without a mask transformers reads the
+    positions back (to look for packed rows): one sync per forward, which offline capture pays at
+    each batch's start and online training, whose steps never sync, does not."""
+    if packed:
+        return False
+    try:
+        return not attention_layout(config).sliding
+    except UserError:
+        return False
+
+
+def attention_inputs(model, ids: torch.Tensor, position_ids: torch.Tensor | None,
+                     may_sync: bool = False) -> dict:
+    """`model`'s attention keyword arguments for right-padded ids [B, T] (packed rows if
+    `position_ids` are given): none where `may_sync` and the mask is `exactly_causal`, else the
+    ready-made 4D masks (no read-back)."""
+    if position_ids is not None:
+        return document_inputs(model, position_ids)
+    if may_sync and exactly_causal(model.config, packed=False):
+        return {}
+    width = ids.shape[1]
+    positions = torch.arange(width, device=ids.device)[None]
+    mask = attention_masks(model.config, causal_mask(width, ids.device), positions, model.dtype)
+    return {"attention_mask": mask}
+
+
+class _Done(Exception):
+    """Raised by the hook of the last layer a forward needs: the rest of the target (its later
+    layers, the final norm, the lm_head) does not run."""
+
+
+def nonfinite_rows(h: torch.Tensor) -> torch.Tensor:
+    """Bool [B, T]: the positions of hidden states h [B, T, H] that hold a non-finite value."""
+    return ~torch.isfinite(h).all(-1)
+
+
+def recorded_layers(
+    model, forward: Callable[[], Any], wanted: Sequence[int], verdicts_on: torch.device | None = None
+) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
+    """Run `forward` (a call of `model`) and keep the layers `wanted` (transformers'
+    `hidden_states` numbering: k = the input of decoder layer k, N = the decoder's output, after
+    its final norm) through forward hooks on those layers, stopping the forward after the last
+    one: only the kept layers stay alive, where `output_hidden_states` kept all N+1 (SpecForge's
+    hf backend hooks its aux layers alike). With `verdicts_on`, also `nonfinite_rows` of every
+    layer up to the last kept, on that device, lowest first (the layer to name is the first that
+    overflows); the later layers do not run, so they cannot change what is stored."""
+    decoder = model.get_decoder()
+    blocks, last = decoder.layers, max(wanted)
+    n = len(blocks)
+    kept: dict[int, torch.Tensor] = {}
+    verdicts: list[torch.Tensor] = []
+
+    def record(index: int, h: torch.Tensor) -> None:
+        if verdicts_on is not None:
+            verdicts.append(nonfinite_rows(h).to(verdicts_on))
+        if index in wanted:
+            kept[index] = h
+        if index == last:
+            raise _Done
+
+    def output(o) -> torch.Tensor:
+        return o[0] if isinstance(o, tuple) else o
+
+    hooks = [blocks[0].register_forward_pre_hook(
+        lambda m, a, k: record(0, a[0] if a else k["hidden_states"]), with_kwargs=True)]
+    hooks += [
+        block.register_forward_hook(lambda m, a, o, i=i: record(i, output(o)))
+        for i, block in enumerate(blocks[: min(last, n - 1)], start=1)
+    ]
+    if last == n:  # transformers' hidden_states[N] is the decoder's last_hidden_state
+        final = lambda o: o[0] if isinstance(o, tuple) else o.last_hidden_state  # noqa: E731
+        hooks.append(decoder.register_forward_hook(lambda m, a, o: record(n, final(o))))
+    try:
+        forward()
+    except _Done:
+        pass
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return kept, verdicts
 
 
 def kept_fields(hs: Sequence[torch.Tensor] | Mapping[int, torch.Tensor], spec: CaptureSpec,
@@ -259,10 +330,19 @@ def with_top(fields: dict[str, torch.Tensor], spec: CaptureSpec, lm_head: torch.
     return fields
 
 
-def _forward(model, ids: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """`_all_layers` with the inputs moved to the target's input device first."""
+def _forward(model, ids: torch.Tensor, position_ids: torch.Tensor | None, layers: Sequence[int],
+             verdicts_on: torch.device | None = None, may_sync: bool = False
+             ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
+    """`recorded_layers` of one forward over right-padded ids [B, T] (packed rows if
+    `position_ids` are given), the inputs moved to the target's input device first: the one
+    forward of offline capture and online training."""
     at = input_device(model)
-    return _all_layers(model, ids.to(at), None if position_ids is None else position_ids.to(at))
+    ids, position_ids = ids.to(at), None if position_ids is None else position_ids.to(at)
+    attention = attention_inputs(model, ids, position_ids, may_sync)
+    # logits_to_keep=1: the lm_head over the whole vocabulary is never needed (the hooks stop
+    # the forward before it anyway).
+    run = lambda: model(input_ids=ids, **attention, use_cache=False, logits_to_keep=1)  # noqa: E731
+    return recorded_layers(model, run, layers, verdicts_on)
 
 
 @torch.inference_mode()
@@ -272,7 +352,7 @@ def hidden_states(
     """The fields `spec` keeps for right-padded ids [B, T] (packed rows if `position_ids` are
     given), in the model's dtype on the device of `ids`: `aux_hidden` [B, T, 3H] and/or
     `final_hidden` [B, T, H]."""
-    return kept_fields(_forward(model, ids, position_ids), spec, ids.device)
+    return kept_fields(_forward(model, ids, position_ids, spec.layers)[0], spec, ids.device)
 
 
 # Logits one lm_head call of `greedy_ids` computes: ~256 MB in float32 whatever the vocabulary.
@@ -292,26 +372,33 @@ def greedy_ids(lm_head: torch.nn.Module, final: torch.Tensor) -> torch.Tensor:
     return torch.cat(tops).reshape(final.shape[:-1]).to(final.device)
 
 
-def first_nonfinite(layers: Sequence[torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
-    """Int64 [3] on `keep`'s device: (layer id, row, position) of the first non-finite hidden
-    state at a position `keep` [B, T] marks (lowest layer first: the one that overflowed, as every
-    later layer inherits it), or -1s. Computed without reading the device back; of a split
-    target's layers only the [B, T] verdicts cross devices."""
-    bad = torch.stack([(~torch.isfinite(h).all(-1)).to(keep.device) for h in layers]) & keep  # [L+1, B, T]
+def first_flagged(bad: torch.Tensor) -> torch.Tensor:
+    """Int64 [3] on `bad`'s device: (layer id, row, position) of the first True of bool
+    [L, B, T] (lowest layer first), or -1s; computed without reading the device back."""
     _, b, t = bad.shape
     first = bad.flatten().long().argmax()  # the first True (argmax returns the first maximum)
     where = torch.stack([first // (b * t), first // t % b, first % t])
     return torch.where(bad.any(), where, -1)
 
 
+def first_nonfinite(layers: Sequence[torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
+    """Int64 [3] on `keep`'s device: (layer id, row, position) of the first non-finite hidden
+    state at a position `keep` [B, T] marks (lowest layer first: the one that overflowed, as every
+    later layer inherits it), or -1s. Computed without reading the device back; of a split
+    target's layers only the [B, T] verdicts cross devices."""
+    return first_flagged(torch.stack([nonfinite_rows(h).to(keep.device) for h in layers]) & keep)
+
+
 @torch.inference_mode()
 def checked_hidden_states(
-    model, ids: torch.Tensor, spec: CaptureSpec, keep: torch.Tensor, position_ids: torch.Tensor | None = None
+    model, ids: torch.Tensor, spec: CaptureSpec, keep: torch.Tensor, position_ids: torch.Tensor | None = None,
+    may_sync: bool = False,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """`hidden_states` and `first_nonfinite` over every layer of the same forward (not only the
-    kept ones: the layer to name is the first that overflows), both on `keep`'s device."""
-    hs = _forward(model, ids, position_ids)
-    return kept_fields(hs, spec, keep.device), first_nonfinite(hs, keep)
+    """`hidden_states` and `first_nonfinite` over every layer the forward ran (not only the kept
+    ones: the layer to name is the first that overflows), both on `keep`'s device. `may_sync`:
+    see `attention_inputs`."""
+    kept, verdicts = _forward(model, ids, position_ids, spec.layers, keep.device, may_sync)
+    return kept_fields(kept, spec, keep.device), first_flagged(torch.stack(verdicts) & keep)
 
 
 def overflow_message(layer: int, position: int, sample: str) -> str:
@@ -323,24 +410,100 @@ def overflow_message(layer: int, position: int, sample: str) -> str:
     )
 
 
+@torch.inference_mode()
+def batch_fields(model, batch: list[list[int]], spec: CaptureSpec
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One right-padded forward of offline capture (the mask left to transformers where that is
+    exact: `exactly_causal`): the kept fields [B, T, ...] on the target's input device, `TOP`
+    where kept, and where they overflowed (`first_flagged`'s int64 [3], not read back here)."""
+    ids = pad_batch(batch, input_device(model))
+    lengths = torch.tensor([len(s) for s in batch], device=ids.device)
+    keep = torch.arange(ids.shape[1], device=ids.device)[None] < lengths[:, None]
+    fields, where = checked_hidden_states(model, ids, spec, keep, may_sync=True)
+    return with_top(fields, spec, model.get_output_embeddings()), where
+
+
+def refuse_overflow(where: list[int], names: list[str]) -> None:
+    """Refuse a batch whose hidden states are not finite (`where`: `first_flagged`'s, read
+    back), naming the layer and the sample (`names`)."""
+    layer, row, position = where
+    if layer >= 0:
+        raise UserError(overflow_message(layer, position, names[row]))
+
+
 def forward_hidden(
     model, batch: list[list[int]], spec: CaptureSpec, names: list[str]
 ) -> list[dict[str, torch.Tensor]]:
     """One right-padded forward; per sample its fields [L, G*H] in float32 on the CPU (`TOP`
     [L] int32, where kept). Refuses a batch whose hidden states are not finite, naming the
     layer and the sample (`names`)."""
-    ids = pad_batch(batch, input_device(model))
-    lengths = torch.tensor([len(s) for s in batch], device=ids.device)
-    keep = torch.arange(ids.shape[1], device=ids.device)[None] < lengths[:, None]
-    fields, where = checked_hidden_states(model, ids, spec, keep)
-    layer, row, position = where.tolist()
-    if layer >= 0:
-        raise UserError(overflow_message(layer, position, names[row]))
-    fields = with_top(fields, spec, model.get_output_embeddings())
+    fields, where = batch_fields(model, batch, spec)
+    refuse_overflow(where.tolist(), names)
     return [
         {k: v[b, : len(s)].cpu() if k == TOP else v[b, : len(s)].float().cpu() for k, v in fields.items()}
         for b, s in enumerate(batch)
     ]
+
+
+def encode_batch(fields: dict[str, torch.Tensor], spec: CaptureSpec) -> dict[str, torch.Tensor]:
+    """Fields [B, T, ...] as a shard stores them (`encode`), on their device. `encode` works per
+    token (fp8 keeps one scale per token and layer), so a sample's rows come out byte for byte as
+    `capture_shard` encodes them from the sample's float32 fields; on a GPU the host then copies
+    half the bytes (bf16) or a quarter (fp8), and encodes nothing itself."""
+    out = {}
+    for name, x in fields.items():
+        if name == TOP:
+            out[TOP] = x
+            continue
+        b, t = x.shape[:2]
+        for k, v in encode(name, x.reshape(b * t, -1), spec.groups(name), spec.storage_dtype).items():
+            out[k] = v.reshape(b, t, -1)
+    return out
+
+
+def host_copy(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Any]:
+    """`tensors` (on one device) copied to the host without waiting for them: from a GPU into
+    pinned buffers (PyTorch's caching host allocator, which reuses a buffer once its copy is
+    done), asynchronously, with the CUDA event that marks the copies done; from the CPU as they
+    are, no event. A copy from the GPU into pageable memory would wait for the forward instead."""
+    device = next(iter(tensors.values())).device
+    if device.type != "cuda":
+        return {k: v.cpu() for k, v in tensors.items()}, None
+    out = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+           for k, v in tensors.items()}
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return out, event
+
+
+@dataclass
+class HostBatch:
+    """One batch of stored fields [B, T, ...] on its way to the host (`host_copy`), with
+    `NONFINITE` among them, and its rows' lengths and names."""
+
+    tensors: dict[str, torch.Tensor]
+    event: Any
+    lengths: list[int]
+    names: list[str]
+
+    def samples(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Once copied: refused if not finite (`refuse_overflow`), else each row's real tokens,
+        copied out (so the batch's pinned buffers go back to the allocator at once)."""
+        if self.event is not None:
+            self.event.synchronize()
+        tensors = dict(self.tensors)
+        refuse_overflow(tensors.pop(NONFINITE).tolist(), self.names)
+        for b, n in enumerate(self.lengths):
+            yield {k: v[b, :n].clone() for k, v in tensors.items()}
+
+
+@torch.inference_mode()
+def launch_batch(model, batch: list[list[int]], spec: CaptureSpec, names: list[str]) -> HostBatch:
+    """`batch_fields` encoded on the target's device (`encode_batch`) and sent to the host
+    (`host_copy`), nothing waited for."""
+    fields, where = batch_fields(model, batch, spec)
+    tensors, event = host_copy(encode_batch(fields, spec) | {NONFINITE: where})
+    return HostBatch(tensors, event, [len(s) for s in batch], names)
 
 
 def stored(x: torch.Tensor, groups: int, storage_dtype: str) -> torch.Tensor:
@@ -384,7 +547,9 @@ class Capturer(Protocol):
     """A capture backend (`data.capture.backend`): the kept fields of every sample of a shard, in
     order, float32 [L, G*H] on the CPU (`TOP` int32 [L] where kept), as `forward_hidden` gives
     them. `names` name the samples in an error. The `hf` one is `HfCapturer`; the serving
-    engine's are in `data_prep.capture_engine`."""
+    engine's are in `data_prep.capture_engine`. A backend that encodes on its device also has
+    `encoded(samples, names)`: each sample as the shard stores it (`stored_sample`'s), which
+    `capture_shard` takes instead."""
 
     def __call__(self, samples: list[list[int]], names: list[str]) -> Iterable[dict[str, torch.Tensor]]: ...
 
@@ -398,17 +563,44 @@ class HfCapturer:
     spec: CaptureSpec
     batch_tokens: int
 
-    def __call__(self, samples: list[list[int]], names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+    def _batches(self, samples: list[list[int]], names: list[str]
+                 ) -> Iterator[tuple[list[list[int]], list[str]]]:
         for idx in length_batches([len(s) for s in samples], self.batch_tokens):
-            batch, named = [samples[i] for i in idx], [names[i] for i in idx]
+            yield [samples[i] for i in idx], [names[i] for i in idx]
+
+    def __call__(self, samples: list[list[int]], names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+        for batch, named in self._batches(samples, names):
             yield from forward_hidden(self.model, batch, self.spec, named)
+
+    def encoded(self, samples: list[list[int]], names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+        """Each sample as the shard stores it, encoded on the target's device (`launch_batch`).
+        Each batch's forward is queued before the host waits for the previous batch's copy and
+        takes its rows, so on a GPU the host's share (the wait, the finite check, the rows)
+        runs while the next forward computes, and at most two batches' buffers are held."""
+        pending: HostBatch | None = None
+        for batch, named in self._batches(samples, names):
+            launched = launch_batch(self.model, batch, self.spec, named)
+            if pending is not None:
+                yield from pending.samples()
+            pending = launched
+        if pending is not None:
+            yield from pending.samples()
+
+
+def stored_sample(item: dict[str, torch.Tensor], spec: CaptureSpec) -> dict[str, torch.Tensor]:
+    """A `Capturer`'s sample (float32 fields, `TOP`) as the shard stores it (`encode`)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in item.items():
+        out |= {TOP: value} if name == TOP else encode(name, value, spec.groups(name), spec.storage_dtype)
+    return out
 
 
 def capture_shard(
     capture: Capturer | None, samples: list[Tokenized], spec: CaptureSpec
 ) -> dict[str, torch.Tensor]:
     """The tensors of one shard: samples concatenated along tokens, `offsets` [n+1] delimits them;
-    `capture` gives what `spec` keeps (None when it keeps tokens only).
+    `capture` gives what `spec` keeps (None when it keeps tokens only), encoded on its device
+    where it can (`Capturer`).
 
     Deterministic for a given sample list (the `hf` batches depend only on it), which is what
     lets a resumed run reproduce the shards of an uninterrupted one byte for byte.
@@ -422,15 +614,14 @@ def capture_shard(
     }
     if not spec.needs_forward:
         return tensors
-    # Encoded per sample so a shard never holds more than one batch in float32.
+    # Encoded per sample (or per batch) so a shard never holds more than one batch in float32.
     parts: dict[str, list[torch.Tensor]] = {}
-    names = [sample_name(s, i) for i, s in enumerate(samples)]
-    for item in capture([s.input_ids for s in samples], names):
-        for name, value in item.items():
-            groups = spec.groups(name)
-            as_stored = {TOP: value} if name == TOP else encode(name, value, groups, spec.storage_dtype)
-            for k, v in as_stored.items():
-                parts.setdefault(k, []).append(v)
+    ids, names = [s.input_ids for s in samples], [sample_name(s, i) for i, s in enumerate(samples)]
+    encoded = getattr(capture, "encoded", None)
+    items = encoded(ids, names) if encoded else (stored_sample(item, spec) for item in capture(ids, names))
+    for item in items:
+        for k, v in item.items():
+            parts.setdefault(k, []).append(v)
     return tensors | {k: torch.cat(v) for k, v in parts.items()}
 
 
@@ -445,5 +636,5 @@ def bare_forward(model, shards: list[list[Tokenized]], batch_tokens: int, full_l
         for idx in length_batches(lengths, batch_tokens):
             ids = pad_batch([shard[i].input_ids for i in idx], input_device(model))
             extra = {} if full_logits else {"logits_to_keep": 1}
-            mask = causal_mask(ids.shape[1], ids.device)
-            model(input_ids=ids, attention_mask=mask, use_cache=False, **extra)
+            attention = attention_inputs(model, ids, None, may_sync=True)
+            model(input_ids=ids, **attention, use_cache=False, **extra)

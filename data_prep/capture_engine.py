@@ -47,7 +47,7 @@ from data_prep.capture import CaptureSpec, kept_fields, overflow_message, with_t
 from data_prep.connector_names import ASK, STOCK_CONNECTOR, SYNC_CONNECTOR, SYNC_CONNECTOR_MODULE
 from data_prep.keys import data_base
 from data_prep.regen_server import Dispatcher, Endpoint, RequestFailed, call, connect
-from data_prep.target import Target
+from data_prep.target import Target, resolve_device
 from data_prep.vllm_engine import check_vllm_backend, engine
 
 ENDPOINTS = "data.capture.endpoints"
@@ -166,14 +166,26 @@ class TargetTail:
     lm_head: torch.nn.Module
 
     @classmethod
-    def load(cls, target: Target) -> TargetTail:
+    def load(cls, target: Target, device: torch.device | None = None) -> TargetTail:
+        """Loaded on `device` (default `tail_device`): on a GPU the full-vocabulary top-1 costs
+        ~1 GFLOP a token at 8B, tens of seconds a served batch on the host's cores."""
         skeleton = load_parts(target, lambda s: [final_norm(target, s), s.get_output_embeddings()])
-        return cls.of(target, skeleton)
+        tail = cls.of(target, skeleton)
+        at = tail_device() if device is None else device
+        tail.norm.to(at)
+        tail.lm_head.to(at)
+        return tail
 
     @classmethod
     def of(cls, target: Target, skeleton: torch.nn.Module) -> TargetTail:
         """The tail of a skeleton whose norm and lm_head `load_parts` loaded."""
         return cls(final_norm(target, skeleton), skeleton.get_output_embeddings())
+
+
+def tail_device() -> torch.device:
+    """Where data prep runs the target's tail: this rank's GPU (`cuda:LOCAL_RANK`) where it has
+    one, else the CPU."""
+    return resolve_device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def checkpoint_tensors(target: Target, wanted: list[list[str]]) -> dict[str, torch.Tensor]:
@@ -233,8 +245,9 @@ class EngineStates:
     def layer(self, states: torch.Tensor, layer: int) -> torch.Tensor:
         """transformers' `hidden_states[layer]` [T, H] from the engine's [T, layers, H]."""
         h = states[:, self.position[layer]]
-        if layer == self.last:
-            h = self.tail.norm(h.to(self.tail.lm_head.weight.dtype))
+        if layer == self.last:  # on the tail's device; `kept_fields` brings it back
+            weight = self.tail.lm_head.weight
+            h = self.tail.norm(h.to(weight.device, weight.dtype))
         return h.float()
 
     def fields(self, states: torch.Tensor, name: str) -> dict[str, torch.Tensor]:

@@ -94,27 +94,40 @@ class ServedCapture:
         """`batch`'s fields as `capture.checked_capture` gives them, on the batch's device; an
         overflow stops the run in one line naming the row (`EngineStates.fields`), so the flag
         is always clear."""
+        moved = {k: v.to(batch["input_ids"].device) for k, v in self.host_fields(batch).items()}
+        return {k: v.float() if v.is_floating_point() else v for k, v in moved.items()}
+
+    def host_fields(self, batch: Batch) -> Batch:
+        """`batch`'s fields on the host, as narrow as they are exact: bf16 where stored so (the
+        rounded values are bf16's own; the loop widens them on the device, half the bytes across
+        PCIe), float32 for fp8's decoded values, `TOP` int32."""
         ids = batch["input_ids"]
         docs = documents(batch)
         samples = [ids[row, a:b].tolist() for row, a, b in docs]
         names = [f"row {row} (tokens {a}..{b - 1}) of an online batch" for row, a, b in docs]
+        narrow = torch.bfloat16 if self.spec.storage_dtype == "bfloat16" else torch.float32
         out: Batch = {}
         for (row, a, b), fields in zip(docs, self.capturer(samples, names)):
             for name, value in fields.items():
                 if name != TOP:
-                    value = stored(value, self.spec.groups(name), self.spec.storage_dtype)
+                    value = stored(value, self.spec.groups(name), self.spec.storage_dtype).to(narrow)
                 if name not in out:
                     out[name] = value.new_zeros((*ids.shape, *value.shape[1:]))
                 out[name][row, a:b] = value
         out[NONFINITE] = torch.full((3,), -1, dtype=torch.long)
-        return {k: v.to(ids.device) for k, v in out.items()}
+        return out
 
-    def ahead(self, batches: Iterable[Batch]) -> Iterator[Batch]:
-        """Each batch with its fields, asked for `depth` batches before the consumer needs them."""
+    def ahead(self, batches: Iterable[Batch], pin: bool | None = None) -> Iterator[Batch]:
+        """Each batch with its fields (`host_fields`), asked for `depth` batches before the
+        consumer needs them; pinned on the thread where `pin` (default: where CUDA is), so that
+        the loop's `non_blocking` copy is one (from pageable memory it waits for the stream)."""
         if self.depth == 0:
             yield from batches
             return
-        for batch, fields in prefetched(batches, self, self.depth):
+        pin = torch.cuda.is_available() if pin is None else pin
+        pinned = lambda b: {k: v.pin_memory() for k, v in self.host_fields(b).items()}  # noqa: E731
+        work = pinned if pin else self.host_fields
+        for batch, fields in prefetched(batches, work, self.depth):
             yield batch | fields
 
 

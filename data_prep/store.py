@@ -10,27 +10,30 @@ one, and because shards are a pure function of their samples the result is byte-
 `prepare` builds a folder only under its build lock (`conf.files.build_once`), so two runs never
 write into one partial folder.
 
-Every shard and the draft vocabulary carry a sha256 in the manifest, checked once per process when
-opened: a damaged file stops the run in one line naming it and the command that rebuilds it
-(`rebuild_hint`), instead of training on it (a head's own weights: `heads.folder`).
+Every shard and the draft vocabulary carry a sha256 in the manifest (hashed as the shard is
+written, never read back for it), checked once per node when opened: a damaged file stops the
+run in one line naming it and the command that rebuilds it (`rebuild_hint`), instead of training
+on it (a head's own weights: `heads.folder`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from array import array
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from conf.errors import UserError
 from conf.files import atomic_write, check_sha256, replace_dir, sha256_file
-from data_prep.capture import TOP, CaptureSpec, checked_capture, decode
+from data_prep.capture import TOP, CaptureSpec, HfCapturer, capture_shard, checked_capture, decode
 from data_prep.linears import DataLinears
 from data_prep.template import Tokenized
 
@@ -44,6 +47,8 @@ FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 PLAN = "plan.json"
 SPLITS = ("train", "validation")
+# Bytes hashed and written at a time (`write_hashed`): each block is hashed while it is in cache.
+WRITE_BLOCK = 1 << 20
 # Fields of the manifest's `target` that must match the target a folder is reused with.
 TARGET_FIELDS = ("tokenizer_hash", "vocab_size", "hidden_size", "num_hidden_layers", "weights")
 
@@ -71,6 +76,40 @@ def open_partial(folder: Path, plan: dict) -> Path:
     return partial
 
 
+def write_hashed(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
+                 ) -> tuple[str, int]:
+    """Write `tensors` as a safetensors file at `path` (atomically: `atomic_write`), hashing the
+    bytes as they are written: (sha256, size), without reading the file back. `tensors` is
+    emptied once serialized (the caller hands it over), so the shard is held once, as bytes."""
+    data = memoryview(save(tensors, metadata))
+    tensors.clear()
+    digest = hashlib.sha256()
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as fh:
+            for at in range(0, len(data), WRITE_BLOCK):
+                block = data[at : at + WRITE_BLOCK]
+                digest.update(block)
+                fh.write(block)
+
+    atomic_write(path, write)
+    return digest.hexdigest(), len(data)
+
+
+def fresh_record(file: str, path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
+                 ) -> dict:
+    """Write a new shard (`write_hashed`) and return its manifest record, counted from the
+    tensors written."""
+    offsets, masked = tensors["offsets"], int(tensors["loss_mask"].sum())
+    sha256, size = write_hashed(path, tensors, metadata)
+    return shard_record(file, offsets, masked, size, sha256)
+
+
+def shard_record(file: str, offsets: torch.Tensor, masked: int, size: int, sha256: str) -> dict:
+    return {"file": file, "samples": len(offsets) - 1, "tokens": int(offsets[-1]), "masked_tokens": masked,
+            "bytes": size, "sha256": sha256}
+
+
 def write_split(
     partial: Path,
     split: str,
@@ -81,35 +120,60 @@ def write_split(
 ) -> list[dict]:
     """Write one shard per chunk of samples, skipping shards already complete; their records.
     `owned(i)`: whether this process writes shard i (`data_prep.ranks`); the others' shards are
-    left to them and have no record here."""
+    left to them and have no record here.
+
+    A new shard is written and hashed on a writer thread while the next one is captured (the
+    target's forwards do not wait for the disk); one shard at a time, so the host holds at most
+    the shard being written and the one being captured. A write that fails raises here, at the
+    next shard or at the end; records and `on_shard` come in shard order."""
     out = partial / split
     out.mkdir(exist_ok=True)
-    records = []
-    for i, chunk in enumerate(chunks):
-        path = out / shard_name(i)
-        if owned is not None and not owned(i):
-            continue
-        fresh = not path.exists()
-        if fresh:
-            tensors = make_shard(chunk)
-            uids = [s.uid for s in chunk] if chunk and isinstance(chunk[0], Tokenized) else None
-            meta = {"uids": json.dumps(uids)} if uids else None
-            atomic_write(path, lambda p, t=tensors, m=meta: save_file(t, str(p), metadata=m))
-        with safe_open(str(path), "pt") as f:
-            offsets = f.get_tensor("offsets")
-            mask_tokens = int(f.get_tensor("loss_mask").sum())
-        record = {
-            "file": f"{split}/{path.name}",
-            "samples": len(offsets) - 1,
-            "tokens": int(offsets[-1]),
-            "masked_tokens": mask_tokens,
-            "bytes": path.stat().st_size,
-            "sha256": sha256_file(path),
-        }
+    records: list[dict] = []
+    writing: Future | None = None
+
+    def done(record: dict, fresh: bool) -> None:
         records.append(record)
         if on_shard is not None:
             on_shard(record | {"fresh": fresh})
+
+    def settle() -> None:
+        nonlocal writing
+        if writing is not None:
+            record, writing = writing.result(), None
+            done(record, True)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as writer:
+        for i, chunk in enumerate(chunks):
+            path = out / shard_name(i)
+            if owned is not None and not owned(i):
+                continue
+            file = f"{split}/{path.name}"
+            if path.exists():
+                settle()
+                with safe_open(str(path), "pt") as f:
+                    offsets = f.get_tensor("offsets")
+                    masked = int(f.get_tensor("loss_mask").sum())
+                done(shard_record(file, offsets, masked, path.stat().st_size, sha256_file(path)), False)
+                continue
+            tensors = make_shard(chunk)
+            uids = [s.uid for s in chunk] if chunk and isinstance(chunk[0], Tokenized) else None
+            meta = {"uids": json.dumps(uids)} if uids else None
+            settle()
+            writing = writer.submit(fresh_record, file, path, tensors, meta)
+            del tensors
+        settle()
     return records
+
+
+def capture_shards(model, spec: CaptureSpec, shards: list[list[Tokenized]], partial: Path, batch_tokens: int,
+                   split: str = "train") -> list[dict]:
+    """Offline `hf` capture of `shards` (each a list of samples, sorted by length as `prepare`
+    sorts them) into `partial/split` with `model` as it is (the caller sets its linears:
+    `DataLinears`), in batches of at most `batch_tokens` padded tokens; the shards' records. What
+    `prepare` runs per split, without the spill and the manifest: the unit `bench_capture.py`
+    and a GPU check time beside the target's bare forward (`capture.bare_forward`)."""
+    capturer = HfCapturer(model, spec, batch_tokens)
+    return write_split(partial, split, shards, lambda chunk: capture_shard(capturer, chunk, spec))
 
 
 class TokenSpill:
@@ -269,6 +333,12 @@ def online_capture(manifest: dict, model) -> Callable[[dict], dict] | None:
     return capture
 
 
+def node_verifies() -> bool:
+    """Whether this process checks a data folder's shards for its node: the first process of
+    its node (torchrun's LOCAL_RANK 0), or a process started alone."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
 class CapturedDataset(torch.utils.data.Dataset):
     """One split of a data folder, read lazily from memory-mapped shards.
 
@@ -276,10 +346,13 @@ class CapturedDataset(torch.utils.data.Dataset):
     and final_hidden [T, H]: bf16 as stored (half the bytes to pad and copy; the trainer widens
     them on the device), float32 when stored as fp8; where kept, `target_top` IntTensor[T]
     (`capture.TOP`). `lengths` serves length-grouped batching. Opening it checks each shard
-    against its checksum (`check_file`) before anything is read.
+    against its checksum (`check_file`) before anything is read, where `verify`: by default in
+    one process per node (`node_verifies`), not in every rank, since the ranks of a node read
+    the same files (terabytes, offline at 8B); a damaged file stops that process, and torchrun
+    the others, in one line naming the file.
     """
 
-    def __init__(self, folder: str | Path, split: str):
+    def __init__(self, folder: str | Path, split: str, verify: bool | None = None):
         self.folder = Path(folder)
         self.manifest = load_manifest(self.folder)
         if split not in self.manifest["splits"]:
@@ -290,8 +363,10 @@ class CapturedDataset(torch.utils.data.Dataset):
         self._index: list[tuple[int, int, int]] = []
         self.fields: dict[str, list[str]] = {}
         self.top = False
+        verify = node_verifies() if verify is None else verify
         for k, (path, record) in enumerate(zip(self.shards, records)):
-            check_file(self.folder, record)
+            if verify:
+                check_file(self.folder, record)
             with safe_open(str(path), "pt") as f:
                 offsets = f.get_tensor("offsets").tolist()
                 names = set(f.keys())

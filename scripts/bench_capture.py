@@ -22,13 +22,13 @@ import torch
 from hydra import compose, initialize_config_module
 
 from conf.schema import to_root_config
-from data_prep.capture import HfCapturer, bare_forward, capture_shard
+from data_prep.capture import bare_forward
 from data_prep.keys import matmul_dtype
 from data_prep.linears import DataLinears
 from data_prep.prepare import capture_spec
 from data_prep.rows import sample_rows
 from data_prep.stats import PrepStats
-from data_prep.store import open_partial, write_split
+from data_prep.store import capture_shards, open_partial
 from data_prep.target import resolve_target
 from heads.kinds import head_kind
 
@@ -67,12 +67,7 @@ def main() -> None:
     def capture_to_disk() -> list[dict]:
         with tempfile.TemporaryDirectory() as tmp:
             partial = open_partial(Path(tmp) / "data", {})
-            return write_split(
-                partial,
-                "train",
-                shards,
-                lambda chunk: capture_shard(HfCapturer(model, spec, d.capture_batch_tokens), chunk, spec),
-            )
+            return capture_shards(model, spec, shards, partial, d.capture_batch_tokens)
 
     records: list[dict] = []
     forward, capture = [], []

@@ -23,6 +23,7 @@ from data_prep.capture_engine import (
     engine_args,
     engine_layer_ids,
     read_states,
+    tail_device,
 )
 from data_prep.target import resolve_target
 from tests.support.openai_server import Behaviour, Server
@@ -112,3 +113,15 @@ def test_a_capture_server_silent_on_every_request_stops_the_capture_in_one_line_
     assert mute.held >= 2  # the endpoint's threads all waited: no request was answered
     assert line == (f"error: data.capture.endpoints: no server answers ({s.url}: silent for 1 s "
                     f"(data.regenerate.silence_s)); {PREP_RESUME}"), line
+
+
+def test_the_tail_runs_on_this_ranks_gpu_where_there_is_one(monkeypatch):
+    """The final norm and the full-vocabulary lm_head (the top-1) run on `cuda:LOCAL_RANK` in
+    data prep, not on the host's cores; a machine without a GPU keeps them on the CPU (where the
+    engine tests above hold the fields to the hf path's)."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tail_device() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert tail_device() == torch.device("cuda", 1)

@@ -125,3 +125,27 @@ def test_loader_workers_give_the_in_process_batches(tmp_path):
     here, workers = list(batch_loader(ds, order, 0, False)), list(batch_loader(ds, order, 2, False))
     assert [b["input_ids"].shape for b in here] == [(2, 4), (1, 3)]
     assert all(torch.equal(a[k], b[k]) for a, b in zip(here, workers, strict=True) for k in a)
+
+
+def flip_last_byte(path) -> None:
+    """One byte of the tensor data (the header, at the start, still parses)."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_shard_is_caught_once_per_node_in_one_line(tmp_path, monkeypatch):
+    """Ranks other than a node's first do not hash the shards (they read the same files); the
+    first one does, and names the damaged file in one line."""
+    folder, _ = build(tmp_path, [[2, 3], [4]])
+    shard = folder / "train" / "shard-00001.safetensors"
+    flip_last_byte(shard)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert len(CapturedDataset(folder, "train")) == 3  # not hashed here
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(UserError) as err:
+        CapturedDataset(folder, "train")
+    line = str(err.value)
+    assert "\n" not in line and f"{shard} does not match its checksum in {folder / 'manifest.json'}" in line
+    with pytest.raises(UserError, match="does not match its checksum"):
+        CapturedDataset(folder, "train", verify=True)

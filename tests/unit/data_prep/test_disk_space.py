@@ -5,11 +5,12 @@ where this runs as root, else the free-space probe is patched."""
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 
 import pytest
 import torch
-from safetensors import SafetensorError
 
 import data_prep.build as build
 import data_prep.prepare as P
@@ -18,10 +19,6 @@ from conf.errors import UserError
 from data_prep.store import load_manifest
 from data_prep.target import Target
 from tests.support.runs import shard_bytes, tiny_prep_config
-
-# What safetensors raises on a full disk (captured on a 1 MB tmpfs): its own error type, the
-# errno in the text only.
-SAFETENSORS_ENOSPC = "Error while serializing: I/O error: No space left on device (os error 28)"
 
 
 def test_refusal_comes_before_the_target_loads(tiny_llama_dir, chat_file, tmp_path, monkeypatch):
@@ -36,15 +33,15 @@ def test_refusal_comes_before_the_target_loads(tiny_llama_dir, chat_file, tmp_pa
 
 def fail_writes_after(monkeypatch, shards: int) -> None:
     """Shard writes fail as on a full disk once `shards` have been written."""
-    real, written = store.save_file, []
+    real, written = store.write_hashed, []
 
-    def save_file(tensors, path, metadata=None):
+    def write_hashed(path, tensors, metadata):
         if len(written) >= shards:
-            raise SafetensorError(SAFETENSORS_ENOSPC)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         written.append(path)
-        real(tensors, path, metadata=metadata)
+        return real(path, tensors, metadata)
 
-    monkeypatch.setattr(store, "save_file", save_file)
+    monkeypatch.setattr(store, "write_hashed", write_hashed)
 
 
 @pytest.mark.parametrize("disk", ["tmpfs", "raised"])

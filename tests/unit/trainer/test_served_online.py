@@ -123,6 +123,8 @@ def test_a_served_batch_is_the_offline_batch(storage, packed):
     expected, _ = checked_device_batch(offline, "cpu")
     now, flag = checked_device_batch(served, "cpu", capture)  # asked when the step needs it
     (fetched,) = list(capture.ahead([served]))
+    narrow = torch.bfloat16 if storage == "bfloat16" else torch.float32  # exact, half the bytes in bf16
+    assert {fetched[n].dtype for n in ("aux_hidden", "final_hidden")} == {narrow}
     ahead, ahead_flag = checked_device_batch(fetched, "cpu", capture)  # not asked again
     assert server.calls == 2
     for got in (now, ahead):
