@@ -53,9 +53,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conf.compose import compose_root
 from conf.kinds import Eagle3Config
-from data_prep.capture import HfCapturer, bare_forward, capture_shard
+from data_prep.capture import bare_forward, exactly_causal
 from data_prep.prepare import capture_spec
-from data_prep.store import open_partial, write_split
+from data_prep.store import capture_shards, open_partial
 from data_prep.template import Tokenized
 from heads.eagle3 import model as eagle3_model
 from heads.eagle3.model import Eagle3Head
@@ -287,7 +287,9 @@ def random_target(sizes: Sizes, device: torch.device, dtype: torch.dtype) -> Lla
 
 def check_capture(sizes: Sizes, device: torch.device) -> dict:
     """EAGLE-3's capture (three aux layers, the final one, the target's top-1) to a folder, as
-    `data_prep.prepare` writes one, beside the bare forward of the same batches."""
+    `data_prep.prepare` writes one (`capture_shards`: layer hooks, the encode on the device, the
+    writer thread), beside the bare forward of the same batches; `exactly_causal`: the target runs
+    without a mask (flash on CUDA)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_target(sizes, device, dtype)
     cfg = compose_root(["+head=eagle3"])
@@ -303,15 +305,14 @@ def check_capture(sizes: Sizes, device: torch.device) -> dict:
 
     def to_disk() -> None:
         with tempfile.TemporaryDirectory() as tmp:
-            partial = open_partial(Path(tmp) / "data", {})
-            write_split(partial, "train", shards,
-                        lambda chunk: capture_shard(HfCapturer(model, spec, batch_tokens), chunk, spec))
+            capture_shards(model, spec, shards, open_partial(Path(tmp) / "data", {}), batch_tokens)
 
     with torch.no_grad():
         forward_s = timed(lambda: bare_forward(model, shards, batch_tokens, False), device, reps=2)
         capture_s = timed(to_disk, device, reps=2)
     shape = f"{sizes.target['num_hidden_layers']} layers, hidden {sizes.target['hidden_size']}"
     return {"tokens": tokens, "batch_tokens": batch_tokens, "target": shape,
+            "exactly_causal": exactly_causal(model.config, packed=False),
             "capture_tokens_per_s": round(tokens / capture_s, 1),
             "forward_tokens_per_s": round(tokens / forward_s, 1), "ratio": round(forward_s / capture_s, 3)}
 
