@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from conf.compose import compose_root
-from conf.errors import UserError
+from conf.errors import UserError, first_line
 from conf.files import read_json
 from conf.schema import RootConfig
 from heads.export.core import Tensors, read_folder
@@ -221,6 +221,32 @@ def compose_for_any_head(head_path: str, overrides: list[str]) -> RootConfig:
             )
         extra.append(f"target.name_or_path={name}")
     return compose_root(extra + overrides)
+
+
+def load_target_config(cfg: RootConfig):
+    """The config of `target.*` as transformers reads it, for a command of this layer that reads
+    an engine's folder without a run (`python -m heads.export`). A Hugging Face folder or a Hub
+    id: an alias or a GGUF file is converted by data prep, a layer above, so it is one line
+    asking for the folder or Hub id (the converted folder serves)."""
+    from transformers import AutoConfig
+
+    t = cfg.target
+    try:
+        return AutoConfig.from_pretrained(t.name_or_path, revision=t.revision,
+                                          trust_remote_code=t.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"target.name_or_path={t.name_or_path!r}: cannot load a model config ({first_line(err)}); "
+            "an engine's folder is read against its target's config: give a Hugging Face folder or Hub id"
+        ) from None
+
+
+def save_as_own(read: ReadHead, out: str | Path) -> Path:
+    """`read` written as draftsmith's own head folder at `out`, through its kind's export check
+    (`KindOps.build`, what exports are proved with) and the head's own `save_pretrained`, so every
+    command that takes a run's head (`python -m heads.export`) takes an engine's folder too. Input
+    embeddings a folder carries itself are left out, as from every draftsmith head (the target's)."""
+    return read.kind.check.build(read.config, read.target, read.tensors, None).save_pretrained(out)
 
 
 # ---- head.init_from --------------------------------------------------------------------------

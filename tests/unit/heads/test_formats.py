@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from conf.compose import compose_root
 from conf.kinds import Eagle3Config
 from data_prep.target import load_target
+from heads.export.__main__ import main as export_main
 from heads.export.write import export_head
 from heads.folder import load_head
 from heads.formats import compose_for_any_head, load_for_decoding, read_any_head
@@ -129,6 +130,25 @@ def test_the_evaluate_command_takes_a_speculators_folder(exports, tmp_path):
     evaluate_main([f"head={exports['speculators']}", *QUICK, f"eval.out_dir={tmp_path}"])
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report["settings"]["head"] == str(exports["speculators"]) and report["lossless"] is True
+
+
+def test_the_export_command_takes_an_engine_folder(exports, tiny_llama_dir, tmp_path, capsys):
+    """`python -m heads.export head=<folder>` takes what `trainer.evaluate` takes: our speculators
+    export (which names its target) becomes the native folder our exporter writes from the head
+    itself, tensors and config alike; a native folder, which names no target, with `target.name_or_path=`."""
+    out = tmp_path / "native"
+    export_main([f"head={exports['speculators']}", "format=eagle3", f"out={out}", "export.dtype=float32"])
+    assert json.loads(capsys.readouterr().out)["format"] == "eagle3"
+    want = load_file(exports["eagle3"] / "model.safetensors")
+    got = load_file(out / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    config = json.loads((out / "config.json").read_text())
+    assert config == json.loads((exports["eagle3"] / "config.json").read_text())
+    back = tmp_path / "back"
+    export_main([f"head={exports['eagle3']}", "format=speculators", f"out={back}", "export.dtype=float32",
+                 f"target.name_or_path={tiny_llama_dir}"])
+    assert json.loads((back / "config.json").read_text()) == json.loads(
+        (exports["speculators"] / "config.json").read_text())
 
 
 # ---- a speculators folder built by hand ----------------------------------------------------------
