@@ -284,13 +284,6 @@ def read_init_head(cfg: RootConfig, target_config) -> ReadHead:
     return read
 
 
-def check_init_from(cfg: RootConfig, target_config) -> None:
-    """Refuse a `head.init_from` this run cannot start from, before any data stage (the target's
-    config alone decides it; `init_trainee_head` checks the rest on the built head)."""
-    if cfg.head is not None and cfg.head.init_from:
-        read_init_head(cfg, target_config)
-
-
 def _config_dict(head: nn.Module) -> dict:
     config = head.config
     return config if isinstance(config, dict) else config.to_dict()
@@ -306,6 +299,16 @@ def init_trainee_head(cfg: RootConfig, head: nn.Module, target_model) -> None:
     target (embeddings) stay the target's."""
     read = read_init_head(cfg, target_model.config)
     check_embeddings(read, target_model)
+    check_fits(read, cfg, head)
+    head.load_state_dict(read.tensors, strict=False)
+
+
+def check_fits(read: ReadHead, cfg: RootConfig, head: nn.Module) -> None:
+    """Refuse `read` (`head.init_from`'s) where it cannot load into `head`, this run's fresh head
+    (built on the meta device, it serves before any data stage: `trainer.kinds.check_init_from`):
+    a field its kind's export check compares (sizes, aux layers, norm flags, vocabularies), one
+    line naming it and the override that takes the folder's value; else a tensor this head has
+    not, lacks or holds in another shape (settings that change tensors without a field)."""
     fields_of = read.kind.check.config_fields
     ours, theirs = fields_of(_config_dict(head)), fields_of(read.config)
     for field, value in ours.items():
@@ -319,4 +322,3 @@ def init_trainee_head(cfg: RootConfig, head: nn.Module, target_model) -> None:
         raise UserError(
             f"{read.where}: not this run's head: unknown tensors {unknown}, missing {lacking}, shapes {wrong}"
         )
-    head.load_state_dict(read.tensors, strict=False)
