@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
@@ -92,21 +93,29 @@ def _one_line_errors(overrides: list[str]) -> Iterator[None]:
         raise _hydra_error(err, overrides) from None
 
 
+def _compose(overrides: list[str]) -> DictConfig:
+    """Hydra's composed config for `overrides`, its own `hydra` node taken out but kept as the
+    `HydraConfig` `@hydra.main` sets, so `${hydra:...}` reads alike in every command (`run_dir`
+    names the head's config choice: `+head=eagle3.1` runs in outputs/eagle3.1)."""
+    with _one_line_errors(overrides), initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
 def compose_root(overrides: list[str]) -> RootConfig:
     """The checked root config for `overrides`, or a one-line `UserError`."""
-    with _one_line_errors(overrides), initialize_config_module(config_module="conf", version_base="1.3"):
-        return to_root_config(compose(config_name="config", overrides=overrides))
+    return to_root_config(_compose(overrides))
 
 
 def compose_with_choices(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
     """Hydra's composed config for `overrides` (checked as `compose_root` checks it) and the
     option each config group took (`{"head": "eagle3.1", "target": "smollm2", ...}`): what
     `--help` shows, with the comments of the files those options name."""
-    with _one_line_errors(overrides), initialize_config_module(config_module="conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
-    choices = {g: c for g, c in cfg.hydra.runtime.choices.items() if c and not g.startswith("hydra")}
-    with open_dict(cfg):
-        del cfg["hydra"]
+    cfg = _compose(overrides)
+    choices = {g: c for g, c in HydraConfig.get().runtime.choices.items() if c and not g.startswith("hydra")}
     to_root_config(cfg)
     return cfg, choices
 

@@ -42,6 +42,15 @@ def wants_help(argv: Sequence[str]) -> bool:
     return any(arg in HELP_FLAGS for arg in argv)
 
 
+def answer_help(doc: str | None, argv: Sequence[str]) -> None:
+    """A script's `--help` (`-h`): its docstring, which holds its usage line and what it does,
+    printed, then exit 0 before anything runs (a benchmark's `--help` must not start one). For
+    scripts that take `key=value` overrides, not argparse's options."""
+    if wants_help(argv):
+        print((doc or "").strip())
+        raise SystemExit(0)
+
+
 def yaml_comments(path: Path, prefix: str = "") -> dict[str, str]:
     """The comment beside each key of a YAML group file, by dotted key under `prefix` (a
     `# @package _global_` file's keys from the root). A comment on its own line above a key is

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from conf.compose import compose_root
-from conf.errors import UserError
+from conf.errors import UserError, first_line
 from conf.files import read_json
 from conf.schema import RootConfig
 from heads.export.core import Tensors, read_folder
@@ -223,6 +223,32 @@ def compose_for_any_head(head_path: str, overrides: list[str]) -> RootConfig:
     return compose_root(extra + overrides)
 
 
+def load_target_config(cfg: RootConfig):
+    """The config of `target.*` as transformers reads it, for a command of this layer that reads
+    an engine's folder without a run (`python -m heads.export`). A Hugging Face folder or a Hub
+    id: an alias or a GGUF file is converted by data prep, a layer above, so it is one line
+    asking for the folder or Hub id (the converted folder serves)."""
+    from transformers import AutoConfig
+
+    t = cfg.target
+    try:
+        return AutoConfig.from_pretrained(t.name_or_path, revision=t.revision,
+                                          trust_remote_code=t.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"target.name_or_path={t.name_or_path!r}: cannot load a model config ({first_line(err)}); "
+            "an engine's folder is read against its target's config: give a Hugging Face folder or Hub id"
+        ) from None
+
+
+def save_as_own(read: ReadHead, out: str | Path) -> Path:
+    """`read` written as draftsmith's own head folder at `out`, through its kind's export check
+    (`KindOps.build`, what exports are proved with) and the head's own `save_pretrained`, so every
+    command that takes a run's head (`python -m heads.export`) takes an engine's folder too. Input
+    embeddings a folder carries itself are left out, as from every draftsmith head (the target's)."""
+    return read.kind.check.build(read.config, read.target, read.tensors, None).save_pretrained(out)
+
+
 # ---- head.init_from --------------------------------------------------------------------------
 
 
@@ -258,13 +284,6 @@ def read_init_head(cfg: RootConfig, target_config) -> ReadHead:
     return read
 
 
-def check_init_from(cfg: RootConfig, target_config) -> None:
-    """Refuse a `head.init_from` this run cannot start from, before any data stage (the target's
-    config alone decides it; `init_trainee_head` checks the rest on the built head)."""
-    if cfg.head is not None and cfg.head.init_from:
-        read_init_head(cfg, target_config)
-
-
 def _config_dict(head: nn.Module) -> dict:
     config = head.config
     return config if isinstance(config, dict) else config.to_dict()
@@ -280,6 +299,16 @@ def init_trainee_head(cfg: RootConfig, head: nn.Module, target_model) -> None:
     target (embeddings) stay the target's."""
     read = read_init_head(cfg, target_model.config)
     check_embeddings(read, target_model)
+    check_fits(read, cfg, head)
+    head.load_state_dict(read.tensors, strict=False)
+
+
+def check_fits(read: ReadHead, cfg: RootConfig, head: nn.Module) -> None:
+    """Refuse `read` (`head.init_from`'s) where it cannot load into `head`, this run's fresh head
+    (built on the meta device, it serves before any data stage: `trainer.kinds.check_init_from`):
+    a field its kind's export check compares (sizes, aux layers, norm flags, vocabularies), one
+    line naming it and the override that takes the folder's value; else a tensor this head has
+    not, lacks or holds in another shape (settings that change tensors without a field)."""
     fields_of = read.kind.check.config_fields
     ours, theirs = fields_of(_config_dict(head)), fields_of(read.config)
     for field, value in ours.items():
@@ -293,4 +322,3 @@ def init_trainee_head(cfg: RootConfig, head: nn.Module, target_model) -> None:
         raise UserError(
             f"{read.where}: not this run's head: unknown tensors {unknown}, missing {lacking}, shapes {wrong}"
         )
-    head.load_state_dict(read.tensors, strict=False)

@@ -34,7 +34,7 @@ from heads.kinds import head_kind
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=24)
     ap.add_argument("--storage", default="bfloat16", choices=["bfloat16", "fp8"])
     ap.add_argument("--threads", type=int, default=0)

@@ -23,6 +23,7 @@ import torch
 
 from conf.compose import split_args
 from conf.errors import UserError, exit_on_user_error
+from conf.usage import answer_help
 from data_prep.target import eos_token_ids, input_device, resolve_target
 from heads.folder import compose_for_head
 from trainer.decoding import greedy_generate, prompt_lookup_generate, speculative_generate
@@ -43,6 +44,7 @@ def fastest(runs):
 
 @exit_on_user_error
 def main(argv: list[str]) -> None:
+    answer_help(__doc__, argv)
     own, overrides = split_args(argv, ("head", "reps"))
     if not any(o.startswith("eval.max_prompts_per_task=") for o in overrides):
         overrides.append("eval.max_prompts_per_task=1")

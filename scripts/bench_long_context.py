@@ -31,6 +31,7 @@ from bench_train import bench_trainee, make_step, parse, synthetic_document
 
 from conf.compose import split_args
 from conf.errors import UserError, exit_on_user_error
+from conf.usage import answer_help
 from data_prep.capture import TOP
 from data_prep.target import resolve_target
 from heads.eagle3 import model as eagle3
@@ -84,6 +85,7 @@ def child(length: int, steps: int, argv: list[str]) -> dict:
 
 @exit_on_user_error
 def main(argv: list[str]) -> None:
+    answer_help(__doc__, argv)
     own, argv = split_args(argv, OWN_KEYS)
     steps = int(own.get("steps", 2))
     if steps < 1:

@@ -25,6 +25,7 @@ import torch
 from bench_train import batch_shape, bench_trainee, parse, real_tokens
 
 from conf.errors import exit_on_user_error
+from conf.usage import answer_help
 from data_prep.capture import capture_batch, hidden_states
 from data_prep.prepare import capture_spec
 from data_prep.target import resolve_target
@@ -36,6 +37,7 @@ from trainer.loop import device_batch, train_step
 
 @exit_on_user_error
 def main(argv: list[str]) -> None:
+    answer_help(__doc__, argv)
     reps = 3
     if "--reps" in argv:
         i = argv.index("--reps")

@@ -16,12 +16,14 @@ import json
 import sys
 
 from conf.compose import compose_root
+from conf.usage import answer_help
 from data_prep.prepare import prepare
 from data_prep.store import CapturedDataset
 from trainer.batching import length_grouped_batches, packed_batches, padding_share
 
 
 def main(argv: list[str]) -> None:
+    answer_help(__doc__, argv)
     epochs = 3
     if "--epochs" in argv:
         i = argv.index("--epochs")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from conf.compose import split_args
 from conf.errors import UserError, exit_on_user_error
+from conf.usage import answer_help
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +60,7 @@ def contents(m: dict) -> dict:
 
 @exit_on_user_error
 def main(argv: list[str]) -> None:
+    answer_help(__doc__, argv)
     own, overrides = split_args(argv, ("conversations", "nproc", "threads"))
     defaults = {"conversations": "256", "nproc": "2", "threads": "0"}
     given = {k: own.get(k, d) for k, d in defaults.items()}

@@ -28,6 +28,7 @@ import torch
 from conf.compose import compose_root, split_args
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import derive
+from conf.usage import answer_help
 from data_prep.capture import bare_forward
 from data_prep.decode_attention import applies
 from data_prep.keys import matmul_dtype
@@ -42,6 +43,7 @@ from data_prep.target import resolve_target
 
 @exit_on_user_error
 def main(argv: list[str]) -> None:
+    answer_help(__doc__, argv)
     own, overrides = split_args(argv, ("prompts",))
     cfg = compose_root(["+head=eagle3", *overrides])
     regen = cfg.data.regenerate

@@ -49,6 +49,7 @@ from transformers import LlamaConfig
 from conf.compose import compose_root, split_args
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import DataConfig, OptimConfig, RootConfig, derive
+from conf.usage import answer_help
 from data_prep.capture import TOP, greedy_ids
 from data_prep.prepare import capture_spec, draft_vocab_size
 from data_prep.sources import iter_samples
@@ -525,6 +526,7 @@ def run_preset(own: dict[str, str], argv: list[str]) -> None:
 
 @exit_on_user_error
 def main(argv: list[str]) -> None:
+    answer_help(__doc__, argv)
     own, argv = split_args(argv, PRESET_KEYS)
     if "preset" in own:
         return run_preset(own, argv)

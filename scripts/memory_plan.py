@@ -72,8 +72,7 @@ def table(records: list[dict], device_gb: float) -> str:
 @exit_on_user_error
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
-        description="Bytes one rank holds (GB) for a Llama-3.1-8B-shaped run, offline and online, "
-        "before and after, from the memory plan on the meta device.",
+        description=__doc__.split("\n\n")[0],
         epilog=f"Defaults applied before the overrides: {' '.join(DEFAULTS)}",
     )
     parser.add_argument("--world", type=int, default=8, help="ranks (WORLD_SIZE); default 8")

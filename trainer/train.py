@@ -43,13 +43,12 @@ from data_prep.ranks import Ranks
 from data_prep.store import CapturedDataset, online_capture
 from data_prep.target import Target, check_max_length, resolve_target
 from heads.export.write import default_formats, export_head, formats_for
-from heads.formats import check_init_from
 from heads.kinds import HeadKind, check_export_formats
 from trainer.checkpoint import check_layout, checkpoint_step, latest_checkpoint
 from trainer.closing import closing_lines
 from trainer.distributed import build_accelerator, fast_float32_matmuls
 from trainer.evaluate.run import evaluate
-from trainer.kinds import build_trainee
+from trainer.kinds import build_trainee, check_init_from
 from trainer.logger import RunLogger
 from trainer.loop import fit, read_history
 from trainer.plan import note_stop, plan_run, recheck

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from conf.errors import UserError
 from conf.schema import RootConfig
-from heads.formats import init_trainee_head
+from heads.formats import check_fits, init_trainee_head, read_init_head
 from heads.kinds import HeadKind
 from trainer.decoding.drafters import Shape, Tree
 from trainer.distributed import autocast_dtype
@@ -59,6 +60,23 @@ def build_trainee(cfg: RootConfig, target, data_dir: Path | None) -> nn.Module:
         init_trainee_head(cfg, trainee.head, target)
     store_frozen_tables(trainee, autocast_dtype(cfg.dist))
     return trainee
+
+
+def check_init_from(cfg: RootConfig, target_config) -> None:
+    """Refuse a `head.init_from` this run cannot start from, before any data stage: its kind,
+    target and aux layers (`read_init_head`), then every field and tensor shape of the head this
+    run builds (`check_fits`), that head built on the meta device over a skeleton of the target
+    (no weights, no data: the draft vocabulary is the folder's own), so a mismatch found only
+    when training starts (`init_trainee_head`, the same check) is found here first."""
+    if cfg.head is None or not cfg.head.init_from:
+        return
+    from transformers import AutoModelForCausalLM
+
+    read = read_init_head(cfg, target_config)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(target_config)
+        head = CATALOG[cfg.head.name].trainee(cfg, skeleton, None).head
+    check_fits(read, cfg, head)
 
 
 def build_drafter(kind: HeadKind, head: nn.Module, target, shapes: Sequence[Shape] = ()):

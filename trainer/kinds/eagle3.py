@@ -347,7 +347,7 @@ def init_vocab(cfg, target) -> tuple[torch.Tensor, torch.Tensor]:
     and `t2d` exactly those: draftsmith's and speculators' are; another is refused."""
     read = read_init_head(cfg, target.config)
     d2t, t2d = read.tensors["d2t"].long(), read.tensors["t2d"].bool()
-    ids = torch.arange(len(d2t)) + d2t
+    ids = torch.arange(len(d2t), device=d2t.device) + d2t  # on the CPU under a meta build too
     marked = torch.zeros_like(t2d).index_fill_(0, ids.clamp(0, len(t2d) - 1), True)
     if not (bool((ids[1:] > ids[:-1]).all()) and torch.equal(marked, t2d)):
         raise UserError(

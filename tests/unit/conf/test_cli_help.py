@@ -6,6 +6,7 @@ side by side: they load no model, so they cost an interpreter's imports each."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import subprocess
@@ -33,13 +34,24 @@ HELP = {
     "data_prep.show": ([], ["<data folder or run_dir>", "index=0", "format=text"], ["optim.lr"]),
 }
 UNKNOWN = ["+head=eagle3", "optim.lrr=1e-3"]
+SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
+def cwd(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cli")
+
+
+def script_dir(cwd: Path, script: str) -> Path:
+    """Where a script's `--help` runs: a folder of its own, which must stay empty."""
+    return cwd / script.removesuffix(".py")
+
+
+@pytest.fixture(scope="module")
+def runs(cwd) -> dict[str, tuple[int, str, str]]:
     """Each entry point's `--help`, check_vllm.py's with vllm and torch unimportable (its --help
-    must answer from the main venv, which has no vllm), and a main job with a misspelt key."""
-    cwd = tmp_path_factory.mktemp("cli")
+    must answer from the main venv, which has no vllm), a main job with a misspelt key, and
+    every script's `--help`."""
     started = {m: start_cli(m, [*args, "--help"], cwd) for m, (args, _, _) in HELP.items()}
     script = ROOT / "scripts" / "check_vllm.py"
     blocked = (
@@ -51,6 +63,12 @@ def runs(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
         stderr=subprocess.PIPE, text=True,
     )
     started["unknown"] = start_cli("trainer.train", UNKNOWN, cwd)
+    for name in SCRIPTS:
+        script_dir(cwd, name).mkdir()
+        started[name] = subprocess.Popen(
+            [sys.executable, str(ROOT / "scripts" / name), "--help"], cwd=script_dir(cwd, name),
+            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
     return {name: finish(proc, timeout=300) for name, proc in started.items()}
 
 
@@ -79,6 +97,21 @@ def test_main_job_help_lists_every_key_with_the_comment_beside_it_in_conf(runs):
     lr_comment = yaml_comments(CONF / "optim" / "adamw.yaml", "optim.")["optim.lr"]
     assert shown["optim.lr"] == ("0.001", lr_comment)
     assert "+head=eagle3; or " in out and "eagle3.1" in out  # the head choices
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_answers_help_with_its_usage_and_runs_nothing(runs, script, cwd):
+    """`python scripts/<script> --help` prints the docstring's summary and its usage (the command
+    line it documents), exits 0 and runs nothing: no JSON line, nothing written where it ran."""
+    code, out, err = runs[script]
+    assert code == 0, err[-2000:]
+    doc = ast.get_docstring(ast.parse((ROOT / "scripts" / script).read_text()))
+    words = " ".join(out.split())  # argparse wraps the docstring's lines
+    assert " ".join(doc.splitlines()[0].split()) in words
+    usage = next(line.strip() for line in doc.splitlines() if f"scripts/{script}" in line)
+    assert " ".join(usage.split()) in words or out.startswith("usage:"), (usage, out)  # argparse's own
+    assert not any(line.startswith("{") for line in out.splitlines())
+    assert list(script_dir(cwd, script).iterdir()) == []
 
 
 def test_check_vllm_help_needs_no_vllm(runs):

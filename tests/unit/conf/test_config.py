@@ -16,7 +16,7 @@ from conf.errors import UserError
 from conf.kinds import HEAD_CONFIGS, Eagle3Config, MedusaConfig
 from conf.schema import DataConfig, OptimConfig, RootConfig, derive, duration_seconds
 from conf.sizes import Sizes
-from conf.usage import yaml_comments
+from conf.usage import options, yaml_comments
 from heads.kinds import KINDS
 
 CONF = Path(conf.__file__).parent
@@ -94,6 +94,17 @@ def test_eagle3_1_is_one_override():
         compose_root(["+head=eagle3", "head.fc_norm=true", "head.norm_before_fc=true"])
     back = compose_root(["+head=eagle3.1", "head.fc_norm=false", "head.norm_before_fc=true"]).head
     assert back == compose_root(["+head=eagle3"]).head
+
+
+def test_each_head_choice_runs_in_its_own_run_dir():
+    """`run_dir` defaults to outputs/<the head's config choice>, not its kind's name: `+head=eagle3.1`
+    (an eagle3 head) would otherwise stop on, or resume, an eagle3 run's folder. Alike in every
+    command: composed here (`compose_root`, `--help`) and under `@hydra.main`, which reads the same
+    `${hydra:runtime.choices.head}`."""
+    dirs = {h: compose_root([f"+head={h}"]).run_dir for h in options("head")}
+    assert dirs == {h: f"outputs/{h}" for h in options("head")}
+    assert compose_root(["+head=eagle3.1"]).head.name == "eagle3"
+    assert compose_root(["+head=eagle3.1", "run_dir=elsewhere"]).run_dir == "elsewhere"
 
 
 @pytest.mark.parametrize("group", sorted(p.stem for p in (CONF / "target").glob("*.yaml")))

@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
 
 from conf.compose import compose_root
 from conf.kinds import Eagle3Config
 from data_prep.target import load_target
+from heads.export.__main__ import main as export_main
 from heads.export.write import export_head
 from heads.folder import load_head
 from heads.formats import compose_for_any_head, load_for_decoding, read_any_head
@@ -32,7 +34,7 @@ from tests.support.runs import QUICK, tiny_run_config, user_error_line
 from tests.support.targets import build_tiny_target
 from trainer.evaluate.__main__ import main as evaluate_main
 from trainer.evaluate.run import evaluate
-from trainer.kinds import build_trainee
+from trainer.kinds import build_trainee, check_init_from
 from trainer.train import run
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -129,6 +131,25 @@ def test_the_evaluate_command_takes_a_speculators_folder(exports, tmp_path):
     evaluate_main([f"head={exports['speculators']}", *QUICK, f"eval.out_dir={tmp_path}"])
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report["settings"]["head"] == str(exports["speculators"]) and report["lossless"] is True
+
+
+def test_the_export_command_takes_an_engine_folder(exports, tiny_llama_dir, tmp_path, capsys):
+    """`python -m heads.export head=<folder>` takes what `trainer.evaluate` takes: our speculators
+    export (which names its target) becomes the native folder our exporter writes from the head
+    itself, tensors and config alike; a native folder, which names no target, with `target.name_or_path=`."""
+    out = tmp_path / "native"
+    export_main([f"head={exports['speculators']}", "format=eagle3", f"out={out}", "export.dtype=float32"])
+    assert json.loads(capsys.readouterr().out)["format"] == "eagle3"
+    want = load_file(exports["eagle3"] / "model.safetensors")
+    got = load_file(out / "model.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    config = json.loads((out / "config.json").read_text())
+    assert config == json.loads((exports["eagle3"] / "config.json").read_text())
+    back = tmp_path / "back"
+    export_main([f"head={exports['eagle3']}", "format=speculators", f"out={back}", "export.dtype=float32",
+                 f"target.name_or_path={tiny_llama_dir}"])
+    assert json.loads((back / "config.json").read_text()) == json.loads(
+        (exports["speculators"] / "config.json").read_text())
 
 
 # ---- a speculators folder built by hand ----------------------------------------------------------
@@ -315,6 +336,7 @@ def test_init_from_a_medusa_export(medusa, tiny, tiny_llama_dir):
     line = user_error_line(lambda: build_trainee(other, model, None))
     assert line == (f"error: head.init_from={str(folder)!r}: its num_heads {MEDUSA_HEADS} != this run's 4: "
                     f"add head.num_heads={MEDUSA_HEADS}")
+    assert user_error_line(lambda: check_init_from(other, model.config)) == line  # before any data
 
 
 def test_init_from_refuses_a_head_of_another_shape_in_one_line(exports, tiny, tiny_llama_dir, narrow_target,
@@ -341,6 +363,28 @@ def test_init_from_refuses_a_head_of_another_shape_in_one_line(exports, tiny, ti
         "target_hidden_size 64 != 32")
 
 
+@pytest.mark.parametrize("overrides, line", [
+    (["head.norm_output=false"], "its norm_output True != this run's False: add head.norm_output=true"),
+    (["head.intermediate_size=32"],
+     "its intermediate_size 128 != this run's 32: add head.intermediate_size=128"),
+    (["head.num_attention_heads=2"],
+     "its num_attention_heads 4 != this run's 2: add head.num_attention_heads=4"),
+    ([], None),  # the head's own shape: nothing refused
+])
+def test_init_from_mismatches_are_refused_from_the_targets_config_alone(overrides, line, exports,
+                                                                         tiny_llama_dir):
+    """`trainer.kinds.check_init_from` (what the main job runs before any data stage) refuses
+    every field `init_trainee_head` would, from the target's config alone: no weights load."""
+    folder = exports["speculators"]
+    cfg = init_config(tiny_llama_dir, folder, *overrides)
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    if line is None:
+        check_init_from(cfg, config)
+        return
+    assert user_error_line(lambda: check_init_from(cfg, config)) == (
+        f"error: head.init_from={str(folder)!r}: {line}")
+
+
 def test_a_training_run_starts_from_init_from_and_refuses_a_misfit_before_any_data(
     head_dir, exports, tiny_llama_dir, chat_file, tmp_path, monkeypatch
 ):
@@ -353,6 +397,13 @@ def test_a_training_run_starts_from_init_from_and_refuses_a_misfit_before_any_da
     assert user_error_line(lambda: run(cfg)) == (
         f"error: head.init_from={str(folder)!r}: its aux_layer_ids [2, 4, 5] != this run's [1, 3, 5]: "
         "add head.aux_layer_ids=[2,4,5]")
+    assert not (run_dir.parent / "data-cache").exists(), "a data stage ran before the refusal"
+    # A field the target's config alone does not decide, refused before data prep all the same.
+    cfg = tiny_run_config("eagle3", tiny_llama_dir, chat_file, run_dir, f"head.init_from={folder}",
+                          "head.intermediate_size=32")
+    assert user_error_line(lambda: run(cfg)) == (
+        f"error: head.init_from={str(folder)!r}: its intermediate_size 128 != this run's 32: "
+        "add head.intermediate_size=128")
     assert not (run_dir.parent / "data-cache").exists(), "a data stage ran before the refusal"
 
     started = {}
