@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -39,6 +40,7 @@ from conf.files import (
 from conf.schema import DataConfig, RootConfig, TargetConfig
 from data_prep.resident import take
 from data_prep.template import ChatTemplate, load_chat_template
+from heads.export.card import HUB_IDS
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -238,8 +240,22 @@ def gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / "targets" / f"{gguf.stem}-{fingerprint_file(gguf)}"
 
 
+def embedded_alias(hub_id: str) -> str | None:
+    """The alias of the embedded target a Hub id names (`heads.export.card.HUB_IDS`, the ids our
+    exports name as their verifier), or None."""
+    return next((a for a, i in HUB_IDS.items() if i.lower() == hub_id.lower()), None)
+
+
+def _in_hub_cache(hub_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(hub_id, "config.json"), str)
+
+
 def resolve_target_path(name_or_path: str) -> str:
-    """Map the config value to something `from_pretrained` takes: a folder or a Hub id."""
+    """Map the config value to something `from_pretrained` takes: a folder or a Hub id. The Hub id
+    of an embedded target (the verifier our exports of its heads name) is that target's GGUF
+    unless the Hub's own copy is in the local cache: a copied export evaluates offline."""
     if name_or_path in ALIASES:
         gguf = alias_gguf(name_or_path)
     else:
@@ -266,7 +282,12 @@ def resolve_target_path(name_or_path: str) -> str:
                 f"{', '.join(ALIASES)})"
             )
         else:
-            return name_or_path  # a Hub id
+            alias = embedded_alias(name_or_path)
+            if alias is None or _in_hub_cache(name_or_path):
+                return name_or_path  # a Hub id
+            print(f"target.name_or_path={name_or_path}: not in the Hugging Face cache; loading the "
+                  f"embedded {alias} (that model's GGUF, what its heads were trained on)", file=sys.stderr)
+            gguf = alias_gguf(alias)
     out = gguf_cache_dir(gguf)
     # Runs started together convert once: the others wait for the first, then load its folder.
     build_once(

@@ -15,7 +15,10 @@ from pathlib import Path
 from heads.parts import NORM_FLAGS
 
 # Aliases of the project's embedded targets -> their Hub ids (for base_model and serve commands).
-HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+HUB_IDS = {
+    "smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "qwen2.5-coder-0.5b-instruct": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+}
 
 # The evaluation's per-position acceptance picture: beside eval.md, which shows it, and copied
 # beside every card that shows the same evaluation's table.

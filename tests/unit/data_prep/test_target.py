@@ -8,7 +8,8 @@ import torch
 
 from conf.errors import UserError
 from conf.schema import RootConfig, TargetConfig
-from data_prep.target import load_target, rank_device, resolve_target
+from data_prep import target as target_module
+from data_prep.target import load_target, rank_device, resolve_target, resolve_target_path
 
 
 def write_gguf(path, arch: str) -> None:
@@ -110,3 +111,17 @@ def test_data_prep_under_torchrun_puts_each_rank_s_target_on_its_gpu(tiny_llama_
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     cfg = RootConfig(target=TargetConfig(name_or_path=str(tiny_llama_dir)))
     assert resolve_target(cfg).device == torch.device("cuda:1")
+
+
+def test_the_hub_id_of_an_embedded_target_is_it_offline(monkeypatch, capsys):
+    """A copied export names its verifier by Hub id (`heads.export.card.HUB_IDS`): without the
+    Hub's copy in the local cache that id loads the embedded GGUF, saying so; with it, the Hub's."""
+    embedded = resolve_target_path("smollm2-135m-instruct")
+    for hub_id in ("HuggingFaceTB/SmolLM2-135M-Instruct", "huggingfacetb/smollm2-135m-instruct"):
+        monkeypatch.setattr(target_module, "_in_hub_cache", lambda _id: False)
+        assert resolve_target_path(hub_id) == embedded
+        said = capsys.readouterr().err
+        assert "not in the Hugging Face cache; loading the embedded smollm2-135m-instruct" in said
+        monkeypatch.setattr(target_module, "_in_hub_cache", lambda _id: True)
+        assert resolve_target_path(hub_id) == hub_id
+    assert resolve_target_path("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
