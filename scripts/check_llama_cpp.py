@@ -1,7 +1,7 @@
 """Serve GGUF exports with llama.cpp's own server and compare them with ours; one JSON line each.
 
     python scripts/check_llama_cpp.py <gguf export dir> [...] [--target <alias or .gguf>]
-        [--prompts N] [--max-tokens M] [--k K] [--threads T] [--ngram]
+        [--prompts N|FILE.jsonl] [--max-tokens M] [--k K] [--threads T] [--ngram]
 
 llama.cpp is the engine people run on CPUs and laptops: `llama-server -m target.gguf -md
 draft.gguf --spec-type draft-eagle3` (or draft-dflash, draft-dspark: the `gguf`, `dflash-gguf`
@@ -191,11 +191,17 @@ def identical(plain: dict, drafted: dict) -> list[int]:
 
 
 def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    from conf.errors import exit_on_user_error
+    from scripts.check_vllm import ours_all, prompt_source
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("export_dirs", nargs="+", metavar="export_dir", help="export.formats=gguf folders")
     ap.add_argument("--target", default=None, help="an alias or a .gguf file (default: the embedded SmolLM2)")
-    ap.add_argument("--prompts", type=int, default=10, help="the evaluator's prompts, spread over its tasks")
+    ap.add_argument("--prompts", type=prompt_source, default=10,
+                    help="the evaluator's prompts, spread over its tasks (a count), or a JSONL of your own "
+                         "(eval.prompts' format)")
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt (greedy)")
     ap.add_argument("--k", type=int, default=3, help="tokens drafted per step")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's threads")
@@ -207,11 +213,8 @@ def main() -> None:
                  "builds it)")
     export_dirs = [str(Path(d).resolve()) for d in a.export_dirs]
     drafts = [draft_file(d) for d in export_dirs]
-    sys.path.insert(0, str(ROOT))
-    from scripts.check_vllm import ours_all
-
     name, gguf = target_gguf(a.target)
-    ref = ours_all(export_dirs, name, a.prompts, a.max_tokens, a.k)
+    ref = exit_on_user_error(ours_all)(export_dirs, name, a.prompts, a.max_tokens, a.k)
     prompts = ref["prompt_token_ids"]
     plain = serve_all(a, gguf, prompts, [])
     ngram = serve_all(a, gguf, prompts, ["--spec-type", "ngram-simple"]) if a.ngram else None

@@ -1,13 +1,14 @@
 """Load exported heads in vLLM (CPU) and compare their acceptance with ours; one JSON line each.
 
     .venv-vllm/bin/python scripts/check_vllm.py <exported dir> [<exported dir> ...]
-        [--target <name or folder>] [--prompts N] [--prompt-tokens L] [--max-tokens M]
+        [--target <name or folder>] [--prompts N|FILE.jsonl] [--prompt-tokens L] [--max-tokens M]
     [--context-lengths 1024,4096,8192 --max-model-len 8192]
 
 Runs in the vLLM venv (scripts/setup_vllm_venv.sh). vLLM lacks this project's dependencies, so
 the script calls itself once with the main venv's python (`--role ours`) to get, for the same
 head folders and target: the target's folder, the prompts (MT-Bench / HumanEval / GSM8K from the
-evaluator's task loader, chat template applied, as token ids; or, with `--prompt-tokens L`, N
+evaluator's task loader, chat template applied, as token ids; or your own traffic, `--prompts
+FILE.jsonl` in `eval.prompts`' format, every prompt of it; or, with `--prompt-tokens L`, N
 seeded random prompts of L ordinary token ids, for tiny targets whose byte-level tokenizer would
 turn a text prompt into hundreds of ids; or, with `--context-lengths`, the evaluator's long-context
 task, N prompts spread over those buckets) and our decoder's figures on each export's weights.
@@ -103,28 +104,41 @@ def random_prompts(tokenizer, vocab_size: int, n: int, length: int) -> list:
     return [pool[torch.randint(len(pool), (length,), generator=g)] for _ in range(n)]
 
 
+def prompt_source(value: str) -> int | str:
+    """`--prompts`: a count of the evaluator's prompts, or a JSONL file of your own in
+    `eval.prompts`' format (read by our side, which names a bad line)."""
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    if not Path(value).is_file():
+        raise argparse.ArgumentTypeError(f"{value}: expected a count > 0 or a JSONL file of prompts")
+    return str(Path(value).resolve())
+
+
 def ours_all(
     export_dirs: list[str],
     target: str | None,
-    n_prompts: int,
+    n_prompts: int | str,
     max_tokens: int,
     k: int,
     prompt_tokens: int = 0,
     context_lengths: tuple[int, ...] = (),
 ) -> dict:
     """The target's folder, the prompts, our greedy text and, per export (`exports`), our
-    speculative decoder's text and acceptance on the exported weights."""
+    speculative decoder's text and acceptance on the exported weights. `n_prompts`: a count, or
+    a JSONL file of prompts (`prompt_source`)."""
     import torch
 
     from conf.schema import EvalConfig
     from data_prep.target import eos_token_ids, load_target, resolve_target_path
     from trainer.decoding import greedy_generate
-    from trainer.evaluate.tasks import encode, load_prompts
+    from trainer.evaluate.tasks import encode, load_prompts, user_prompts
 
     torch.manual_seed(0)
     target = choose_target(export_dirs, target)
     model, tokenizer = load_target(target, dtype="float32", device="cpu")
-    if prompt_tokens > 0:
+    if isinstance(n_prompts, str):
+        ids = [encode(tokenizer, p) for p in user_prompts(n_prompts)]
+    elif prompt_tokens > 0:
         vocab = model.config.get_text_config().vocab_size
         ids = random_prompts(tokenizer, vocab, n_prompts, prompt_tokens)
     elif context_lengths:
@@ -342,7 +356,9 @@ def main() -> None:
     ap.add_argument("--target", default=None,
                     help="target alias, Hub id or folder (None: the one the export names, "
                          "else the project's default target)")
-    ap.add_argument("--prompts", type=int, default=6, help="prompts, generated without and with each export")
+    ap.add_argument("--prompts", type=prompt_source, default=6,
+                    help="prompts generated without and with each export: a count of the evaluator's, or "
+                         "a JSONL of your own ({\"task\", \"prompt\"} or {\"task\", \"messages\"} a line)")
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="> 0: random prompts of this many token ids instead of the task prompts")
     ap.add_argument("--context-lengths", default="",
@@ -364,8 +380,10 @@ def main() -> None:
     except ValueError:
         sys.exit(f"error: --context-lengths {a.context_lengths}: expected comma-separated token counts")
     if a.role == "ours":
-        print(json.dumps(ours_all(export_dirs, a.target, a.prompts, a.max_tokens, a.k, a.prompt_tokens,
-                                  lengths)))
+        from conf.errors import exit_on_user_error
+
+        ours = exit_on_user_error(ours_all)
+        print(json.dumps(ours(export_dirs, a.target, a.prompts, a.max_tokens, a.k, a.prompt_tokens, lengths)))
         return
 
     if not Path(a.main_python).is_file():
@@ -379,6 +397,8 @@ def main() -> None:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path}
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    if done.returncode == 2:  # a bad setting, said in one line
+        sys.exit(done.stderr.strip().splitlines()[-1])
     if done.returncode != 0:
         sys.exit(f"error: our side failed:\n{done.stderr[-3000:]}")
     ref = json.loads(done.stdout.strip().splitlines()[-1])

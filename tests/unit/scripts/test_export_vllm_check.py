@@ -98,3 +98,32 @@ def test_a_refused_config_reports_what_vllm_refused(check_vllm):
     err = ValueError(f"1 validation error for VllmConfig\n  {refused}\n    For further information visit "
                      "https://errors.pydantic.dev/2.14/v/value_error")
     assert check_vllm.error_line(err) == f"ValueError: {refused}"
+
+
+def test_your_own_prompts_file_is_what_both_engine_checks_send(check_vllm, tiny_llama_dir, tmp_path):
+    """`--prompts FILE.jsonl` (eval.prompts' format): every prompt of it, templated as the
+    evaluator templates it, is what our side decodes and vLLM / llama.cpp then serve; a count
+    still means the evaluator's prompts; a bad line is one line naming the file and the line."""
+    import argparse
+
+    from conf.errors import UserError
+    from conf.schema import EvalConfig
+    from data_prep.target import load_target
+    from trainer.evaluate.tasks import encode, load_prompts
+
+    turns = [("user", "Hi"), ("assistant", "Hello"), ("user", "Count to 5.")]
+    rows = [{"task": "mine", "prompt": "Name three primes."},
+            {"task": "mine", "messages": [{"role": r, "content": c} for r, c in turns]}]
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert check_vllm.prompt_source("4") == 4 and check_vllm.prompt_source(str(mine)) == str(mine)
+    with pytest.raises(argparse.ArgumentTypeError, match="no-such.jsonl: expected a count > 0 or a JSONL"):
+        check_vllm.prompt_source(str(tmp_path / "no-such.jsonl"))
+    ref = check_vllm.ours_all([], str(tiny_llama_dir), check_vllm.prompt_source(str(mine)), max_tokens=4, k=3)
+    _, tokenizer = load_target(str(tiny_llama_dir), dtype="float32", device="cpu")
+    cfg = EvalConfig(prompts=str(mine), tasks=[])
+    assert ref["prompt_token_ids"] == [encode(tokenizer, p).tolist() for p in load_prompts(cfg)["mine"]]
+    assert len(ref["greedy_tokens"]) == 2
+    mine.write_text(json.dumps(rows[0]) + "\n" + '{"task": "mine"}\n')
+    with pytest.raises(UserError, match=r"mine.jsonl' line 2: expected \"prompt\""):
+        check_vllm.ours_all([], str(tiny_llama_dir), str(mine), max_tokens=4, k=3)
