@@ -175,8 +175,9 @@ def run_config(head_path: Path) -> dict:
 
 
 def compose_for_head(head_path: str, overrides: list[str]) -> RootConfig:
-    """The root config for an existing head: its kind, its target and the chat template settings
-    of the run that trained it (prompts render as they were trained on), unless overridden.
+    """The root config for an existing head: its kind, its target, the chat template settings of
+    the run that trained it (prompts render as they were trained on) and that run's folder (where
+    the head sits in one), unless overridden.
 
     The head folder is checked first (metadata, the weights' header, checksum and finiteness, a
     tensor at a time: a Medusa head of a large target holds several vocabulary-sized matrices), so
@@ -191,11 +192,16 @@ def compose_for_head(head_path: str, overrides: list[str]) -> RootConfig:
     if not any(o.startswith("target.name_or_path=") for o in overrides):
         extra.append(f"target.name_or_path={meta['target']['name_or_path']}")
     cfg = compose_root(extra + overrides)
-    data = run_config(Path(head_path)).get("data") or {}
+    run = run_config(Path(head_path))
+    data = run.get("data") or {}
     # A head evaluates on prompts rendered as it was trained, unless the overrides say otherwise.
     trained = {
         f"data.{key}": data[key]
         for key in TEMPLATE_FIELDS
         if data.get(key) is not None and not any(o.startswith(f"data.{key}=") for o in overrides)
     }
+    # ... and in its own run folder (its `eval/`), not the kind's default one: `+head=eagle3.1`
+    # trains in outputs/eagle3.1, whose head composes as `+head=eagle3` above.
+    if run and not any(o.startswith("run_dir=") for o in overrides):
+        trained["run_dir"] = str(Path(head_path).parent)
     return derive(cfg, trained)

@@ -96,3 +96,19 @@ def test_the_closing_lines_say_tau_lossless_where_and_how_to_serve(tmp_path):
     broken = {**REPORT, "lossless": False, "mismatches": [{"task": "gsm8k", "prompt": 2, "against": "x"}]}
     eval_md = tmp_path / "eval" / "eval.md"
     assert closing_lines(summary, broken)[1] == f"lossless: NO, outputs differ on gsm8k #2: {eval_md}"
+
+
+def test_a_head_in_its_run_folder_evaluates_into_that_run(tiny_model, tiny_llama_dir, tmp_path):
+    """`+head=eagle3.1` trains in outputs/eagle3.1 and its head composes as `+head=eagle3`: the
+    head's own run folder is the run_dir (its `eval/` gets the evaluation), unless `run_dir=`
+    says otherwise; a head outside any run keeps the kind's default."""
+    from heads.folder import compose_for_head
+    from tests.support.heads import eagle_head
+
+    run_dir = tmp_path / "outputs" / "eagle3.1"
+    head = eagle_head(tiny_model, str(tiny_llama_dir), run_dir / "head")
+    (run_dir / "config.json").write_text(json.dumps({"run_dir": str(run_dir), "data": {}}))
+    assert compose_for_head(str(head), []).run_dir == str(run_dir)
+    assert compose_for_head(str(head), [f"run_dir={tmp_path / 'x'}"]).run_dir == str(tmp_path / "x")
+    loose = shutil.copytree(head, tmp_path / "loose" / "head")
+    assert compose_for_head(str(loose), []).run_dir == "outputs/eagle3"
