@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_module
 
-from conf.schema import to_root_config
+from conf.compose import compose_root
 from data_prep.capture import bare_forward
 from data_prep.keys import matmul_dtype
 from data_prep.linears import DataLinears
@@ -47,8 +46,7 @@ def main() -> None:
         f"data.storage_dtype={args.storage}",
         f"target.num_threads={args.threads}",
     ]
-    with initialize_config_module(config_module="conf", version_base="1.3"):
-        cfg = to_root_config(compose(config_name="config", overrides=overrides))
+    cfg = compose_root(overrides)
     target = resolve_target(cfg)
     model = target.model
     n_layers = model.config.get_text_config().num_hidden_layers

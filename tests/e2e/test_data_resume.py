@@ -23,19 +23,16 @@ from tests.support.runs import shard_bytes
 # reliably lands between shards of a capture that would otherwise finish in a blink.
 CHILD = r"""
 import sys, time
-from hydra import compose, initialize_config_module
 import data_prep.build as B
 import data_prep.prepare as P
-from conf.schema import to_root_config
+from conf.compose import compose_root
 real = B.capture_shard
 def slow(*args, **kwargs):
     out = real(*args, **kwargs)
     time.sleep(1.0)
     return out
 B.capture_shard = slow
-with initialize_config_module(config_module="conf", version_base="1.3"):
-    cfg = to_root_config(compose(config_name="config", overrides=sys.argv[1:]))
-P.prepare(cfg)
+P.prepare(compose_root(sys.argv[1:]))
 """
 
 
