@@ -4,7 +4,7 @@ layer slides), Gemma 3 (three sliding layers to one global, a rope of each kind)
 (sliding and full layers alternate, attention sinks, experts), float32, 16-token windows. The
 regeneration engine (slot cache, shared prefix, refills, its decode kernel or PyTorch's
 attention), plain greedy decoding and speculative decoding (a partly right drafter, chains and
-trees; EAGLE-3's and Medusa's drafters past the window are test_target_families.py's) are each
+trees; EAGLE-3's and Medusa's past the window: tests/e2e/test_target_families.py) are each
 compared with `generate`; a full-attention target reads the
 very mask it read before; a decoder that ignored the window would be caught; and a target whose
 layers the static caches cannot mask is refused in one line before any weights load."""
@@ -97,18 +97,17 @@ def test_engine_writes_what_generate_writes_past_the_window(case, kernel, monkey
 
 @pytest.mark.parametrize("case", SLIDING, indirect=True)
 def test_decoder_writes_what_generate_writes_past_the_window(case):
-    """Plain greedy decoding, and speculative decoding with a partly right drafter (its accepted
-    paths cross the window edge), chain and tree. The sliding families only, this drafter only:
-    EAGLE-3 and Medusa drafters past the window on these families (every kind, trained, chain and
-    tree) are test_target_families.py's `test_engine_and_decoders_write_what_generate_writes_past_the_window`,
-    and a full-attention target's decoders against `generate` are test_decode_greedy.py's."""
+    """Plain greedy decoding on every prompt, and speculative decoding with a partly right drafter
+    (its accepted paths cross the window edge): the chain on the short prompt, the tree on the
+    long one. The sliding families only, this drafter only: EAGLE-3's and Medusa's drafters past
+    the window on these families (every kind, trained; chains and trees) are
+    tests/e2e/test_target_families.py's, a full-attention target's decoders test_decode_greedy.py's."""
     family, model, prompts, want = case
     for prompt, answer in zip(prompts, want):
         assert greedy_generate(model, torch.tensor(prompt), NEW).tokens == answer
-    for shape in SHAPES:
-        for prompt, answer in zip(prompts[:2], want[:2]):
-            got = speculative_generate(model, NoisyOracle(model), torch.tensor(prompt), NEW, shape).tokens
-            assert got == answer, (family, shape)
+    for shape, prompt, answer in zip(SHAPES, prompts, want):
+        got = speculative_generate(model, NoisyOracle(model), torch.tensor(prompt), NEW, shape).tokens
+        assert got == answer, (family, shape)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
