@@ -56,6 +56,14 @@ def fresh_accelerator_state():
     AcceleratorState._reset_state()
 
 
+@pytest.fixture(autouse=True)
+def wandb_offline(monkeypatch):
+    """wandb never goes online in tests, whatever a config says, and keeps quiet."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")  # pytest's capture is left alone
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """2 shared cores: one torch thread is several times faster than two fighting for them."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pty
+import re
 import select
 import signal
 import socket
@@ -16,6 +17,9 @@ import termios
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+# A config line of an entry point's --help: `  key=default  meaning`.
+CONFIG_LINE = re.compile(r"^  (\S+?)=(.*?)\s{2,}(\S.*)$")
 
 
 def cli_env(**extra: str) -> dict[str, str]:

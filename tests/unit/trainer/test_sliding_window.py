@@ -3,8 +3,9 @@ what transformers' own `generate` writes, token for token, long past the window:
 layer slides), Gemma 3 (three sliding layers to one global, a rope of each kind) and gpt-oss
 (sliding and full layers alternate, attention sinks, experts), float32, 16-token windows. The
 regeneration engine (slot cache, shared prefix, refills, its decode kernel or PyTorch's
-attention), plain greedy decoding and speculative decoding (EAGLE-3, Medusa, a partly right
-drafter; chains and trees) are each compared with `generate`; a full-attention target reads the
+attention), plain greedy decoding and speculative decoding (a partly right drafter, chains and
+trees; EAGLE-3's and Medusa's past the window: tests/e2e/test_target_families.py) are each
+compared with `generate`; a full-attention target reads the
 very mask it read before; a decoder that ignored the window would be caught; and a target whose
 layers the static caches cannot mask is refused in one line before any weights load."""
 
@@ -23,15 +24,10 @@ from data_prep import decode_attention
 from data_prep.masks import AttentionLayout, attention_layout
 from data_prep.regen_engine import generate
 from data_prep.target import resolve_target
-from tests.support.decode import (
-    SHAPES,
-    NoisyOracle,
-    medusa_drafter,
-    random_eagle3_head,
-)
+from tests.support.decode import SHAPES, NoisyOracle
 from tests.support.runs import tiny_run_args
 from tests.support.targets import TINY, WINDOW, F, S, hf_greedy, tiny_family_target
-from trainer.decoding import Eagle3Drafter, greedy_generate, kv_cache, speculative_generate
+from trainer.decoding import greedy_generate, kv_cache, speculative_generate
 from trainer.decoding.kv_cache import TargetKV, causal, slot_positions
 from trainer.decoding.tree import tree_attention_mask, tree_position_ids
 from trainer.train import run
@@ -99,20 +95,19 @@ def test_engine_writes_what_generate_writes_past_the_window(case, kernel, monkey
         assert set(windows) == set(attention_layout(model.config).windows)
 
 
+@pytest.mark.parametrize("case", SLIDING, indirect=True)
 def test_decoder_writes_what_generate_writes_past_the_window(case):
+    """Plain greedy decoding on every prompt, and speculative decoding with a partly right drafter
+    (its accepted paths cross the window edge): the chain on the short prompt, the tree on the
+    long one. The sliding families only, this drafter only: EAGLE-3's and Medusa's drafters past
+    the window on these families (every kind, trained; chains and trees) are
+    tests/e2e/test_target_families.py's, a full-attention target's decoders test_decode_greedy.py's."""
     family, model, prompts, want = case
     for prompt, answer in zip(prompts, want):
         assert greedy_generate(model, torch.tensor(prompt), NEW).tokens == answer
-    drafters = {
-        "eagle3": lambda: Eagle3Drafter(random_eagle3_head(model)),
-        "medusa": lambda: medusa_drafter(model),
-        "partly-right": lambda: NoisyOracle(model),  # accepted paths cross the window edge
-    }
-    for name, make in drafters.items():
-        for shape in SHAPES:
-            for prompt, answer in zip(prompts[:2], want[:2]):
-                got = speculative_generate(model, make(), torch.tensor(prompt), NEW, shape).tokens
-                assert got == answer, (family, name, shape)
+    for shape, prompt, answer in zip(SHAPES, prompts, want):
+        got = speculative_generate(model, NoisyOracle(model), torch.tensor(prompt), NEW, shape).tokens
+        assert got == answer, (family, shape)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3_text"])

@@ -1,7 +1,8 @@
 """scripts/memory_plan.py: a real `--help`, and the Llama-3.1-8B-shaped table's rows, whose target
 bytes are the hand-computed ones (bf16, untied embeddings: 2 x 128256 x 4096 x 2 bytes and the
 final norm offline; every weight of the 8B target before and online), and the frozen tables'
-bytes halved after (bf16, not float32)."""
+bytes halved after (bf16, not float32). The script runs as a user runs it, one interpreter per
+call: here since the unit tier's diet (#62), as scripts/bench_long_context.py's test."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.cli import cli_env
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "memory_plan.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "memory_plan.py"
 PARTS = (2 * 128256 * 4096 + 4096) * 2
 # embeddings, lm_head and final norm; per layer 4 attention projections (q, o: 4096^2; k, v:
 # 4096 x 1024), 3 MLP matrices (4096 x 14336), 2 norms; in bf16, plus the rotary tables
@@ -22,6 +25,8 @@ WHOLE = PARTS + 32 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 409
 # Bytes the trainee's frozen tables shed stored in bf16: the embedding and the teacher's rows,
 # 2 bytes of each value.
 FROZEN_SAVED = (128256 + 32000) * 4096 * (4 - 2)
+
+pytestmark = pytest.mark.slow  # a fresh interpreter per run
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

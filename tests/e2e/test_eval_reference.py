@@ -2,7 +2,9 @@
 speculative output run on the same static caches, so a fault there makes them wrong alike and
 equal; the baseline is therefore compared with transformers' own `generate` (each task's first
 prompt, every prompt with `eval.reference=generate`), and a prompt where they part is named.
-`eval.save_outputs=true` writes what was decoded, so anyone can check it against the target."""
+`eval.save_outputs=true` writes what was decoded, so anyone can check it against the target.
+Three whole evaluations of a sliding-window target (15 s): in e2e since #62; the decoders against
+`generate` past the window stay in tests/unit/trainer/test_sliding_window.py."""
 
 from __future__ import annotations
 

@@ -5,7 +5,9 @@ server; a server that goes silent (connections held, nothing sent) is dropped in
 bad endpoint list stop in one line.
 
 The servers are tests/support/openai_server.py's (draftsmith's engine behind vLLM's API, with
-failures on cue); tests/e2e/test_regen_server.py runs the real vLLM server.
+failures on cue); tests/e2e/test_regen_server.py runs the real vLLM server. Real sockets and real
+silences (each `silence_s` waited out): 13-20 s, in e2e since #62 (tests/unit/data_prep/ keeps the
+engine backend's tests).
 """
 
 from __future__ import annotations

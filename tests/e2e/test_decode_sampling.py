@@ -1,7 +1,8 @@
 """Sampling through the whole decoder is lossless: on a 16-token target, the joint law of three
 generated tokens from speculative sampling (temperature + top-p; EAGLE-3 chain drafts sampled
 from a reduced-vocabulary head or taken as its argmax, and EAGLE-2 tree drafts) matches the
-target's own law (chi-square)."""
+target's own law (chi-square). 3 x 1000 decodes, ~25 s: the unit tier's largest statistical
+test, here since #62 (every greedy decoding path stays in tests/unit/trainer/)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.support.decode import (
 from trainer.decoding import Chain, Eagle3Drafter, Sampling, Tree, speculative_generate
 from trainer.decoding.verify import warp
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 V, TEMPERATURE, TOP_P, DRAWS = 16, 0.8, 0.9, 1000
 PROMPT = torch.tensor([3, 1, 4, 1, 5, 9])
 
@@ -41,7 +42,7 @@ def exact_joint(target) -> torch.Tensor:
     return (p1[:, None, None] * p2[:, :, None] * p3).flatten()
 
 
-@pytest.mark.slow  # ~3 x 1000 decodes: about 20 s each on 2 shared cores
+# ~3 x 1000 decodes: about 8 s each on one core (20 s on 2 shared ones)
 @pytest.mark.parametrize(
     "shape, draft_sampling",
     [(Chain(2), True), (Chain(2), False), (Tree(total_tokens=6, depth=2, topk=3), False)],

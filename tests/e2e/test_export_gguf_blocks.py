@@ -4,7 +4,9 @@ read-back, refusals, card.
 The GGUF is read here with the `gguf` package itself (what llama.cpp's loader sees) and held to
 names, shapes and keys written down from llama.cpp's source (llama-cpp-python 0.3.36's vendored
 `src/models/dflash.cpp`, `common/speculative.cpp`, `conversion/qwen.py`), not to our writer's
-tables. Real heads on the tiny llama target (hidden 64, 4 heads of 16, 2 kv heads, ffn 128).
+tables. Real heads on the tiny llama target (hidden 64, 4 heads of 16, 2 kv heads, ffn 128). Each GGUF
+holds the target's 49,152 token pieces, a second or two to write or parse, and the refusals
+rewrite one each: 30-40 s, in e2e since #62 (EAGLE-3's GGUF stays in tests/unit/heads/).
 """
 
 from __future__ import annotations
@@ -85,14 +87,21 @@ def exported(heads, tiny_model, tmp_path_factory) -> dict[tuple[str, str], tuple
             for kind in heads for dtype in GGML}
 
 
+@pytest.fixture(scope="module")
+def readers(exported) -> dict[tuple[str, str], GGUFReader]:
+    """The `gguf` package's reader of each exported file, opened once: a file holds the target's
+    49,152 token pieces, about a second to parse."""
+    return {key: GGUFReader(out / "draft.gguf") for key, (out, _) in exported.items()}
+
+
 @pytest.mark.parametrize("dtype", list(GGML))
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
-def test_gguf_holds_the_head_as_llama_cpp_loads_it(heads, exported, tiny_model, kind, dtype):
+def test_gguf_holds_the_head_as_llama_cpp_loads_it(heads, exported, readers, tiny_model, kind, dtype):
     out, report = exported[kind, dtype]
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "draft.gguf"]
     _, _, trained = load_head(heads[kind], kind)
     names = DFLASH_NAMES if kind == "dflash" else dspark_names(tiny_model.config.vocab_size)
-    got = {t.name: t for t in GGUFReader(out / "draft.gguf").tensors}
+    got = {t.name: t for t in readers[kind, dtype].tensors}
     assert set(got) == set(names)  # no token_embd, no output: the target's are shared
     for name, (ours, shape) in names.items():
         want = trained[ours].to(getattr(torch, dtype))
@@ -104,10 +113,9 @@ def test_gguf_holds_the_head_as_llama_cpp_loads_it(heads, exported, tiny_model, 
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
-def test_gguf_keys_are_the_ones_llama_cpp_reads(heads, exported, tiny_model, kind):
-    out, _ = exported[kind, "bfloat16"]
+def test_gguf_keys_are_the_ones_llama_cpp_reads(heads, readers, tiny_model, kind):
     cfg = load_head(heads[kind], kind)[0]
-    fields = GGUFReader(out / "draft.gguf").fields
+    fields = readers[kind, "bfloat16"].fields
     values = {k: f.contents() for k, f in fields.items() if not k.startswith("GGUF.")}
     assert values["general.architecture"] == "dflash"  # DSpark too: its markov_w1 tells them apart
     assert {k: values[f"dflash.{k}"] for k in (
