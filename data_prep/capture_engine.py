@@ -45,9 +45,8 @@ from conf.errors import UserError
 from conf.schema import CaptureConfig, RootConfig
 from data_prep.capture import CaptureSpec, kept_fields, overflow_message, with_top
 from data_prep.connector_names import ASK, STOCK_CONNECTOR, SYNC_CONNECTOR, SYNC_CONNECTOR_MODULE
-from data_prep.keys import data_base
 from data_prep.regen_server import Dispatcher, Endpoint, RequestFailed, call, connect
-from data_prep.target import Target, resolve_device
+from data_prep.target import Target, data_base, resolve_device
 from data_prep.vllm_engine import check_vllm_backend, engine
 
 ENDPOINTS = "data.capture.endpoints"

@@ -42,7 +42,7 @@ from data_prep.capture import CaptureSpec
 from data_prep.linears import resolve_matmul_dtype
 from data_prep.sources import source_fingerprint
 from data_prep.store import FORMAT_VERSION
-from data_prep.target import Target, cache_root, resolve_device, resolve_dtype
+from data_prep.target import Target, data_base, resolve_device, resolve_dtype
 from data_prep.template import ChatTemplate
 
 # `data` fields that name the source: with its content fingerprint (`source_fingerprint`, which
@@ -69,11 +69,6 @@ FOLDER_FIELDS = ("max_samples", "max_length", "max_turns", "val_fraction", "seed
 def digest(key: dict) -> str:
     """A key's name: 16 hex digits of the SHA-256 of its JSON."""
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def data_base(cfg: RootConfig) -> Path:
-    """`data.cache_dir`, or `cache_root()/data`: where data folders are built."""
-    return Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else cache_root() / "data"
 
 
 def matmul_dtype(cfg: RootConfig) -> torch.dtype:

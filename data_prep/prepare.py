@@ -8,8 +8,8 @@ states of what it answers and capture skips those conversations (`data_prep.onep
 loop runs the target. Every stage is cached: the
 finished folder and the regenerated answers (each keyed by what its contents depend on,
 `data_prep.keys`; answers not by `max_samples`, so growing the set reuses them) and, inside an
-unfinished folder, each shard. Samples stream from the source through tokenisation to a
-`TokenSpill` on disk (`data_prep.rows`), then into shards (`data_prep.build`).
+unfinished folder, each shard. Samples stream from the source through tokenisation
+(`data_prep.rows`) to a `TokenSpill` on disk, then into shards (`data_prep.build`).
 
 Caches are shared by the runs of a sweep: a folder is built under a lock file beside it
 (`<key>.lock`, `conf.files.build_lock`), so runs started together build it once and the others
@@ -35,11 +35,11 @@ from data_prep.build import build_folder, built_folder
 from data_prep.capture import CaptureSpec
 from data_prep.capture_engine import check_capture_backend
 from data_prep.folder import DataFolder
-from data_prep.keys import FolderKey, data_base
-from data_prep.onepass import StateStore, one_pass, state_store
+from data_prep.keys import FolderKey, states_folder
+from data_prep.onepass import StateStore, engine_keeps, one_pass
 from data_prep.ranks import SINGLE, Ranks
 from data_prep.sources import check_source_exists
-from data_prep.target import Target, check_max_length, resolve_target
+from data_prep.target import Target, check_max_length, data_base, resolve_target
 from data_prep.vllm_engine import check_vllm_backend
 from heads.kinds import HeadKind, check_export_formats, head_kind
 
@@ -82,6 +82,15 @@ DISK_FULL_THEN = (
     "free space (or set data.cache_dir to a larger disk, or use data.hidden_states=online) and run "
     "the same command again: it keeps the answers and shards written and resumes after them"
 )
+
+
+def state_store(cfg: RootConfig, target: Target, spec: CaptureSpec) -> StateStore | None:
+    """The one-pass store for folders of `cfg` (None: no one pass there), the target's lm_head
+    giving the top-1 once the engine has loaded it."""
+    if not (engine_keeps(cfg) and spec.needs_forward):
+        return None
+    folder = states_folder(cfg, target.identity, spec)
+    return StateStore(folder, spec, lambda: target.model.get_output_embeddings())
 
 
 def prepare(cfg: RootConfig, target: Target | None = None, ranks: Ranks = SINGLE,

@@ -32,7 +32,6 @@ import torch
 
 from conf.files import build_lock, lock_path
 from conf.schema import RegenerateConfig
-from data_prep.onepass import StateStore
 from data_prep.ranks import Ranks
 from data_prep.regen_cost import StepCost
 from data_prep.regen_engine import EngineTimings, generate
@@ -95,6 +94,17 @@ def turn_seed(uid: str, turn: int) -> int:
     return int(hashlib.sha256(f"{uid}:{turn}".encode()).hexdigest()[:8], 16)
 
 
+class KeptStates(Protocol):
+    """Where draftsmith's engine hands each answered conversation's hidden states at `layers` (one
+    pass: capture's `data_prep.states.onepass.StateStore`). A protocol, so that answers, the
+    earlier stage, name no module of the states stage that keeps them."""
+
+    @property
+    def layers(self) -> tuple[int, ...]: ...
+
+    def keep(self, ids: list[int], states: torch.Tensor) -> None: ...
+
+
 class Answerer(Protocol):
     """A regeneration backend: answers one round of prompts, calling `on_finish(i, ids)` on the
     caller's thread as each answer is done (ids through the stop token)."""
@@ -121,7 +131,7 @@ class EngineAnswerer:
     model: Any
     cfg: RegenerateConfig
     matmul_dtype: torch.dtype | None = None
-    states: StateStore | None = None  # keeps each answered conversation's states (one pass)
+    states: KeptStates | None = None  # keeps each answered conversation's states (one pass)
     timings: EngineTimings = field(default_factory=EngineTimings)  # every round's steps
 
     def __call__(self, prompts, eos, seeds, on_finish) -> None:
@@ -165,7 +175,7 @@ class VllmAnswerer:
 
 
 def backend_answerer(cfg: RegenerateConfig, target: Target, matmul_dtype: torch.dtype | None,
-                     states: StateStore | None = None) -> Answerer:
+                     states: KeptStates | None = None) -> Answerer:
     """The configured backend for `target`; only `hf` loads the target's weights here, and keeps
     the answered conversations' states in `states` where given (`data_prep.onepass`)."""
     if cfg.backend == "server":

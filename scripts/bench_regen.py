@@ -29,13 +29,13 @@ from conf.compose import compose_root, split_args
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import derive
 from conf.usage import answer_help
+from data_prep.build import sample_rows
 from data_prep.capture import bare_forward
 from data_prep.decode_attention import applies
 from data_prep.keys import matmul_dtype
 from data_prep.linears import DataLinears
 from data_prep.prepare import check_source
 from data_prep.regen_engine import default_workers
-from data_prep.rows import sample_rows
 from data_prep.sources import prompt_uid
 from data_prep.stats import PrepStats
 from data_prep.target import resolve_target

@@ -35,13 +35,12 @@ from conf.schema import RootConfig, to_root_config
 from conf.sizes import Sizes
 from data_prep.capture import CaptureSpec
 from data_prep.folder import DataFolder
-from data_prep.keys import data_base
 from data_prep.masks import attention_layout
 from data_prep.online_engine import held_parts, holds_whole, served_capture, served_online
 from data_prep.prepare import capture_spec, check_source, prepare
 from data_prep.ranks import Ranks
 from data_prep.store import CapturedDataset, online_capture
-from data_prep.target import Target, check_max_length, resolve_target
+from data_prep.target import Target, check_max_length, data_base, resolve_target
 from heads.export.write import default_formats, export_head, formats_for
 from heads.kinds import HeadKind, check_export_formats
 from trainer.checkpoint import check_layout, checkpoint_step, latest_checkpoint
