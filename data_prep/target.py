@@ -398,7 +398,7 @@ class Target:
     def identity(self) -> dict:
         """What captured data depends on in the target; the last five fields are checked on reuse
         (`store.TARGET_FIELDS`). The regeneration cache's key holds all of it, a data folder's
-        key its name and revision (`data_prep.keys`)."""
+        key its name and revision (`data_prep.folders.keys`)."""
         t = self.config.get_text_config()
         return {
             "name_or_path": self.name,

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from conf.compose import compose_root
+from data_prep.folders.store import load_manifest
 from data_prep.prepare import prepare
-from data_prep.store import load_manifest
 from tests.support.cli import kill_when, run_cli, start_cli, summary_folder
 from tests.support.runs import shard_bytes
 
@@ -24,7 +24,7 @@ from tests.support.runs import shard_bytes
 CHILD = r"""
 import sys, time
 from hydra import compose, initialize_config_module
-import data_prep.build as B
+import data_prep.folders.build as B
 import data_prep.prepare as P
 from conf.schema import to_root_config
 real = B.capture_shard

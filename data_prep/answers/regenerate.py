@@ -32,11 +32,11 @@ import torch
 
 from conf.files import build_lock, lock_path
 from conf.schema import RegenerateConfig
-from data_prep.ranks import Ranks
-from data_prep.regen_cost import StepCost
-from data_prep.regen_engine import EngineTimings, generate
-from data_prep.regen_server import ServerAnswerer
-from data_prep.sources import Sample, answer_uid
+from data_prep.answers.regen_cost import StepCost
+from data_prep.answers.regen_engine import EngineTimings, generate
+from data_prep.answers.regen_server import ServerAnswerer
+from data_prep.conversations.ranks import Ranks
+from data_prep.conversations.sources import Sample, answer_uid
 from data_prep.stats import PrepStats
 from data_prep.target import Target
 from data_prep.template import ChatTemplate, Message, TemplateError, Turn, note_refusal, parse_answer
@@ -117,7 +117,7 @@ class Answerer(Protocol):
         ...
 
     def step_cost(self) -> StepCost | None:
-        """The cost of one decode step fitted from the steps it took (`data_prep.regen_cost`),
+        """The cost of one decode step fitted from the steps it took (`data_prep.answers.regen_cost`),
         which the time budget replays for a larger regeneration; None where its steps are not
         seen (vLLM, servers) or it took none."""
         ...
@@ -159,7 +159,7 @@ class VllmAnswerer:
     cfg: RegenerateConfig
 
     def __call__(self, prompts, eos, seeds, on_finish) -> None:
-        from data_prep.regen_vllm import vllm_generate
+        from data_prep.answers.regen_vllm import vllm_generate
 
         c = self.cfg
         answers = vllm_generate(self.target_path, prompts, dtype=self.dtype, max_new_tokens=c.max_new_tokens,
@@ -177,7 +177,7 @@ class VllmAnswerer:
 def backend_answerer(cfg: RegenerateConfig, target: Target, matmul_dtype: torch.dtype | None,
                      states: KeptStates | None = None) -> Answerer:
     """The configured backend for `target`; only `hf` loads the target's weights here, and keeps
-    the answered conversations' states in `states` where given (`data_prep.onepass`)."""
+    the answered conversations' states in `states` where given (`data_prep.states.onepass`)."""
     if cfg.backend == "server":
         return ServerAnswerer(cfg, target.name, target.path, target.tokenizer)
     if cfg.backend == "vllm":
@@ -293,7 +293,7 @@ def answered_turns(wanted: list[Sample], done: dict[str, list[dict]],
 
 
 def part_file(cache_file: Path, rank: int) -> Path:
-    """Rank `rank`'s part of the answer cache (`data_prep.ranks`), beside it."""
+    """Rank `rank`'s part of the answer cache (`data_prep.conversations.ranks`), beside it."""
     return cache_file.with_name(f"{cache_file.stem}.part{rank}.jsonl")
 
 
@@ -324,10 +324,11 @@ SHARE_FIELDS = ("regenerated_tokens", "answers_cut_at_max_new_tokens", "turns_dr
 def regenerate_shares(samples: list[Sample], answerer: Callable[[], Answerer], tpl: ChatTemplate,
                       cfg: RegenerateConfig, max_length: int, cache_file: Path, stats: PrepStats,
                       progress: Callable | None, ranks: Ranks) -> list[tuple[str, list[Turn]]]:
-    """What `regenerate` returns, with several `ranks` answering at once (`data_prep.ranks`, step
-    1): each rank answers its prompts that the cache lacks into its own part, rank 0 folds the
-    parts in, and every rank reads the whole cache; `stats` count every rank's share (tokens,
-    cuts and drops summed; seconds: the slowest rank's, the stage's wall).
+    """What `regenerate` returns, with several `ranks` answering at once
+    (`data_prep.conversations.ranks`, step 1): each rank answers its prompts that the cache lacks
+    into its own part, rank 0 folds the parts in, and every rank reads the whole cache; `stats`
+    count every rank's share (tokens, cuts and drops summed; seconds: the slowest rank's, the
+    stage's wall).
 
     Between the barriers no process of this run writes the cache, so the ranks read it without
     its lock (only another run's torn line may follow, left alone): under the lock the ranks

@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable, Iterator
 from conf.errors import UserError
 from conf.schema import RootConfig, derive
 from conf.sizes import Sizes
-from data_prep.sources import Sample, answer_uid, iter_samples, row_uid
+from data_prep.conversations.sources import Sample, answer_uid, iter_samples, row_uid
 from data_prep.stats import PrepStats
 from data_prep.template import (
     ChatTemplate,

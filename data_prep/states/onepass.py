@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from conf.files import atomic_write
 from conf.schema import RootConfig
-from data_prep.capture import TOP, Capturer, CaptureSpec, decode, encode, kept_fields, with_top
+from data_prep.states.capture import TOP, Capturer, CaptureSpec, decode, encode, kept_fields, with_top
 
 
 def ids_name(ids: list[int]) -> str:
