@@ -189,7 +189,7 @@ class RegenerateConfig(Checked):
         self._require("top_p", probability, "a value in (0, 1]")
         self._one_of("backend", REGEN_BACKENDS)
         # backend=server with no endpoints may still find every answer cached (a training run
-        # after the regeneration run); `data_prep.regen_server.connect` refuses it when not.
+        # after the regeneration run); `data_prep.answers.regen_server.connect` refuses it when not.
         _check_endpoints(self)
         self._require("api_key_env", lambda v: v is None or re.fullmatch(r"[A-Za-z_]\w*", v),
                       "null or the name of an environment variable")
@@ -203,7 +203,7 @@ class RegenerateConfig(Checked):
 @dataclass(frozen=True)
 class CaptureConfig(Checked):
     """Where the hidden states come from: the transformers target in this process, or the serving
-    engine (`data_prep.capture_engine`), which holds a target too large for one process."""
+    engine (`data_prep.states.capture_engine`), which holds a target too large for one process."""
 
     PREFIX: ClassVar[str] = "data.capture"
     # hf (the transformers target here) | vllm (vLLM's offline LLM in this process) | server
@@ -224,7 +224,7 @@ class CaptureConfig(Checked):
     prefetch_batches: int = 4
     MAX_PREFETCH: ClassVar[int] = 64
     # Regeneration's hf engine keeps the states of what it answers, so capture skips those
-    # conversations (`data_prep.onepass`); with backend=hf and data.regenerate.backend=hf.
+    # conversations (`data_prep.states.onepass`); with backend=hf and data.regenerate.backend=hf.
     one_pass: bool = True
 
     def check(self) -> None:

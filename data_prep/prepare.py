@@ -3,19 +3,19 @@
 Also the Hydra app `python -m data_prep.prepare +head=eagle3` (or `+head=medusa`). The head
 decides what is captured: EAGLE-3 three auxiliary layers and the final one, Medusa the final
 one, Medusa-2 joint training tokens only; where draftsmith's engine regenerates, it keeps the
-states of what it answers and capture skips those conversations (`data_prep.onepass`). With
+states of what it answers and capture skips those conversations (`data_prep.states.onepass`). With
 `data.hidden_states=online` nothing is captured: the shards hold ids and masks and the training
 loop runs the target. Every stage is cached: the
 finished folder and the regenerated answers (each keyed by what its contents depend on,
-`data_prep.keys`; answers not by `max_samples`, so growing the set reuses them) and, inside an
-unfinished folder, each shard. Samples stream from the source through tokenisation to a
-`TokenSpill` on disk (`data_prep.rows`), then into shards (`data_prep.build`).
+`data_prep.folders.keys`; answers not by `max_samples`, so growing the set reuses them) and, inside an
+unfinished folder, each shard. Samples stream from the source through tokenisation
+(`data_prep.conversations.rows`) to a `TokenSpill` on disk, then into shards (`data_prep.folders.build`).
 
 Caches are shared by the runs of a sweep: a folder is built under a lock file beside it
 (`<key>.lock`, `conf.files.build_lock`), so runs started together build it once and the others
 reuse it; the regeneration cache has its own lock. Offline capture checks the free disk against
 its known size before it starts, and a disk that still fills is one line; the partial folder
-resumes. Under torchrun every rank regenerates and captures its share (`data_prep.ranks`).
+resumes. Under torchrun every rank regenerates and captures its share (`data_prep.conversations.ranks`).
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ from conf.compose import hydra_main
 from conf.errors import UserError, exit_on_user_error
 from conf.files import build_lock, build_once, disk_full_is_one_line
 from conf.schema import RootConfig, to_root_config
-from data_prep.build import build_folder, built_folder
-from data_prep.capture import CaptureSpec
-from data_prep.capture_engine import check_capture_backend
-from data_prep.folder import DataFolder
-from data_prep.keys import FolderKey, data_base
-from data_prep.onepass import StateStore, one_pass, state_store
-from data_prep.ranks import SINGLE, Ranks
-from data_prep.sources import check_source_exists
-from data_prep.target import Target, check_max_length, resolve_target
+from data_prep.conversations.ranks import SINGLE, Ranks
+from data_prep.conversations.sources import check_source_exists
+from data_prep.folders.build import build_folder, built_folder
+from data_prep.folders.folder import DataFolder
+from data_prep.folders.keys import FolderKey, states_folder
+from data_prep.states.capture import CaptureSpec
+from data_prep.states.capture_engine import check_capture_backend
+from data_prep.states.onepass import StateStore, engine_keeps, one_pass
+from data_prep.target import Target, check_max_length, data_base, resolve_target
 from data_prep.vllm_engine import check_vllm_backend
 from heads.kinds import HeadKind, check_export_formats, head_kind
 
@@ -84,6 +84,15 @@ DISK_FULL_THEN = (
 )
 
 
+def state_store(cfg: RootConfig, target: Target, spec: CaptureSpec) -> StateStore | None:
+    """The one-pass store for folders of `cfg` (None: no one pass there), the target's lm_head
+    giving the top-1 once the engine has loaded it."""
+    if not (engine_keeps(cfg) and spec.needs_forward):
+        return None
+    folder = states_folder(cfg, target.identity, spec)
+    return StateStore(folder, spec, lambda: target.model.get_output_embeddings())
+
+
 def prepare(cfg: RootConfig, target: Target | None = None, ranks: Ranks = SINGLE,
             keep_states: bool = False, kind: HeadKind | None = None) -> DataFolder:
     """Build (or reuse) the data folder for `cfg` and return it.
@@ -93,8 +102,8 @@ def prepare(cfg: RootConfig, target: Target | None = None, ranks: Ranks = SINGLE
     them. `kind`: the record of `cfg.head`'s kind, as the command resolved it; None looks it up.
     Runs that prepare one folder at once build it once: the first under its lock, the
     others wait and reuse it. `ranks`: the processes of one torchrun that build it together
-    (`data_prep.ranks`); every rank calls this and gets the folder. Regeneration keeps its
-    states for capture where `one_pass(cfg)` (`data_prep.onepass`); the store is deleted once the
+    (`data_prep.conversations.ranks`); every rank calls this and gets the folder. Regeneration keeps its
+    states for capture where `one_pass(cfg)` (`data_prep.states.onepass`); the store is deleted once the
     folder is there, unless `keep_states`, with which the planner's probes (an online folder
     among them) keep what regeneration kept for the run's folder.
     """
@@ -141,7 +150,7 @@ def _prepare(cfg: RootConfig, key: FolderKey, ranks: Ranks, states: StateStore |
 @hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
 @exit_on_user_error
 def main(dict_cfg: DictConfig) -> None:
-    """One process, or every rank under torchrun (`data_prep.ranks`)."""
+    """One process, or every rank under torchrun (`data_prep.conversations.ranks`)."""
     ranks = Ranks.from_env()
     try:
         prepare(to_root_config(dict_cfg), ranks=ranks)

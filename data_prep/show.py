@@ -22,8 +22,8 @@ from conf.compose import print_help, split_args
 from conf.errors import UserError, exit_on_user_error, no_such_key
 from conf.schema import RootConfig, TargetConfig
 from conf.usage import wants_help
-from data_prep.sources import ANSWER_SEP, ROW_SEP
-from data_prep.store import MANIFEST, load_manifest, shard_uids
+from data_prep.conversations.sources import ANSWER_SEP, ROW_SEP
+from data_prep.folders.store import MANIFEST, load_manifest, shard_uids
 from data_prep.target import resolve_target
 
 FORMATS = ("text", "json")

@@ -80,6 +80,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
 
 
+def data_base(cfg: RootConfig) -> Path:
+    """`data.cache_dir`, or `cache_root()/data`: where data folders, the answer caches, the
+    one-pass stores and the serving engine's capture files go. Here, beside `cache_root`, since
+    every stage writes under it (`data_prep.folders.keys` names what goes where)."""
+    return Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else cache_root() / "data"
+
+
 def rank_device(device: str, local_rank: int | None, cuda_count: int) -> torch.device:
     """Where one process puts its target: `target.device` (auto: a GPU if there is one), and
     under torchrun (`local_rank`: its LOCAL_RANK) a GPU named without an index is the rank's own,
@@ -391,7 +398,7 @@ class Target:
     def identity(self) -> dict:
         """What captured data depends on in the target; the last five fields are checked on reuse
         (`store.TARGET_FIELDS`). The regeneration cache's key holds all of it, a data folder's
-        key its name and revision (`data_prep.keys`)."""
+        key its name and revision (`data_prep.folders.keys`)."""
         t = self.config.get_text_config()
         return {
             "name_or_path": self.name,

@@ -50,7 +50,7 @@ class HeadKind:
     card_facts: Callable[[dict, str], dict] = _no_card_facts
     # export and vLLM checks: (head config, asked num_speculative_tokens) -> tokens an engine drafts
     served_tokens: Callable[[dict, int], int] = _asked_tokens
-    # data_prep: whether capture keeps the target's top-1 id per token (`data_prep.capture.TOP`),
+    # data_prep: whether capture keeps the target's top-1 id per token (`data_prep.states.capture.TOP`),
     # which a teacher over a draft vocabulary needs (is the target's choice inside it?)
     target_top: bool = False
     # model card and vLLM checks: export format -> vLLM's speculative_config keys besides model and

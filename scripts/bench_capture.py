@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 from conf.compose import compose_root
-from data_prep.capture import bare_forward
-from data_prep.keys import matmul_dtype
+from data_prep.folders.build import sample_rows
+from data_prep.folders.keys import matmul_dtype
+from data_prep.folders.store import capture_shards, open_partial
 from data_prep.linears import DataLinears
 from data_prep.prepare import capture_spec
-from data_prep.rows import sample_rows
+from data_prep.states.capture import bare_forward
 from data_prep.stats import PrepStats
-from data_prep.store import capture_shards, open_partial
 from data_prep.target import resolve_target
 from heads.kinds import head_kind
 

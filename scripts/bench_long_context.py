@@ -32,7 +32,7 @@ from bench_train import bench_trainee, make_step, parse, synthetic_document
 from conf.compose import split_args
 from conf.errors import UserError, exit_on_user_error
 from conf.usage import answer_help
-from data_prep.capture import TOP
+from data_prep.states.capture import TOP
 from data_prep.target import resolve_target
 from heads.eagle3 import model as eagle3
 from heads.kinds import head_kind

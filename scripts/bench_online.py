@@ -7,7 +7,7 @@ fraction F = 0.5 of each row labelled), collated as the loader collates it, thro
 `train_step` three ways, each its best of N interleaved rounds (a neighbour's load spike then
 hurts all alike):
 - offline: the hidden states as a data folder stores them (bf16, or fp8 read back as float32);
-- capture: the bare capture forward of online mode (`data_prep.capture.hidden_states`);
+- capture: the bare capture forward of online mode (`data_prep.states.capture.hidden_states`);
 - online: `train_step` with `capture_batch`, the target forward and the storage rounding, inside.
 `online_over_offline_plus_capture` is online / (offline + capture): 1.0 means online training
 costs the target forward and nothing more.
@@ -26,8 +26,8 @@ from bench_train import batch_shape, bench_trainee, parse, real_tokens
 
 from conf.errors import exit_on_user_error
 from conf.usage import answer_help
-from data_prep.capture import capture_batch, hidden_states
 from data_prep.prepare import capture_spec
+from data_prep.states.capture import capture_batch, hidden_states
 from data_prep.target import resolve_target
 from heads.kinds import head_kind
 from trainer.batching import collate

@@ -17,8 +17,8 @@ import sys
 
 from conf.compose import compose_root
 from conf.usage import answer_help
+from data_prep.folders.store import CapturedDataset
 from data_prep.prepare import prepare
-from data_prep.store import CapturedDataset
 from trainer.batching import length_grouped_batches, packed_batches, padding_share
 
 

@@ -50,7 +50,7 @@ def figures(wall: float, m: dict) -> dict:
 
 def contents(m: dict) -> dict:
     """What two builds of one folder must share: each shard's samples and tokens, the stats but
-    the seconds. Not the shards' bytes: with one pass (`data_prep.onepass`) a row's states come
+    the seconds. Not the shards' bytes: with one pass (`data_prep.states.onepass`) a row's states come
     from the batch that answered it, equal within float noise (tests/e2e/test_prepare_ranks.py)."""
     stats = {k: v for k, v in m["stats"].items() if k != "regenerate_seconds"}
     rows = {split: [(sh["file"], sh["samples"], sh["tokens"], sh["masked_tokens"]) for sh in v["shards"]]

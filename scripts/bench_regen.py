@@ -7,7 +7,7 @@ so finished rows are refilled), regenerates their answers with the configured ba
 throw-away cache, then runs the capture's bare forward (no hidden states kept, no lm_head) over
 the resulting conversations in the same process. `ratio` = regeneration's new tokens/s over the
 forward's tokens/s: how close answer writing comes to the speed of reading. With the engine,
-`step_cost` is its decode step fitted to its own timed steps (`data_prep.regen_cost`), and
+`step_cost` is its decode step fitted to its own timed steps (`data_prep.answers.regen_cost`), and
 `time_explained_by` the share of its time each part of that cost explains: fixed per step, per
 row (GEMMs, lm_head, draw), per context token (attention), prefill. Any backend: with
 `data.regenerate.backend=server data.regenerate.endpoints='["http://127.0.0.1:8000/v1"]'` the
@@ -29,14 +29,14 @@ from conf.compose import compose_root, split_args
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import derive
 from conf.usage import answer_help
-from data_prep.capture import bare_forward
-from data_prep.decode_attention import applies
-from data_prep.keys import matmul_dtype
+from data_prep.answers.decode_attention import applies
+from data_prep.answers.regen_engine import default_workers
+from data_prep.conversations.sources import prompt_uid
+from data_prep.folders.build import sample_rows
+from data_prep.folders.keys import matmul_dtype
 from data_prep.linears import DataLinears
 from data_prep.prepare import check_source
-from data_prep.regen_engine import default_workers
-from data_prep.rows import sample_rows
-from data_prep.sources import prompt_uid
+from data_prep.states.capture import bare_forward
 from data_prep.stats import PrepStats
 from data_prep.target import resolve_target
 

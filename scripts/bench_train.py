@@ -50,9 +50,9 @@ from conf.compose import compose_root, split_args
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import DataConfig, OptimConfig, RootConfig, derive
 from conf.usage import answer_help
-from data_prep.capture import TOP, greedy_ids
+from data_prep.conversations.sources import iter_samples
 from data_prep.prepare import capture_spec, draft_vocab_size
-from data_prep.sources import iter_samples
+from data_prep.states.capture import TOP, greedy_ids
 from data_prep.stats import PrepStats
 from data_prep.target import resolve_target
 from heads.eagle3.model import Eagle3Head, draft_layer_config

@@ -5,7 +5,7 @@
 
 Runs in the vLLM venv (scripts/setup_vllm_venv.sh), where both engines are importable: for each
 target (an alias, a folder, a Hub id) it captures N seeded random prompts of L ids twice, with
-`data.capture.backend=vllm` (`data_prep.capture_engine.VllmCapturer`: vLLM's engine, the
+`data.capture.backend=vllm` (`data_prep.states.capture_engine.VllmCapturer`: vLLM's engine, the
 connector's files, the final norm applied) and with `hf` (`capture.HfCapturer`, float32 matmuls),
 for the layers the head kind keeps, and reports:
 - `loaded` (and `error`: why vLLM refused the target, e.g. a model class without aux states);
@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from conf.compose import compose_root  # noqa: E402
-from data_prep.capture import TOP, HfCapturer  # noqa: E402
-from data_prep.capture_engine import VllmCapturer  # noqa: E402
 from data_prep.prepare import capture_spec  # noqa: E402
+from data_prep.states.capture import TOP, HfCapturer  # noqa: E402
+from data_prep.states.capture_engine import VllmCapturer  # noqa: E402
 from data_prep.target import resolve_target  # noqa: E402
 from heads.kinds import head_kind  # noqa: E402
 

@@ -53,9 +53,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conf.compose import compose_root
 from conf.kinds import Eagle3Config
-from data_prep.capture import bare_forward, exactly_causal
+from data_prep.folders.store import capture_shards, open_partial
 from data_prep.prepare import capture_spec
-from data_prep.store import capture_shards, open_partial
+from data_prep.states.capture import bare_forward, exactly_causal
 from data_prep.template import Tokenized
 from heads.eagle3 import model as eagle3_model
 from heads.eagle3.model import Eagle3Head

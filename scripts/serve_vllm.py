@@ -8,7 +8,7 @@ they decide the target, its dtype, the layers the head kind keeps and the longes
 line serves the target with vLLM's `extract_hidden_states` keeping those layers, a connector
 writing each asking request's states into `--capture-dir` (the folder data prep reads as
 `data.capture.dir`: on one machine, or a shared file system), prefix caching and chunked prefill
-off (`data_prep.capture_engine`). The connector is draftsmith's synchronous one (any device; it
+off (`data_prep.states.capture_engine`). The connector is draftsmith's synchronous one (any device; it
 writes only capture requests, so regeneration on the same server leaves no files), or with
 `--stock-connector` vLLM's own (CUDA; it writes every request). Then point data prep at it:
 
@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from conf.compose import compose_root  # noqa: E402
 from conf.errors import exit_on_user_error  # noqa: E402
-from data_prep.capture_engine import engine_args  # noqa: E402
 from data_prep.prepare import capture_spec  # noqa: E402
+from data_prep.states.capture_engine import engine_args  # noqa: E402
 from data_prep.target import resolve_target  # noqa: E402
 from data_prep.vllm_engine import DTYPES  # noqa: E402
 from heads.kinds import head_kind  # noqa: E402

@@ -1,7 +1,7 @@
 """`python -m tests.template_table [n=200]`: the eleven published chat templates over n ShareGPT
 conversations (all turns; every other one opening with a system message) given synthetic inline
 reasoning, through the data path that trains on
-conversations as they are (`data_prep.rows.iter_rows`). One JSON line per template:
+conversations as they are (`data_prep.conversations.rows.iter_rows`). One JSON line per template:
 conversations in, rows out, turns by what happened to them, supervised tokens. Needs
 `../shared/chat-templates/` and the packaged ShareGPT set."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from conf.errors import UserError
 from conf.schema import DataConfig, RegenerateConfig
-from data_prep.rows import iter_rows
-from data_prep.sources import iter_jsonl, iter_samples, sharegpt_jsonl
+from data_prep.conversations.rows import iter_rows
+from data_prep.conversations.sources import iter_jsonl, iter_samples, sharegpt_jsonl
 from data_prep.stats import PrepStats
 from tests.support.templates import FAMILIES, family
 

@@ -184,7 +184,7 @@ def collate(samples: list[Batch], index: BatchIndex | None = None) -> Batch:
 def pack_row(samples: list[Batch]) -> Batch:
     """Samples back to back in one row, with `position_ids` restarting at 0 at each: all the
     objectives and the target need to keep them apart (a token attends to and is predicted from
-    its own sample only, see `data_prep.capture.document_mask`)."""
+    its own sample only, see `data_prep.states.capture.document_mask`)."""
     row = {key: torch.cat([s[key] for s in samples]) for key in samples[0]}
     row["position_ids"] = torch.cat([torch.arange(s["input_ids"].shape[0]) for s in samples])
     return row

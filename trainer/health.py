@@ -2,7 +2,7 @@
 
 A training step reads nothing back from the device (see trainer/loop.py), so each step records,
 on the device and in a few scalar ops, where a value first stopped being finite: its loss, its
-gradient norm, and online the target's hidden states (`data_prep.capture.checked_capture`). The
+gradient norm, and online the target's hidden states (`data_prep.states.capture.checked_capture`). The
 loop reads that record where it reads the device anyway (logging, validation and checkpoint
 steps) and always before it keeps anything, so no checkpoint and no kept head holds a diverged
 state, and the step that went wrong is still named exactly. `optim.skip_nonfinite=n` trades that
@@ -22,8 +22,8 @@ import torch
 
 from conf.errors import UserError
 from conf.schema import OptimConfig
-from data_prep.capture import overflow_message
-from data_prep.store import rebuild_hint
+from data_prep.folders.store import rebuild_hint
+from data_prep.states.capture import overflow_message
 from trainer.batching import rank_batches
 from trainer.checkpoint import TrainState, latest_checkpoint
 from trainer.selection import kept_head_dir

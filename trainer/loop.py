@@ -8,7 +8,7 @@ A trainee is an nn.Module whose forward(batch) returns {"loss", metric sums...},
 on validation prompts (`val_decode`, see `trainer.val_decode`).
 
 Online (`data.hidden_states=online`) the loop also holds a `capture`: the frozen target's
-per-batch forward (`data_prep.store.online_capture`), run on each batch's ids before the
+per-batch forward (`data_prep.folders.store.online_capture`), run on each batch's ids before the
 objective, in training and validation. It lives outside the wrapped module, so DDP and ZeRO never
 see it, the optimizer never holds it and checkpoints never save it: each rank keeps its replica.
 Fed by servers (`data.capture.backend=server`) it asks them for each batch's states, a few batches
@@ -45,7 +45,7 @@ from conf.errors import UserError
 from conf.files import atomic_write_text
 from conf.schema import OptimConfig, RootConfig
 from conf.sizes import Sizes
-from data_prep.capture import NONFINITE, overflow_message
+from data_prep.states.capture import NONFINITE, overflow_message
 from trainer.batching import batch_loader, rank_batches, validation_batches
 from trainer.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.collapse import CollapseWatch
@@ -87,7 +87,7 @@ def checked_device_batch(
 ) -> tuple[Batch, torch.Tensor | None]:
     """A loader batch as the objective reads it, on the device: stored hidden states travel as
     stored (bf16) and widen to float32 there; online, `capture` computes them from the ids. And
-    where the capture found them non-finite (`data_prep.capture.NONFINITE`; None if it says not).
+    where the capture found them non-finite (`data_prep.states.capture.NONFINITE`; None if it says not).
     A batch that arrives with its states (a `NONFINITE` among its fields: fetched ahead, see
     `ahead`) is not captured again."""
     moved = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -100,7 +100,7 @@ def checked_device_batch(
 
 def ahead(capture: Capture | None, loader) -> Iterable[Batch]:
     """The loader's batches, each with its states where the capture fetches them ahead of the
-    step (online from servers: `data_prep.online_engine.ServedCapture.ahead`), else as they are."""
+    step (online from servers: `data_prep.folders.online_engine.ServedCapture.ahead`), else as they are."""
     fetch = getattr(capture, "ahead", None)
     return loader if fetch is None else fetch(loader)
 

@@ -3,8 +3,8 @@
 prepare data (if its cache is missing) -> train -> evaluate -> export, then say in five lines
 where all went (`trainer.closing`; summary.json holds the record, training.png its curves).
 Every rank runs this file on its own device; the ranks plan the budget together (`trainer.plan`)
-and prepare data together (each its share, `data_prep.ranks`), then each holds of the target what
-it runs (`held_target`: the whole target online, where it computes its batches' states, and on
+and prepare data together (each its share, `data_prep.conversations.ranks`), then each holds of
+the target what it runs (`held_target`: the whole target online, where it computes its batches' states, and on
 rank 0 where it decodes; else the few tensors the head reads), rank 0 evaluates, exports and
 prints. Several nodes work alike, over a shared file system or each with its own copy of the data
 (see `prepare_data`).
@@ -33,15 +33,14 @@ from conf.device_defaults import cpu_sized_line
 from conf.errors import UserError, exit_on_user_error
 from conf.schema import RootConfig, to_root_config
 from conf.sizes import Sizes
-from data_prep.capture import CaptureSpec
-from data_prep.folder import DataFolder
-from data_prep.keys import data_base
+from data_prep.conversations.ranks import Ranks
+from data_prep.folders.folder import DataFolder
+from data_prep.folders.online_engine import held_parts, holds_whole, served_capture, served_online
+from data_prep.folders.store import CapturedDataset, online_capture
 from data_prep.masks import attention_layout
-from data_prep.online_engine import held_parts, holds_whole, served_capture, served_online
 from data_prep.prepare import capture_spec, check_source, prepare
-from data_prep.ranks import Ranks
-from data_prep.store import CapturedDataset, online_capture
-from data_prep.target import Target, check_max_length, resolve_target
+from data_prep.states.capture import CaptureSpec
+from data_prep.target import Target, check_max_length, data_base, resolve_target
 from heads.export.write import default_formats, export_head, formats_for
 from heads.kinds import HeadKind, check_export_formats
 from trainer.checkpoint import check_layout, checkpoint_step, latest_checkpoint
@@ -61,7 +60,7 @@ from trainer.val_decode import build_val_decoder
 def prepare_data(cfg: RootConfig, acc, target: Target, kind: HeadKind, ranks: Ranks) -> DataFolder:
     """The data folder on every rank. Where every rank sees the data cache (one node, or a shared
     file system) the ranks build it together, each regenerating and capturing its share
-    (`data_prep.ranks`). Else it is built once per node: global rank 0 first; then the first
+    (`data_prep.conversations.ranks`). Else it is built once per node: global rank 0 first; then the first
     rank of each other node builds its own copy (from the same config the same bytes); then
     every other rank reuses its node's. A barrier closes each turn, on the ranks' gloo group,
     which waits a day: a turn takes as long as regenerating and capturing the whole data set,

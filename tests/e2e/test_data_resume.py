@@ -14,8 +14,8 @@ import time
 import pytest
 
 from conf.compose import compose_root
+from data_prep.folders.store import load_manifest
 from data_prep.prepare import prepare
-from data_prep.store import load_manifest
 from tests.support.cli import kill_when, run_cli, start_cli, summary_folder
 from tests.support.runs import shard_bytes
 
@@ -23,7 +23,7 @@ from tests.support.runs import shard_bytes
 # reliably lands between shards of a capture that would otherwise finish in a blink.
 CHILD = r"""
 import sys, time
-import data_prep.build as B
+import data_prep.folders.build as B
 import data_prep.prepare as P
 from conf.compose import compose_root
 real = B.capture_shard

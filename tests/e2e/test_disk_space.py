@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conf.errors import UserError
-from data_prep.store import load_manifest
+from data_prep.folders.store import load_manifest
 from data_prep.target import resolve_target_path
 from tests.support.cli import error_lines, run_cli, summary_folder
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from data_prep.store import load_manifest
+from data_prep.folders.store import load_manifest
 from tests.support.cli import run_train_cli
 from tests.support.runs import (
     summary,

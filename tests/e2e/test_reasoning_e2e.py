@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_prep.regenerate import read_cache
+from data_prep.answers.regenerate import read_cache
 from tests.support.cli import run_train_cli
 from tests.support.runs import tiny_run_args
 from tests.support.targets import TINY

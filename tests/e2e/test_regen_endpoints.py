@@ -17,9 +17,9 @@ import time
 import pytest
 
 from conf.schema import RegenerateConfig
-from data_prep.regen_server import ServerAnswerer
-from data_prep.regenerate import EngineAnswerer, read_cache, regenerate
-from data_prep.sources import Sample
+from data_prep.answers.regen_server import ServerAnswerer
+from data_prep.answers.regenerate import EngineAnswerer, read_cache, regenerate
+from data_prep.conversations.sources import Sample
 from data_prep.stats import PrepStats
 from data_prep.template import load_chat_template
 from tests.support.openai_server import Behaviour, Server

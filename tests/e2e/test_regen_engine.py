@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from data_prep.regen_engine import generate, shared_prefix
+from data_prep.answers.regen_engine import generate, shared_prefix
 from data_prep.target import eos_token_ids, load_target
 from data_prep.template import load_chat_template
 from tests.support.targets import hf_greedy, until

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from conf.schema import RegenerateConfig, RootConfig, TargetConfig
-from data_prep.regen_server import ServerAnswerer
-from data_prep.regenerate import read_cache, regenerate
-from data_prep.sources import Sample
+from data_prep.answers.regen_server import ServerAnswerer
+from data_prep.answers.regenerate import read_cache, regenerate
+from data_prep.conversations.sources import Sample
 from data_prep.stats import PrepStats
 from data_prep.target import resolve_target
 from tests.support.cli import error_lines, finish, free_port, run_cli, start_cli
@@ -36,8 +36,8 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "Expla
 OFFLINE = """
 import json, sys, torch
 from conf.schema import RegenerateConfig, RootConfig, TargetConfig
-from data_prep.regenerate import VllmAnswerer, read_cache, regenerate
-from data_prep.sources import Sample
+from data_prep.answers.regenerate import VllmAnswerer, read_cache, regenerate
+from data_prep.conversations.sources import Sample
 from data_prep.stats import PrepStats
 from data_prep.target import resolve_target
 prompts, cache, name = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from data_prep.store import CapturedDataset
+from data_prep.folders.store import CapturedDataset
 from tests.support.cli import cli_env, finish, start_cli, summary_folder
 
 
@@ -24,7 +24,7 @@ def test_three_runs_compile_the_kernel_once(tmp_path):
     cc.write_text(f'#!/bin/sh\necho $$ >> {log}\nsleep 3\nexec {real} "$@"\n')
     cc.chmod(0o755)
     home = tmp_path / "home"
-    code = "from data_prep.decode_attention import kernel; assert kernel() is not None"
+    code = "from data_prep.answers.decode_attention import kernel; assert kernel() is not None"
     env = cli_env(CC=str(cc), DRAFTSMITH_CACHE=str(home))
     runs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(3)]
     assert [p.wait(timeout=300) for p in runs] == [0, 0, 0]

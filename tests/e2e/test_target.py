@@ -93,7 +93,7 @@ def test_qwen_coder_main_job_end_to_end(head, tmp_path):
 
 CONVERT_ON_RANK_1 = """
 import os
-from data_prep.ranks import Ranks
+from data_prep.conversations.ranks import Ranks
 from data_prep.target import load_target, resolve_target_path
 ranks = Ranks.from_env()
 if ranks.rank == 1:  # the rank that holds the conversion lock first, with the process group up

@@ -35,11 +35,11 @@ from transformers import AutoConfig, LlamaConfig
 from conf.compose import compose_root
 from conf.errors import first_line
 from conf.kinds import MedusaConfig
-from data_prep.capture import length_batches
+from data_prep.answers.regen_engine import generate
+from data_prep.folders.store import CapturedDataset, load_manifest
 from data_prep.masks import attention_layout
 from data_prep.prepare import prepare
-from data_prep.regen_engine import generate
-from data_prep.store import CapturedDataset, load_manifest
+from data_prep.states.capture import length_batches
 from data_prep.target import load_target
 from heads.eagle3.model import Eagle3Head
 from heads.export.write import formats_for, load_export

@@ -1,6 +1,6 @@
 """A small OpenAI-compatible completions server over a transformers model, for the fast tier.
 
-It speaks the part of vLLM's API that `data_prep.regen_server` uses (`/v1/models`, `/tokenize`,
+It speaks the part of vLLM's API that `data_prep.answers.regen_server` uses (`/v1/models`, `/tokenize`,
 `/v1/completions` with token-id prompts and `return_token_ids`, streamed as vLLM streams
 them: a `data:` event per token carrying that delta's `token_ids`, the last with its
 `finish_reason`, then `data: [DONE]`) and answers with draftsmith's own engine
@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from data_prep.regen_engine import generate
+from data_prep.answers.regen_engine import generate
 
 # One engine run at a time in this process: servers of one test share one model, and the engine
 # packs its linears and swaps its attention for a run (one process's `vllm serve` decodes one

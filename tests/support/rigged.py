@@ -20,9 +20,9 @@ import torch
 
 from conf.compose import compose_root
 from conf.schema import EvalConfig
-from data_prep.capture import TOP, greedy_ids
+from data_prep.folders.vocab import build_draft_vocab
+from data_prep.states.capture import TOP, greedy_ids
 from data_prep.target import eos_token_ids
-from data_prep.vocab import build_draft_vocab
 from trainer.batching import collate
 from trainer.decoding import greedy_generate
 from trainer.evaluate.tasks import encode, load_prompts

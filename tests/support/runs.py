@@ -16,8 +16,8 @@ from conf.errors import UserError
 from conf.schema import (
     RootConfig,
 )
-from data_prep.capture import TOP, decode
-from data_prep.store import CapturedDataset, load_manifest, online_capture
+from data_prep.folders.store import CapturedDataset, load_manifest, online_capture
+from data_prep.states.capture import TOP, decode
 from trainer.batching import batch_loader
 from trainer.loop import device_batch
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from data_prep.sources import held_out, prompt_uid, split_hash
+from data_prep.conversations.sources import held_out, prompt_uid, split_hash
 
 
 def validation_uids(uids: list[str], seed: int, val_fraction: float) -> set[str]:

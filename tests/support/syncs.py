@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conf.kinds import DFlashConfig, DSparkConfig, Eagle3Config, MedusaConfig, PEagleConfig
 from conf.schema import DistConfig, OptimConfig
-from data_prep.capture import TOP, greedy_ids
+from data_prep.states.capture import TOP, greedy_ids
 from heads.dflash.model import DFlashHead
 from heads.dspark.model import DSparkHead
 from heads.eagle3.model import Eagle3Head
@@ -115,7 +115,7 @@ LABELLED = [(14, [range(4, 9), range(11, 14)]), (11, [range(3, 11)]), (9, [range
 
 
 def samples(model, fields: tuple[str, ...], labelled=LABELLED) -> list[dict[str, torch.Tensor]]:
-    """Items as `data_prep.store.CapturedDataset` yields them (hidden states stored in bf16, the
+    """Items as `data_prep.folders.store.CapturedDataset` yields them (hidden states stored in bf16, the
     target's top-1 from the stored final one), of `labelled`'s (length, labelled spans)."""
     g = torch.Generator().manual_seed(0)
     out = []

@@ -2,7 +2,10 @@
 conf <- heads <- data_prep <- trainer <- scripts. An upward import (even one inside a function)
 is the loop that made `cfg` hard to follow, so it fails here, naming the file and line; and no
 two modules import each other, directly or around a longer loop (function-level imports count:
-they hide a cycle, they do not remove it)."""
+they hide a cycle, they do not remove it). Inside `data_prep` the stages run one way too, in the
+order a conversation goes through them (`DATA_PREP_STAGES`): a stage imports the base modules at
+the top of `data_prep` and earlier stages only, a base module no stage, and no stage imports an
+entry point (`prepare`, `show`), which runs them."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ["conf", "heads", "data_prep", "trainer", "scripts"]
+DATA_PREP_STAGES = ["conversations", "answers", "states", "folders"]
+DATA_PREP_ENTRIES = {"data_prep.prepare", "data_prep.show"}
 
 
 def imported_packages(path: Path) -> list[tuple[int, str]]:
@@ -125,3 +130,46 @@ def test_imports_for_type_checkers_alone_are_not_followed():
     imported = [n.module if isinstance(n, ast.ImportFrom) else n.names[0].name
                 for n in runtime_nodes(tree) if isinstance(n, ast.Import | ast.ImportFrom)]
     assert imported == ["typing", "trainer.loop"]
+
+
+def stage_rank(module: str) -> int | None:
+    """Where a `data_prep` module stands: 0 a base module at its top, k the k-th stage's modules,
+    last the entry points; None outside `data_prep`."""
+    parts = module.split(".")
+    if parts[0] != "data_prep":
+        return None
+    if module in DATA_PREP_ENTRIES:
+        return len(DATA_PREP_STAGES) + 1
+    return DATA_PREP_STAGES.index(parts[1]) + 1 if len(parts) > 1 and parts[1] in DATA_PREP_STAGES else 0
+
+
+def stage_back_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of `graph` from a `data_prep` module to one that stands later."""
+    return [f"{module} imports {name} (a later stage)"
+            for module, names in sorted(graph.items()) if stage_rank(module) is not None
+            for name in sorted(names) if (stage_rank(name) or 0) > stage_rank(module)]
+
+
+def test_data_prep_stages_import_only_earlier_stages_and_the_base():
+    assert stage_back_imports(import_graph()) == []
+
+
+def test_every_data_prep_folder_is_a_stage_in_order():
+    """A new folder joins the order here, else its modules would count as base modules."""
+    folders = {p.parent.name for p in (ROOT / "data_prep").glob("*/__init__.py")}
+    assert folders == set(DATA_PREP_STAGES)
+    assert {f"data_prep.{p.stem}" for p in (ROOT / "data_prep").glob("*.py")} >= DATA_PREP_ENTRIES
+
+
+def test_a_planted_back_import_between_stages_is_found():
+    """A stage reaching a later one, a base module a stage, a stage an entry point: each is named."""
+    graph = import_graph()
+    planted = {"data_prep.conversations.rows": "data_prep.answers.regenerate",
+               "data_prep.target": "data_prep.states.capture", "data_prep.folders.build": "data_prep.prepare"}
+    for module, name in planted.items():
+        graph[module] = graph[module] | {name}
+    assert stage_back_imports(graph) == [
+        "data_prep.conversations.rows imports data_prep.answers.regenerate (a later stage)",
+        "data_prep.folders.build imports data_prep.prepare (a later stage)",
+        "data_prep.target imports data_prep.states.capture (a later stage)",
+    ]

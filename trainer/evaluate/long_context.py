@@ -32,7 +32,7 @@ import torch
 from conf.errors import UserError
 from conf.files import package_file
 from conf.schema import RootConfig
-from data_prep.sources import normalise_row, shape_conversation, sharegpt_jsonl
+from data_prep.conversations.sources import normalise_row, shape_conversation, sharegpt_jsonl
 from trainer.evaluate.tasks import Prompt, prompt_template, render
 
 TASK = "long_context"

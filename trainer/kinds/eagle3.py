@@ -3,7 +3,7 @@
 `Eagle3Trainee` (a `trainer.trainee.Trainee`) is the trainable head plus the frozen rows of the
 target lm_head that turn stored final hidden states into the teacher's distribution over the
 draft vocabulary (`draft_teacher`). The target's own choice at each position, which takes the
-full vocabulary, comes with the batch (`data_prep.capture.TOP`), computed once by capture.
+full vocabulary, comes with the batch (`data_prep.states.capture.TOP`), computed once by capture.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from conf.errors import UserError
-from data_prep.capture import TOP
+from data_prep.states.capture import TOP
 from heads.eagle3.model import Branches, Eagle3Head, branch_scores, context_attention, fused_kernels
 from heads.formats import read_init_head
 from heads.window import near, window_of
@@ -361,7 +361,7 @@ def draft_vocab(cfg, target, data_dir: Path | None) -> tuple[torch.Tensor, torch
     """(d2t, t2d) of a fresh head: the draft vocabulary built with the data (no data folder: the
     lowest ids, which cost a step what any vocabulary of that size costs); with `head.init_from`,
     that head's (`init_vocab`)."""
-    from data_prep.vocab import build_draft_vocab, load_draft_vocab
+    from data_prep.folders.vocab import build_draft_vocab, load_draft_vocab
 
     if cfg.head.init_from:
         return init_vocab(cfg, target)

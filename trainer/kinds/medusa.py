@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from conf.errors import UserError
 from conf.files import staged_dir
 from conf.kinds import MedusaConfig
-from data_prep.capture import document_inputs
+from data_prep.states.capture import document_inputs
 from heads.medusa.model import TARGET_DIR, MedusaHead, write_target_checksums
 from trainer.decoding import MedusaDrafter
 from trainer.decoding.drafters import Shape

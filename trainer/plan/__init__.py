@@ -8,13 +8,14 @@ runs, before the data stage:
    holds at once (`planned_slots`, at least `PROBE_SAMPLES`), are answered by the engine, as the
    data stage would (their answers land in the cache, so the probe costs nothing the run would
    not spend anyway; the cached conversations are free, counted where they are among the
-   selected ones, `data_prep.rows.cached_spans`). The engine times its steps, and the plan prices the run's
-   regeneration by replaying the engine's schedule for that many more answers like the probe's
-   (`RegenShape`, `data_prep.regen_cost`): one batch runs at another rate than a batch and a
-   half, whose last half thins. Another backend (vLLM, servers) is priced at the probe's rate;
+   selected ones, `data_prep.conversations.rows.cached_spans`). The engine times its steps, and
+   the plan prices the run's regeneration by replaying the engine's schedule for that many more
+   answers like the probe's (`RegenShape`, `data_prep.answers.regen_cost`): one batch runs at
+   another rate than a batch and a half, whose last half thins. Another backend (vLLM, servers)
+   is priced at the probe's rate;
 2. capture and training: a small data folder of those conversations (at least `PROBE_SAMPLES`,
    enough for `PROBE_STEPS` steps) is captured (the capture rate: the target's bare forward plus
-   storage, its one-off set-up apart; with one pass, `data_prep.onepass`, reading back what the
+   storage, its one-off set-up apart; with one pass, `data_prep.states.onepass`, reading back what the
    regeneration probe kept, which the run's answers will be too, as the probes keep their states
    for the run) and the chosen head trains `PROBE_STEPS` steps on it with the real loop. The
    loop times its steps after the first (whose warm-up a run pays once) apart from what runs
@@ -79,7 +80,7 @@ from pathlib import Path
 from conf.files import atomic_write_text, read_json
 from conf.schema import RootConfig
 from conf.sizes import Sizes
-from data_prep.ranks import SINGLE, Ranks
+from data_prep.conversations.ranks import SINGLE, Ranks
 from data_prep.target import Target
 from heads.kinds import HeadKind
 from trainer.loop import steps_per_epoch

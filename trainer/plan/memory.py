@@ -7,7 +7,7 @@ Everything is built on the meta device (shapes and dtypes, no storage): the targ
 not of a formula that could drift from them. What a rank holds:
 
 - the target: offline (the states come from the data folder) and online from servers, the parts
-  the trainee reads (`data_prep.online_engine.held_modules`: embeddings, lm_head, final norm where
+  the trainee reads (`data_prep.folders.online_engine.held_modules`: embeddings, lm_head, final norm where
   needed); online with the hf capture, the whole target, which computes each batch's states.
   Rank 0 holds the whole target besides wherever something decodes with it (decoded
   validation, the evaluation): counted in place of its parts, as an upper bound;
@@ -40,7 +40,7 @@ from transformers import PretrainedConfig
 
 from conf.errors import UserError
 from conf.schema import RootConfig, derive
-from data_prep.online_engine import held_modules, holds_whole
+from data_prep.folders.online_engine import held_modules, holds_whole
 from data_prep.prepare import capture_spec
 from data_prep.target import Target, resolve_dtype
 from heads.kinds import head_kind

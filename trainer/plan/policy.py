@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 from conf.errors import UserError
 from conf.schema import OptimConfig, RootConfig
 from conf.sizes import Sizes
-from data_prep.regen_cost import StepCost, generate_seconds
-from data_prep.rows import Spans, cached_before
+from data_prep.answers.regen_cost import StepCost, generate_seconds
+from data_prep.conversations.rows import Spans, cached_before
 from trainer.evaluate.run import pass_schedule
 
 MARGIN = 0.06  # of the budget, kept back for the export and the noise in the measured rates
@@ -52,7 +52,7 @@ class Rates:
 @dataclass(frozen=True)
 class RegenShape:
     """What the regeneration probe answered, as the engine's seconds for any number of
-    conversations (`data_prep.regen_cost`): its fitted step cost, and per round (a
+    conversations (`data_prep.answers.regen_cost`): its fitted step cost, and per round (a
     conversation's n-th turn) the (prompt tokens, answer tokens) of the cached answers, replayed
     at the same share per sample (an answered conversation). `scale`: the probe's measured
     seconds over its replayed ones, the time around the steps the cost leaves out (admissions,

@@ -23,17 +23,17 @@ import torch
 
 from conf.errors import UserError
 from conf.schema import RootConfig, derive
-from data_prep.folder import DataFolder
-from data_prep.keys import regen_cache_file
+from data_prep.answers.regen_cost import StepCost
+from data_prep.answers.regen_engine import default_workers, planned_slots
+from data_prep.answers.regenerate import read_cache
+from data_prep.conversations.ranks import SINGLE, Ranks
+from data_prep.conversations.rows import Spans, cached_spans, uncached_prefix
+from data_prep.folders.folder import DataFolder
+from data_prep.folders.keys import regen_cache_file
+from data_prep.folders.store import CapturedDataset, online_capture
 from data_prep.linears import DecodeLinears
-from data_prep.onepass import one_pass
 from data_prep.prepare import capture_spec, prepare
-from data_prep.ranks import SINGLE, Ranks
-from data_prep.regen_cost import StepCost
-from data_prep.regen_engine import default_workers, planned_slots
-from data_prep.regenerate import read_cache
-from data_prep.rows import Spans, cached_spans, uncached_prefix
-from data_prep.store import CapturedDataset, online_capture
+from data_prep.states.onepass import one_pass
 from data_prep.target import Target
 from heads.export.write import default_formats
 from heads.kinds import HeadKind
@@ -132,7 +132,7 @@ def regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path, kind: Hea
     holds at once (`planned_slots`), at least `PROBE_SAMPLES` (their ids into a throwaway online
     folder): a warm cache's answers are passed over, not taken for the probe (all cached, the
     rate stays unknown and regeneration is priced free). The ranks answer it together, as they
-    will the run's (`data_prep.ranks`: the rate is the world's), each its share: one engine's
+    will the run's (`data_prep.conversations.ranks`: the rate is the world's), each its share: one engine's
     worth in all, not one each, which on CPU ranks sharing the cores would double the probe's
     time (the rate of engines half full is, if anything, low). The engine's fitted step cost
     comes with the folder's stats (`PrepStats.regenerate_step_cost`), and becomes the

@@ -27,11 +27,11 @@ import torch
 
 from conf.files import atomic_write_text
 from conf.schema import RootConfig
-from data_prep.keys import data_base, digest, regen_cache_file
-from data_prep.regen_cost import StepCost
-from data_prep.regenerate import read_cache
-from data_prep.rows import Spans, cached_spans
-from data_prep.target import Target
+from data_prep.answers.regen_cost import StepCost
+from data_prep.answers.regenerate import read_cache
+from data_prep.conversations.rows import Spans, cached_spans
+from data_prep.folders.keys import digest, regen_cache_file
+from data_prep.target import Target, data_base
 from trainer.plan.policy import Rates, RegenShape
 
 SETTINGS = ("target", "head", "data", "optim", "eval", "dist", "pipeline", "export", "seed")

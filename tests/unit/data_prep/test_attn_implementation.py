@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from conf.errors import UserError
 from conf.schema import RootConfig, TargetConfig
-from data_prep.capture import attention_masks, causal_mask
 from data_prep.masks import attention_layout
+from data_prep.states.capture import attention_masks, causal_mask
 from data_prep.target import resolve_target
 
 

@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 
 from conf.compose import compose_root
 from conf.errors import UserError
-from data_prep.capture import TOP, CaptureSpec, HfCapturer
-from data_prep.capture_engine import (
+from data_prep.states.capture import TOP, CaptureSpec, HfCapturer
+from data_prep.states.capture_engine import (
     PREP_RESUME,
     EngineStates,
     ServerCapturer,
@@ -93,7 +93,7 @@ def test_the_engine_keeps_each_layer_once_without_prefix_caching_or_chunked_pref
     assert args["speculative_config"]["draft_model_config"]["hf_config"] == {
         "eagle_aux_hidden_state_layer_ids": [2, 15, 27, 30]}
     assert args["enable_prefix_caching"] is False and args["enable_chunked_prefill"] is False
-    assert args["kv_transfer_config"]["kv_connector_module_path"] == "data_prep.vllm_connector"
+    assert args["kv_transfer_config"]["kv_connector_module_path"] == "data_prep.states.vllm_connector"
     assert "kv_connector_module_path" not in engine_args(spec, "/shared", stock=True)["kv_transfer_config"]
 
 

@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from conf.files import atomic_write, sha256_file
-from data_prep.capture import (
+from data_prep.folders.store import capture_shards, open_partial, shard_name
+from data_prep.states.capture import (
     TOP,
     CaptureSpec,
     attention_masks,
@@ -32,7 +33,6 @@ from data_prep.capture import (
     pad_batch,
     with_top,
 )
-from data_prep.store import capture_shards, open_partial, shard_name
 from data_prep.template import Tokenized
 
 pytestmark = pytest.mark.usefixtures("single_thread")

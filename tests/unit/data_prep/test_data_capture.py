@@ -7,7 +7,7 @@ import torch
 
 from conf.errors import UserError
 from conf.schema import DataConfig
-from data_prep.capture import (
+from data_prep.states.capture import (
     CaptureSpec,
     HfCapturer,
     capture_shard,

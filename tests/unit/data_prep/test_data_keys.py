@@ -1,4 +1,4 @@
-"""Cache keys by inclusion (`data_prep.keys`): scheduling-only settings change neither the data
+"""Cache keys by inclusion (`data_prep.folders.keys`): scheduling-only settings change neither the data
 folder nor the answer cache, so a second build with other ones regenerates and captures nothing;
 a setting that changes contents names a new folder."""
 
@@ -17,7 +17,7 @@ from conf.schema import (
     RootConfig,
     TargetConfig,
 )
-from data_prep.keys import (
+from data_prep.folders.keys import (
     ANSWER_FIELDS,
     CAPTURE_FIELDS,
     FOLDER_FIELDS,
@@ -112,7 +112,7 @@ def test_keys_name_what_changes_contents_and_nothing_else(tiny_llama_dir, tmp_pa
 
 def test_every_data_setting_is_keyed_or_named_scheduling():
     """A new data setting fails here until it joins a key or the list of those that do not change
-    contents (each justified in `data_prep.keys`)."""
+    contents (each justified in `data_prep.folders.keys`)."""
     not_keyed = {"cache_dir", "hidden_states", "matmul_dtype", "draft_vocab_size", "regenerate", "capture",
                  *TEMPLATE_FIELDS}  # keyed as what they resolve to, or field by field
     data = {f.name for f in dataclasses.fields(DataConfig)}

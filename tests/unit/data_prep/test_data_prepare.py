@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from conf.errors import UserError
-from data_prep import build, keys, store
-from data_prep.capture import TOP
-from data_prep.keys import folder_key, regen_cache_file
+from data_prep.folders import build, keys, store
+from data_prep.folders.keys import folder_key, regen_cache_file
+from data_prep.folders.store import CapturedDataset, load_manifest, sha256_file
+from data_prep.folders.vocab import load_draft_vocab
 from data_prep.prepare import capture_spec, prepare
-from data_prep.store import CapturedDataset, load_manifest, sha256_file
+from data_prep.states.capture import TOP
 from data_prep.target import resolve_target
-from data_prep.vocab import load_draft_vocab
 from heads.eagle3.model import Eagle3Head
 from heads.kinds import head_kind
 from tests.support.runs import WORDS, conversations, tiny_prep_config

@@ -7,8 +7,8 @@ import pytest
 
 from conf.errors import UserError
 from conf.schema import RegenerateConfig
-from data_prep.regenerate import EngineAnswerer, read_cache, regenerate
-from data_prep.sources import Sample, answer_uid, prompt_uid
+from data_prep.answers.regenerate import EngineAnswerer, read_cache, regenerate
+from data_prep.conversations.sources import Sample, answer_uid, prompt_uid
 from data_prep.stats import PrepStats
 from data_prep.template import build_rows, load_chat_template
 from tests.support.split import validation_uids
@@ -131,7 +131,7 @@ def test_the_progress_bar_draws_every_answer_for_every_backend(tiny, tmp_path, b
 
     from tqdm import tqdm
 
-    from data_prep.regen_server import ServerAnswerer
+    from data_prep.answers.regen_server import ServerAnswerer
     from tests.support.openai_server import Server
 
     model, tpl = tiny

@@ -8,7 +8,7 @@ import pytest
 
 from conf.errors import UserError
 from conf.schema import DataConfig, RegenerateConfig
-from data_prep.sources import (
+from data_prep.conversations.sources import (
     iter_json_array,
     iter_samples,
     normalise_row,

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from conf.errors import UserError
-from data_prep.capture import encode
-from data_prep.store import (
+from data_prep.folders.store import (
     FORMAT_VERSION,
     CapturedDataset,
     check_target,
@@ -19,6 +18,7 @@ from data_prep.store import (
     open_partial,
     write_split,
 )
+from data_prep.states.capture import encode
 from trainer.batching import batch_loader
 
 TARGET = {

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from conf.errors import UserError
-from data_prep.template import Tokenized
-from data_prep.vocab import (
+from data_prep.folders.vocab import (
     build_draft_vocab,
     count_masked_tokens,
     coverage,
     load_draft_vocab,
     save_draft_vocab,
 )
+from data_prep.template import Tokenized
 
 
 def test_counts_only_masked_tokens():

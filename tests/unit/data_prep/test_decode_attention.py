@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from data_prep import decode_attention as da
+from data_prep.answers import decode_attention as da
 
 
 @pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 4, 128), (2, 1, 16), (1, 4, 8)])

@@ -14,8 +14,8 @@ import torch
 from conf.errors import UserError
 from conf.kinds import MedusaConfig
 from conf.schema import OptimConfig, RootConfig, TargetConfig
-from data_prep.capture import CaptureSpec, HfCapturer, capture_shard, checked_capture, pad_batch
 from data_prep.prepare import check_source
+from data_prep.states.capture import CaptureSpec, HfCapturer, capture_shard, checked_capture, pad_batch
 from data_prep.target import input_device, output_device, resolve_target
 from data_prep.template import Tokenized
 from trainer.evaluate.run import evaluate

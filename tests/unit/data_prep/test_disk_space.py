@@ -12,11 +12,11 @@ import shutil
 import pytest
 import torch
 
-import data_prep.build as build
+import data_prep.folders.build as build
+import data_prep.folders.store as store
 import data_prep.prepare as P
-import data_prep.store as store
 from conf.errors import UserError
-from data_prep.store import load_manifest
+from data_prep.folders.store import load_manifest
 from data_prep.target import Target
 from tests.support.runs import shard_bytes, tiny_prep_config
 

@@ -1,4 +1,4 @@
-"""Regeneration and capture in one pass (`data_prep.onepass`): the engine's kept states are the
+"""Regeneration and capture in one pass (`data_prep.states.onepass`): the engine's kept states are the
 states a capture forward computes over the same conversation, the answers do not change, and a
 `OnePassCapturer` gives the fields `HfCapturer` gives, asking the target only for rows the
 store lacks."""
@@ -10,10 +10,10 @@ import shutil
 
 import torch
 
-from data_prep.capture import TOP, CaptureSpec, HfCapturer
-from data_prep.onepass import OnePassCapturer, StateStore, ids_name
+from data_prep.answers.regen_engine import generate
 from data_prep.prepare import prepare
-from data_prep.regen_engine import generate
+from data_prep.states.capture import TOP, CaptureSpec, HfCapturer
+from data_prep.states.onepass import OnePassCapturer, StateStore, ids_name
 from tests.support.runs import assert_states_close, conversations, tiny_prep_config
 from tests.support.targets import chat
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from data_prep.ranks import balanced_owners
+from data_prep.conversations.ranks import balanced_owners
 
 
 def loads(costs: list[int], owners: list[int], world: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""The regeneration's cost before it runs (`data_prep/regen_cost.py`): the replayed schedule must be
+"""The regeneration's cost before it runs (`data_prep/answers/regen_cost.py`): the replayed schedule must be
 the engine's own, step for step, and the fit must find a step cost the steps follow."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from data_prep.regen_cost import StepCost, engine_schedule, engine_seconds, generate_seconds
-from data_prep.regen_engine import EngineTimings, engine_shares, generate
+from data_prep.answers.regen_cost import StepCost, engine_schedule, engine_seconds, generate_seconds
+from data_prep.answers.regen_engine import EngineTimings, engine_shares, generate
 from tests.support.decode import chaotic_target
 
 

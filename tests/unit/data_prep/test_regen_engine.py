@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-from data_prep import decode_attention, regen_engine
+from data_prep.answers import decode_attention, regen_engine
+from data_prep.answers.regen_engine import generate, noise_size, shared_prefix, top_p_filter, two_level_race
 from data_prep.linears import DataLinears, can_pack, native_bf16, resolve_matmul_dtype
-from data_prep.regen_engine import generate, noise_size, shared_prefix, top_p_filter, two_level_race
 from tests.support.targets import chat, hf_greedy, until
 
 

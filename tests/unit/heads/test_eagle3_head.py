@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 
 from conf.errors import UserError
 from conf.kinds import Eagle3Config
-from data_prep.capture import TOP, greedy_ids
+from data_prep.states.capture import TOP, greedy_ids
 from data_prep.target import load_target
 from heads.eagle3 import model as eagle3
 from heads.eagle3.model import Branches, Eagle3Head, branch_attention

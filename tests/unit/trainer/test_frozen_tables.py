@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conf.compose import compose_root
-from data_prep.capture import TOP, greedy_ids
+from data_prep.states.capture import TOP, greedy_ids
 from tests.support.decode import chaotic_target
 from tests.support.heads import batch_of
 from trainer.kinds import build_trainee

@@ -20,9 +20,9 @@ from conf.compose import compose_root
 from conf.errors import UserError
 from conf.files import sha256_file
 from conf.schema import RootConfig
-from data_prep.capture import CaptureSpec, checked_capture, first_nonfinite
+from data_prep.folders.store import CapturedDataset
 from data_prep.prepare import prepare
-from data_prep.store import CapturedDataset
+from data_prep.states.capture import CaptureSpec, checked_capture, first_nonfinite
 from heads.folder import load_head
 from tests.support.runs import data_folder, tiny_run_config, user_error_line
 from tests.support.syncs import assert_steps_never_sync, eagle3, samples

@@ -14,15 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import data_prep.conversations.rows as rows
 import data_prep.prepare as P
-import data_prep.rows as rows
 from conf.errors import UserError
 from conf.schema import (
     DataConfig,
 )
-from data_prep.capture import TOP, CaptureSpec, capture_batch
-from data_prep.sources import iter_dataset
-from data_prep.store import load_manifest
+from data_prep.conversations.sources import iter_dataset
+from data_prep.folders.store import load_manifest
+from data_prep.states.capture import TOP, CaptureSpec, capture_batch
 from tests.support.runs import (
     assert_online_batch_is_the_offline_batch,
     tiny_prep_config,

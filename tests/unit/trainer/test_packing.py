@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conf.kinds import MedusaConfig
-from data_prep.capture import (
+from data_prep.states.capture import (
     TOP,
     CaptureSpec,
     capture_batch,
@@ -62,7 +62,7 @@ def target():
 
 
 def items(model, fields: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
-    """Samples as `data_prep.store.CapturedDataset` yields them (hidden states stored in bf16),
+    """Samples as `data_prep.folders.store.CapturedDataset` yields them (hidden states stored in bf16),
     each captured alone."""
     g = torch.Generator().manual_seed(0)
     out = []

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conf.kinds import PEagleConfig
-from data_prep.capture import TOP, greedy_ids
+from data_prep.states.capture import TOP, greedy_ids
 from heads.peagle.model import PEagleHead
 from tests.support.decode import chaotic_target
 from trainer.decoding import Chain, Sampling, speculative_generate

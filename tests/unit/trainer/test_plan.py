@@ -12,11 +12,11 @@ import trainer.plan
 from conf.compose import compose_root
 from conf.errors import UserError
 from conf.schema import OptimConfig, derive
-from data_prep.keys import regen_cache_file
+from data_prep.answers.regen_cost import StepCost
+from data_prep.answers.regenerate import read_cache
+from data_prep.conversations.rows import cached_spans, uncached_prefix
+from data_prep.folders.keys import regen_cache_file
 from data_prep.prepare import prepare
-from data_prep.regen_cost import StepCost
-from data_prep.regenerate import read_cache
-from data_prep.rows import cached_spans, uncached_prefix
 from data_prep.target import resolve_target
 from heads.kinds import head_kind
 from tests.support.runs import conversations, tiny_prep_config

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conf.kinds import Eagle3Config, MedusaConfig
-from data_prep.capture import TOP, greedy_ids
+from data_prep.states.capture import TOP, greedy_ids
 from heads.eagle3.model import Eagle3Head
 from heads.medusa.model import MedusaHead
 from tests.support.syncs import assert_steps_never_sync

@@ -1,7 +1,7 @@
 """Online training fed by servers, its parts that need no server: the bounded prefetch
-(`data_prep.prefetch`), a served batch laid out as the offline batch (`data_prep.online_engine`),
-the target parts the process holds, and the config refused up front (`trainer.train`). A real
-vLLM server feeds a whole run in tests/e2e/test_capture_server.py."""
+(`data_prep.folders.prefetch`), a served batch laid out as the offline batch
+(`data_prep.folders.online_engine`), the target parts the process holds, and the config refused
+up front (`trainer.train`). A real vLLM server feeds a whole run in tests/e2e/test_capture_server.py."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch
 
 from conf.errors import UserError
 from conf.sizes import Sizes
-from data_prep.capture import NONFINITE, TOP, CaptureSpec, stored
-from data_prep.online_engine import ServedCapture, documents
-from data_prep.prefetch import prefetched
+from data_prep.conversations.ranks import SINGLE
+from data_prep.folders.online_engine import ServedCapture, documents
+from data_prep.folders.prefetch import prefetched
 from data_prep.prepare import capture_spec
-from data_prep.ranks import SINGLE
+from data_prep.states.capture import NONFINITE, TOP, CaptureSpec, stored
 from data_prep.target import resolve_target
 from heads.kinds import head_kind
 from tests.support.runs import tiny_run_config, user_error_line

@@ -20,9 +20,9 @@ from transformers import Gemma3TextConfig, Qwen2Config, Qwen3NextConfig
 from conf.compose import compose_root
 from conf.errors import UserError
 from conf.schema import RootConfig, TargetConfig
-from data_prep import decode_attention
+from data_prep.answers import decode_attention
+from data_prep.answers.regen_engine import generate
 from data_prep.masks import AttentionLayout, attention_layout
-from data_prep.regen_engine import generate
 from data_prep.target import resolve_target
 from tests.support.decode import SHAPES, NoisyOracle
 from tests.support.runs import tiny_run_args

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from data_prep.capture import TOP
+from data_prep.states.capture import TOP
 from tests.support.syncs import (
     assert_steps_never_sync,
     counting_syncs,

@@ -2,7 +2,7 @@
 
 Training used to multiply every labelled row's final hidden state by the target's whole lm_head in
 float32, for the target's argmax and the softmax over the draft columns. Now capture keeps the
-target's top-1 (`data_prep.capture.TOP`) and training multiplies by the draft rows alone
+target's top-1 (`data_prep.states.capture.TOP`) and training multiplies by the draft rows alone
 (`trainer.kinds.eagle3.draft_teacher`). The old computation is written out here as the
 reference; on offline and online batches of a tiny real target, loss and metrics are the same.
 """
@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 import data_prep.prepare as P
 from conf.kinds import Eagle3Config
-from data_prep.capture import TOP, greedy_ids
-from data_prep.store import CapturedDataset, load_manifest, online_capture
-from data_prep.vocab import load_draft_vocab
+from data_prep.folders.store import CapturedDataset, load_manifest, online_capture
+from data_prep.folders.vocab import load_draft_vocab
+from data_prep.states.capture import TOP, greedy_ids
 from heads.eagle3.model import Eagle3Head
 from tests.support.runs import tiny_prep_config
 from trainer.batching import batch_loader
@@ -124,7 +124,7 @@ def test_draft_teacher_is_the_full_vocabulary_maths(dtype, monkeypatch):
     want_p, want_top = full_vocab_teacher(final, lm_head, draft_ids, target_to_draft)
     linear = torch.nn.Linear(hidden, vocab, bias=False)
     linear.weight.data = lm_head
-    monkeypatch.setattr("data_prep.capture.LOGIT_ELEMENTS", 5 * vocab)  # chunks of 5 rows
+    monkeypatch.setattr("data_prep.states.capture.LOGIT_ELEMENTS", 5 * vocab)  # chunks of 5 rows
     top = greedy_ids(linear, final)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         got_p, got_top = draft_teacher(final, lm_head[draft_ids], top, target_to_draft)

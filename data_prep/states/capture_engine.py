@@ -24,7 +24,7 @@ What differs from transformers' `output_hidden_states`, and is made equal here:
   (`engine_args`), and the ids check names the server when a file does not match.
 Engine numerics are not transformers' (other kernels, fused residual adds): states agree within
 float32 noise, tests/e2e/test_vllm_capture.py states the tolerance. The stock connector needs
-CUDA; on a CPU, draftsmith's synchronous subclass (`data_prep.vllm_connector`) is loaded by
+CUDA; on a CPU, draftsmith's synchronous subclass (`data_prep.states.vllm_connector`) is loaded by
 `kv_connector_module_path`.
 """
 
@@ -43,11 +43,10 @@ from safetensors.torch import load_file
 
 from conf.errors import UserError
 from conf.schema import CaptureConfig, RootConfig
-from data_prep.capture import CaptureSpec, kept_fields, overflow_message, with_top
-from data_prep.connector_names import ASK, STOCK_CONNECTOR, SYNC_CONNECTOR, SYNC_CONNECTOR_MODULE
-from data_prep.keys import data_base
-from data_prep.regen_server import Dispatcher, Endpoint, RequestFailed, call, connect
-from data_prep.target import Target, resolve_device
+from data_prep.answers.regen_server import Dispatcher, Endpoint, RequestFailed, call, connect
+from data_prep.states.capture import CaptureSpec, kept_fields, overflow_message, with_top
+from data_prep.states.connector_names import ASK, STOCK_CONNECTOR, SYNC_CONNECTOR, SYNC_CONNECTOR_MODULE
+from data_prep.target import Target, data_base, resolve_device
 from data_prep.vllm_engine import check_vllm_backend, engine
 
 ENDPOINTS = "data.capture.endpoints"
@@ -339,7 +338,7 @@ class ServerCapturer:
     """`data.capture.backend=server`: running vLLM servers of the target (`scripts/serve_vllm.py`),
     reached as regeneration reaches them (`data.regenerate`'s in_flight, retries, silence_s and
     api_key_env; a server silent on every request for silence_s is dropped at once:
-    `data_prep.regen_server`), each checked to serve the target before a request. An endpoint
+    `data_prep.answers.regen_server`), each checked to serve the target before a request. An endpoint
     dropped stays dropped; the line that stops a run once none is left names every one and what it said last,
     then `resume` (`CaptureDispatcher.resume`). `parts`: as `EngineStates.of` takes it."""
 

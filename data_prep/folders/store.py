@@ -33,13 +33,13 @@ from safetensors.torch import save
 
 from conf.errors import UserError
 from conf.files import atomic_write, check_sha256, replace_dir, sha256_file
-from data_prep.capture import TOP, CaptureSpec, HfCapturer, capture_shard, checked_capture, decode
 from data_prep.linears import DataLinears
+from data_prep.states.capture import TOP, CaptureSpec, HfCapturer, capture_shard, checked_capture, decode
 from data_prep.template import Tokenized
 
 # 2: rows are token ids as the template renders them and the target emits them (one row per turn
 # where the template rewrites history), shards name their uids; 3: keys by inclusion
-# (`data_prep.keys`), every count in the manifest's stats; 4: the target's top-1 id per token
+# (`data_prep.folders.keys`), every count in the manifest's stats; 4: the target's top-1 id per token
 # (`capture.TOP`) where the head's teacher needs it, and `target_top` in the manifest. An older
 # folder is refused by its path (`load_manifest`); a run keys its folder by this version, so it
 # builds the new folder beside an old one, once.
@@ -119,7 +119,7 @@ def write_split(
     owned: Callable[[int], bool] | None = None,
 ) -> list[dict]:
     """Write one shard per chunk of samples, skipping shards already complete; their records.
-    `owned(i)`: whether this process writes shard i (`data_prep.ranks`); the others' shards are
+    `owned(i)`: whether this process writes shard i (`data_prep.conversations.ranks`); the others' shards are
     left to them and have no record here.
 
     A new shard is written and hashed on a writer thread while the next one is captured (the
@@ -215,7 +215,8 @@ class TokenSpill:
             out.close()
 
     def split_hashes(self) -> torch.Tensor:
-        """Float64 [n]: each sample's prompt split hash (`data_prep.sources.held_out` reads them)."""
+        """Float64 [n]: each sample's prompt split hash (`data_prep.conversations.sources.held_out`
+        reads them)."""
         return torch.frombuffer(self.hashes, dtype=torch.float64).clone()
 
     def by_length(self, indices: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ sample of the batch goes to the servers as data prep's server capture sends it
 (`capture_engine.ServerCapturer`: the same requests, retries, dropped endpoints and one line when
 none is left), and comes back as the fields `capture.checked_capture` gives the hf path: rounded
 through `data.storage_dtype`, zero on padding, each packed document captured alone. A thread asks
-for the next `data.capture.prefetch_batches` batches while the trainer trains (`data_prep.prefetch`).
+for the next `data.capture.prefetch_batches` batches while the trainer trains (`data_prep.folders.prefetch`).
 
 Nothing is lost when the servers go: the loop stops at the batch whose states did not come, in
 one line, after its last checkpoint, and `resume=true` with a new server restarts from that
@@ -26,10 +26,10 @@ from functools import partial
 import torch
 
 from conf.schema import RootConfig
-from data_prep.capture import NONFINITE, TOP, Capturer, CaptureSpec, stored
-from data_prep.capture_engine import ServerCapturer, final_norm, load_parts, needs_tail
-from data_prep.prefetch import prefetched
-from data_prep.store import manifest_spec
+from data_prep.folders.prefetch import prefetched
+from data_prep.folders.store import manifest_spec
+from data_prep.states.capture import NONFINITE, TOP, Capturer, CaptureSpec, stored
+from data_prep.states.capture_engine import ServerCapturer, final_norm, load_parts, needs_tail
 from data_prep.target import Target
 
 Batch = dict[str, torch.Tensor]

@@ -32,12 +32,11 @@ import torch
 
 from conf.files import build_lock, lock_path
 from conf.schema import RegenerateConfig
-from data_prep.onepass import StateStore
-from data_prep.ranks import Ranks
-from data_prep.regen_cost import StepCost
-from data_prep.regen_engine import EngineTimings, generate
-from data_prep.regen_server import ServerAnswerer
-from data_prep.sources import Sample, answer_uid
+from data_prep.answers.regen_cost import StepCost
+from data_prep.answers.regen_engine import EngineTimings, generate
+from data_prep.answers.regen_server import ServerAnswerer
+from data_prep.conversations.ranks import Ranks
+from data_prep.conversations.sources import Sample, answer_uid
 from data_prep.stats import PrepStats
 from data_prep.target import Target
 from data_prep.template import ChatTemplate, Message, TemplateError, Turn, note_refusal, parse_answer
@@ -95,6 +94,17 @@ def turn_seed(uid: str, turn: int) -> int:
     return int(hashlib.sha256(f"{uid}:{turn}".encode()).hexdigest()[:8], 16)
 
 
+class KeptStates(Protocol):
+    """Where draftsmith's engine hands each answered conversation's hidden states at `layers` (one
+    pass: capture's `data_prep.states.onepass.StateStore`). A protocol, so that answers, the
+    earlier stage, name no module of the states stage that keeps them."""
+
+    @property
+    def layers(self) -> tuple[int, ...]: ...
+
+    def keep(self, ids: list[int], states: torch.Tensor) -> None: ...
+
+
 class Answerer(Protocol):
     """A regeneration backend: answers one round of prompts, calling `on_finish(i, ids)` on the
     caller's thread as each answer is done (ids through the stop token)."""
@@ -107,7 +117,7 @@ class Answerer(Protocol):
         ...
 
     def step_cost(self) -> StepCost | None:
-        """The cost of one decode step fitted from the steps it took (`data_prep.regen_cost`),
+        """The cost of one decode step fitted from the steps it took (`data_prep.answers.regen_cost`),
         which the time budget replays for a larger regeneration; None where its steps are not
         seen (vLLM, servers) or it took none."""
         ...
@@ -121,7 +131,7 @@ class EngineAnswerer:
     model: Any
     cfg: RegenerateConfig
     matmul_dtype: torch.dtype | None = None
-    states: StateStore | None = None  # keeps each answered conversation's states (one pass)
+    states: KeptStates | None = None  # keeps each answered conversation's states (one pass)
     timings: EngineTimings = field(default_factory=EngineTimings)  # every round's steps
 
     def __call__(self, prompts, eos, seeds, on_finish) -> None:
@@ -149,7 +159,7 @@ class VllmAnswerer:
     cfg: RegenerateConfig
 
     def __call__(self, prompts, eos, seeds, on_finish) -> None:
-        from data_prep.regen_vllm import vllm_generate
+        from data_prep.answers.regen_vllm import vllm_generate
 
         c = self.cfg
         answers = vllm_generate(self.target_path, prompts, dtype=self.dtype, max_new_tokens=c.max_new_tokens,
@@ -165,9 +175,9 @@ class VllmAnswerer:
 
 
 def backend_answerer(cfg: RegenerateConfig, target: Target, matmul_dtype: torch.dtype | None,
-                     states: StateStore | None = None) -> Answerer:
+                     states: KeptStates | None = None) -> Answerer:
     """The configured backend for `target`; only `hf` loads the target's weights here, and keeps
-    the answered conversations' states in `states` where given (`data_prep.onepass`)."""
+    the answered conversations' states in `states` where given (`data_prep.states.onepass`)."""
     if cfg.backend == "server":
         return ServerAnswerer(cfg, target.name, target.path, target.tokenizer)
     if cfg.backend == "vllm":
@@ -283,7 +293,7 @@ def answered_turns(wanted: list[Sample], done: dict[str, list[dict]],
 
 
 def part_file(cache_file: Path, rank: int) -> Path:
-    """Rank `rank`'s part of the answer cache (`data_prep.ranks`), beside it."""
+    """Rank `rank`'s part of the answer cache (`data_prep.conversations.ranks`), beside it."""
     return cache_file.with_name(f"{cache_file.stem}.part{rank}.jsonl")
 
 
@@ -314,10 +324,11 @@ SHARE_FIELDS = ("regenerated_tokens", "answers_cut_at_max_new_tokens", "turns_dr
 def regenerate_shares(samples: list[Sample], answerer: Callable[[], Answerer], tpl: ChatTemplate,
                       cfg: RegenerateConfig, max_length: int, cache_file: Path, stats: PrepStats,
                       progress: Callable | None, ranks: Ranks) -> list[tuple[str, list[Turn]]]:
-    """What `regenerate` returns, with several `ranks` answering at once (`data_prep.ranks`, step
-    1): each rank answers its prompts that the cache lacks into its own part, rank 0 folds the
-    parts in, and every rank reads the whole cache; `stats` count every rank's share (tokens,
-    cuts and drops summed; seconds: the slowest rank's, the stage's wall).
+    """What `regenerate` returns, with several `ranks` answering at once
+    (`data_prep.conversations.ranks`, step 1): each rank answers its prompts that the cache lacks
+    into its own part, rank 0 folds the parts in, and every rank reads the whole cache; `stats`
+    count every rank's share (tokens, cuts and drops summed; seconds: the slowest rank's, the
+    stage's wall).
 
     Between the barriers no process of this run writes the cache, so the ranks read it without
     its lock (only another run's torn line may follow, left alone): under the lock the ranks

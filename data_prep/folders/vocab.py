@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conf.errors import UserError
-from data_prep.store import MANIFEST, check_file, load_manifest
+from data_prep.folders.store import MANIFEST, check_file, load_manifest
 
 VOCAB_FILE = "draft_vocab.safetensors"
 

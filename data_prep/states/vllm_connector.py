@@ -11,7 +11,7 @@ with the stock module's own `extract_from_kv_cache`, saves and releases the lock
 thread, and hands `get_finished` a completion that is already done, so the stock scheduler side
 (file names, lock files, delayed block freeing) is unchanged. On GPUs the stock connector stays
 the reference (`kv_connector=ExampleHiddenStatesConnector`); this one is loaded by
-`kv_connector_module_path=data_prep.vllm_connector` (`data_prep.capture_engine.engine_args`).
+`kv_connector_module_path=data_prep.states.vllm_connector` (`data_prep.states.capture_engine.engine_args`).
 It also writes only the requests whose `kv_transfer_params` ask for their states (`ASK`), where
 the stock one writes every request's: regeneration through the same server leaves no files.
 
@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 
-from data_prep.connector_names import ASK
+from data_prep.states.connector_names import ASK
 
 
 class _Done:

@@ -547,7 +547,7 @@ class Capturer(Protocol):
     """A capture backend (`data.capture.backend`): the kept fields of every sample of a shard, in
     order, float32 [L, G*H] on the CPU (`TOP` int32 [L] where kept), as `forward_hidden` gives
     them. `names` name the samples in an error. The `hf` one is `HfCapturer`; the serving
-    engine's are in `data_prep.capture_engine`. A backend that encodes on its device also has
+    engine's are in `data_prep.states.capture_engine`. A backend that encodes on its device also has
     `encoded(samples, names)`: each sample as the shard stores it (`stored_sample`'s), which
     `capture_shard` takes instead."""
 

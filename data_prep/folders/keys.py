@@ -10,7 +10,7 @@ no key until it is named here. Settings absent from both keys, and why they may 
 - `data.regenerate.endpoints`, `in_flight`, `retries`, `timeout_s`, `silence_s`, `api_key_env`:
   which servers answer, how requests reach them and when one is given up. The backend (`server`)
   is keyed, and every endpoint is checked to serve the target before a request
-  (`data_prep.regen_server.connect`), so the servers are interchangeable: which one answered a
+  (`data_prep.answers.regen_server.connect`), so the servers are interchangeable: which one answered a
   prompt is scheduling, as a batch is.
 - `data.capture.endpoints`, `dir`, `tensor_parallel_size`, `pipeline_parallel_size`: where the
   serving engine runs and where it writes. The backend is keyed (`CAPTURE_FIELDS`: vLLM's kernels
@@ -38,11 +38,11 @@ import torch
 
 from conf.schema import DataConfig, RootConfig
 from conf.sizes import Sizes
-from data_prep.capture import CaptureSpec
+from data_prep.conversations.sources import source_fingerprint
+from data_prep.folders.store import FORMAT_VERSION
 from data_prep.linears import resolve_matmul_dtype
-from data_prep.sources import source_fingerprint
-from data_prep.store import FORMAT_VERSION
-from data_prep.target import Target, cache_root, resolve_device, resolve_dtype
+from data_prep.states.capture import CaptureSpec
+from data_prep.target import Target, data_base, resolve_device, resolve_dtype
 from data_prep.template import ChatTemplate
 
 # `data` fields that name the source: with its content fingerprint (`source_fingerprint`, which
@@ -69,11 +69,6 @@ FOLDER_FIELDS = ("max_samples", "max_length", "max_turns", "val_fraction", "seed
 def digest(key: dict) -> str:
     """A key's name: 16 hex digits of the SHA-256 of its JSON."""
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def data_base(cfg: RootConfig) -> Path:
-    """`data.cache_dir`, or `cache_root()/data`: where data folders are built."""
-    return Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else cache_root() / "data"
 
 
 def matmul_dtype(cfg: RootConfig) -> torch.dtype:
@@ -143,7 +138,7 @@ def folder_key(
 
 
 def states_folder(cfg: RootConfig, identity: dict, spec: CaptureSpec) -> Path:
-    """`data_base/states/<key>`: the one-pass store (`data_prep.onepass`), keyed by what a
+    """`data_base/states/<key>`: the one-pass store (`data_prep.states.onepass`), keyed by what a
     conversation's kept states depend on besides its token ids (its files' names): the whole
     target identity, its precision and what is kept. Every folder of those shares it, so the
     states the planner's probe kept serve the run's folder."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from data_prep.regen_engine import PREFILL_TOKENS, EngineTimings, engine_shares, prefill_group
+from data_prep.answers.regen_engine import PREFILL_TOKENS, EngineTimings, engine_shares, prefill_group
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from data_prep.sources import prompt_uid
+from data_prep.conversations.sources import prompt_uid
 from data_prep.target import resolve_device
 
 TIMEOUT = datetime.timedelta(days=1)

@@ -32,9 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from conf.files import atomic_write
 from conf.schema import RootConfig
-from data_prep.capture import TOP, Capturer, CaptureSpec, decode, encode, kept_fields, with_top
-from data_prep.keys import states_folder
-from data_prep.target import Target
+from data_prep.states.capture import TOP, Capturer, CaptureSpec, decode, encode, kept_fields, with_top
 
 
 def ids_name(ids: list[int]) -> str:
@@ -124,13 +122,3 @@ def one_pass(cfg: RootConfig) -> bool:
     """Whether a run of `cfg` keeps regeneration's states: where it can and states are to be
     stored (not `data.hidden_states=online`, where the training loop runs the target)."""
     return engine_keeps(cfg) and cfg.data.hidden_states != "online"
-
-
-def state_store(cfg: RootConfig, target: Target, spec: CaptureSpec) -> StateStore | None:
-    """The one-pass store for folders of `cfg` (None: no one pass there), the target's lm_head
-    giving the top-1 once the engine has loaded it."""
-    if not (engine_keeps(cfg) and spec.needs_forward):
-        return None
-    folder = states_folder(cfg, target.identity, spec)
-    return StateStore(folder, spec, lambda: target.model.get_output_embeddings())
-

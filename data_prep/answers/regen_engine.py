@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from data_prep.decode_attention import slot_attention
+from data_prep.answers.decode_attention import slot_attention
 from data_prep.linears import DataLinears
 from data_prep.masks import AttentionLayout, attention_layout
 from data_prep.target import input_device
@@ -416,7 +416,7 @@ def generate(
     `hidden_states`): the hidden states [T, len(kept_layers), H] (float32, on the CPU) of every
     position of the prompt and its answer (`ids`, T of them), as the forwards that
     wrote the answer computed them, so that capture need not run the target over the
-    conversation again (`data_prep.onepass`). The answer's last token is never an input when
+    conversation again (`data_prep.states.onepass`). The answer's last token is never an input when
     only the answer is wanted, so its row stays one more step to be fed (its draw unused):
     one extra row-step per answer. Called after that answer's `on_finish`, never overlapping.
     """

@@ -1,6 +1,6 @@
 """Work done ahead of its consumer on a background thread: in order, a bounded number ahead.
 
-Online training fed by servers (`data_prep.online_engine`) asks the serving engine for each
+Online training fed by servers (`data_prep.folders.online_engine`) asks the serving engine for each
 batch's hidden states; asked when the step needs them, every step would wait a round trip and
 the engine's forward. Here a thread takes the next batches and asks for theirs while the trainer
 trains on the current one. Bounded (`depth`), because each batch's states are large (at 8B,

@@ -28,7 +28,7 @@ prep is unchanged:
   (a server silent on every connection is not busy), and every prompt it held goes back to the
   others: the endpoint is gone in about one `silence_s`. One stalled request beside others that
   flow (a request queued or preempted in the server) is an ordinary failure, retried. Capture
-  requests (`data_prep.capture_engine`) follow the same rule with their whole response as the one
+  requests (`data_prep.states.capture_engine`) follow the same rule with their whole response as the one
   sign of life: vLLM names the states' file only in a response that is not streamed, and a
   capture is one prefill, so a healthy server answers each well within `silence_s`.
 - The API key is read from the environment variable `api_key_env` names and goes only into the
