@@ -392,19 +392,18 @@ def test_a_training_run_starts_from_init_from_and_refuses_a_misfit_before_any_da
 
     folder = exports["speculators"]
     run_dir = tmp_path / "refused"
-    cfg = tiny_run_config("eagle3", tiny_llama_dir, chat_file, run_dir, f"head.init_from={folder}",
-                          "head.aux_layer_ids=[1,3,5]")
-    assert user_error_line(lambda: run(cfg)) == (
-        f"error: head.init_from={str(folder)!r}: its aux_layer_ids [2, 4, 5] != this run's [1, 3, 5]: "
-        "add head.aux_layer_ids=[2,4,5]")
-    assert not (run_dir.parent / "data-cache").exists(), "a data stage ran before the refusal"
-    # A field the target's config alone does not decide, refused before data prep all the same.
-    cfg = tiny_run_config("eagle3", tiny_llama_dir, chat_file, run_dir, f"head.init_from={folder}",
-                          "head.intermediate_size=32")
-    assert user_error_line(lambda: run(cfg)) == (
-        f"error: head.init_from={str(folder)!r}: its intermediate_size 128 != this run's 32: "
-        "add head.intermediate_size=128")
-    assert not (run_dir.parent / "data-cache").exists(), "a data stage ran before the refusal"
+    # The second is a field the target's config alone does not decide: refused before data prep
+    # all the same.
+    for override, said in [
+        ("head.aux_layer_ids=[1,3,5]",
+         "its aux_layer_ids [2, 4, 5] != this run's [1, 3, 5]: add head.aux_layer_ids=[2,4,5]"),
+        ("head.intermediate_size=32",
+         "its intermediate_size 128 != this run's 32: add head.intermediate_size=128"),
+    ]:
+        cfg = tiny_run_config("eagle3", tiny_llama_dir, chat_file, run_dir, f"head.init_from={folder}",
+                              override)
+        assert user_error_line(lambda cfg=cfg: run(cfg)) == f"error: head.init_from={str(folder)!r}: {said}"
+        assert not (run_dir.parent / "data-cache").exists(), "a data stage ran before the refusal"
 
     started = {}
 
