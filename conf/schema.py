@@ -442,6 +442,11 @@ class EvalConfig(Checked):
     max_prompts_per_task: int = 3
     max_new_tokens: int = 96
     num_speculative_tokens: int = 3
+    # Chain drafting stops before the first token whose draft top probability is below this
+    # (llama.cpp's --draft-p-min): an unsure draft is mostly rejected and costs a verify slot.
+    # 0 = always num_speculative_tokens. Lossless either way; the evaluator also predicts other
+    # k / p_min (eval.md) and the model card serves the fastest.
+    draft_p_min: float = 0.0
     # auto: each head as it is usually served (EAGLE-3 a chain, as vLLM drafts; Medusa its
     # static tree, the shape it was designed for); chain | tree force one.
     mode: str = "auto"
@@ -473,6 +478,8 @@ class EvalConfig(Checked):
         self._require("save_outputs", lambda v: isinstance(v, bool), "true or false")
         self._at_least(0, "temperature")
         self._require("top_p", probability, "a value in (0, 1]")
+        self._require("draft_p_min", lambda v: isinstance(v, int | float) and 0 <= v < 1,
+                      "a probability in [0, 1)")
         self._require(
             "baselines", lambda v: set(v) <= set(EVAL_BASELINES), f"a subset of {list(EVAL_BASELINES)}"
         )

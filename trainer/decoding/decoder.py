@@ -24,10 +24,26 @@ from trainer.decoding.verify import (
 )
 
 
+@dataclass(frozen=True)
+class Step:
+    """One speculative step of a chain: its draft's top probability at each drafted position
+    (`Draft.confidence`) and how many of them the target kept: enough to tell what a shorter
+    chain or a higher p_min would have drafted and kept at this step."""
+
+    confidence: tuple[float, ...]
+    accepted: int
+
+
 @dataclass
 class DecodeStats:
-    """Per request. `drafts` counts verify steps that carried drafts (vLLM's num_drafts);
-    `accepted_per_position[j]` counts steps whose (j+1)-th draft (tree depth j+1) was kept."""
+    """Per request. `drafts` counts verify steps (vLLM's num_drafts; with `Chain.p_min` a step may
+    carry no draft and still counts, so the mean acceptance length stays tokens per target
+    forward); `accepted_per_position[j]` counts steps whose (j+1)-th draft (tree depth j+1) was
+    kept. Time per step splits into `draft_s` (the drafter's forwards), `verify_s` (the target's
+    forward over the root and its drafts) and `other_s` (the rest: acceptance, the caches' keep,
+    the drafter's commit); each is read at step granularity (on CUDA after a synchronize, which
+    the loop's host reads of argmax need anyway). A greedy baseline's `verify_s` is its decode
+    time after the prefill, one forward per token."""
 
     new_tokens: int = 0
     target_forwards: int = 0  # prefill included
@@ -38,7 +54,9 @@ class DecodeStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    other_s: float = 0.0
     total_s: float = 0.0
+    steps: list[Step] = field(default_factory=list)  # chains only (`Step`)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -119,18 +137,22 @@ def speculative_generate(
         t1 = clock(kv.device)
         chunk = torch.cat([torch.tensor(out[-1:]), draft.tokens])
         logits, hidden = kv.forward(chunk, draft.parents)
+        t2 = clock(kv.device)
         path, nxt = _accept(draft, chunk, logits, sampling)
         kv.keep(path)
         done = extend(out, chunk[path[1:]].tolist() + [nxt], max_new_tokens, eos)
         if not done:
             drafter.commit(chunk[path], [h[path] for h in hidden], nxt)
         stats.draft_s += t1 - t0
-        stats.verify_s += clock(kv.device) - t1
+        stats.verify_s += t2 - t1
+        stats.other_s += clock(kv.device) - t2
         stats.target_forwards += 1
         stats.drafts += 1
         stats.drafted_tokens += draft.tokens.numel()
         stats.accepted_tokens += len(path) - 1
         _count_positions(stats.accepted_per_position, len(path) - 1, draft)
+        if draft.confidence is not None:
+            stats.steps.append(Step(tuple(draft.confidence), len(path) - 1))
     stats.total_s = clock(kv.device) - start
     stats.new_tokens = len(out)
     return Generation(out, stats)

@@ -14,7 +14,7 @@ import torch
 
 from conf.errors import UserError
 from heads.window import window_of
-from trainer.decoding.drafters import Chain, Draft, Shape, stack_probs
+from trainer.decoding.drafters import Chain, Draft, Shape, one_forward_chain
 from trainer.decoding.kv_cache import StaticCache, capacity_for
 from trainer.decoding.verify import Sampling
 
@@ -76,6 +76,4 @@ class DFlashDrafter:
     @torch.no_grad()
     def propose(self, shape: Shape, sampling: Sampling) -> Draft:
         self.check(shape)
-        logits = self.block_logits()[: min(shape.k, self.drafts)]
-        picks = [sampling.pick(row) for row in logits]
-        return Draft(torch.tensor([t for t, _ in picks]), None, stack_probs([q for _, q in picks]))
+        return one_forward_chain(self.block_logits()[: min(shape.k, self.drafts)], shape.p_min, sampling.pick)

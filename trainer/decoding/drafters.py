@@ -29,9 +29,15 @@ from trainer.decoding.verify import Sampling
 
 @dataclass(frozen=True)
 class Chain:
-    """A chain of `k` drafted tokens (vLLM's num_speculative_tokens)."""
+    """A chain of up to `k` drafted tokens (vLLM's num_speculative_tokens), cut before the first
+    position whose draft distribution's top probability is below `p_min` (llama.cpp's
+    `--draft-p-min`; 0: always `k`): a draft unsure of its next token is mostly rejected, and
+    verifying it costs more than it saves. A cut chain may hold no token: that step is a plain
+    target forward. Greedy output is the target's whatever the cut (the target decides every
+    token)."""
 
     k: int = 3
+    p_min: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -66,11 +72,39 @@ class Draft:
     tokens: torch.Tensor
     parents: list[int] | None = None
     q: torch.Tensor | None = None
+    # A chain's: the draft's top probability at each drafted position (what `Chain.p_min` is
+    # compared with), so the evaluator can tell what a higher p_min or a shorter chain would
+    # have drafted (`trainer.evaluate.settings`). None for trees.
+    confidence: list[float] | None = None
 
 
 def stack_probs(qs: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """A chain's `Draft.q` from its tokens' probabilities (None: drafted deterministically)."""
-    return None if qs[0] is None else torch.stack(qs)
+    """A chain's `Draft.q` from its tokens' probabilities (None: drafted deterministically, or no
+    token drafted)."""
+    return None if not qs or qs[0] is None else torch.stack(qs)
+
+
+def top_probs(logits: torch.Tensor) -> list[float]:
+    """Draft logits [..., V] -> the probability of the likeliest token at each row (softmax at
+    temperature 1, as llama.cpp's draft sampler compares with `--draft-p-min`), read to the host
+    in one copy."""
+    return torch.softmax(logits.float(), -1).amax(-1).reshape(-1).tolist()
+
+
+def confident_prefix(confidence: list[float], p_min: float) -> int:
+    """How many leading positions reach `p_min`: the chain stops at the first that does not."""
+    return next((j for j, p in enumerate(confidence) if p < p_min), len(confidence))
+
+
+def one_forward_chain(rows: torch.Tensor, p_min: float, pick) -> Draft:
+    """A chain from the per-position draft logits `rows` [k, V] of one head forward (Medusa's
+    heads, P-EAGLE's and DFlash's slots): each position's token by `pick` (row -> (target id, the
+    probabilities it was drawn from or None)), cut before the first below `p_min`."""
+    confidence = top_probs(rows)
+    n = confident_prefix(confidence, p_min)
+    picks = [pick(row) for row in rows[:n]]
+    tokens = torch.tensor([t for t, _ in picks], dtype=torch.long)
+    return Draft(tokens, None, stack_probs([q for _, q in picks]), confidence[:n])
 
 
 class Eagle3Drafter:
@@ -157,17 +191,21 @@ class Eagle3Drafter:
         hidden, logits, pos = self._catch_up()
         if isinstance(shape, Tree):
             return self._tree(shape, hidden, logits, pos)
-        tokens, qs = [], []
+        tokens, qs, confidence = [], [], []
         for j in range(shape.k):
+            top = top_probs(logits)[0]
+            if top < shape.p_min:  # stop before drafting it: the later head steps are saved too
+                break
             token, q = self._pick(logits, sampling)
             tokens.append(token)
             qs.append(q)
+            confidence.append(top)
             if j + 1 < shape.k:
                 position = torch.tensor([[pos + j]], device=self.device)
                 seen = torch.ones(1, j + 1, dtype=torch.bool, device=self.device)
                 hidden, step_logits = self._step(hidden, self._ids(token)[None], position, seen)
                 logits = step_logits[0, -1]
-        return Draft(torch.tensor(tokens), None, stack_probs(qs))
+        return Draft(torch.tensor(tokens, dtype=torch.long), None, stack_probs(qs), confidence)
 
     def _tree(self, shape: Tree, hidden: torch.Tensor, logits: torch.Tensor, pos: int) -> Draft:
         k = shape.topk
@@ -229,8 +267,7 @@ class MedusaDrafter:
             parents, heads, ranks = static_tree(shape.choices)
             top = logits.topk(max(ranks) + 1, dim=-1).indices
             return Draft(top[heads[1:], ranks[1:]].cpu(), parents, None)
-        picks = [sampling.pick(logits[j]) for j in range(shape.k)]
-        return Draft(torch.tensor([t for t, _ in picks]), None, stack_probs([q for _, q in picks]))
+        return one_forward_chain(logits[: shape.k], shape.p_min, sampling.pick)
 
 
 class OracleDrafter:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from trainer.decoding.dflash import DFlashDrafter
-from trainer.decoding.drafters import Draft, Shape, stack_probs
+from trainer.decoding.drafters import Draft, Shape, stack_probs, top_probs
 from trainer.decoding.verify import Sampling
 
 
@@ -17,10 +17,15 @@ class DSparkDrafter(DFlashDrafter):
     def propose(self, shape: Shape, sampling: Sampling) -> Draft:
         self.check(shape)
         base = self.block_logits()[: min(shape.k, self.drafts)]
-        prev, tokens, probs = self.next_token, [], []
+        prev, tokens, probs, confidence = self.next_token, [], [], []
         for row in base:
-            token, q = sampling.pick(row + self.head.bias(torch.as_tensor(prev, device=self.device)))
+            row = row + self.head.bias(torch.as_tensor(prev, device=self.device))
+            top = top_probs(row)[0]
+            if top < shape.p_min:
+                break
+            token, q = sampling.pick(row)
             tokens.append(token)
             probs.append(q)
+            confidence.append(top)
             prev = token
-        return Draft(torch.tensor(tokens), None, stack_probs(probs))
+        return Draft(torch.tensor(tokens, dtype=torch.long), None, stack_probs(probs), confidence)

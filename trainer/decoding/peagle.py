@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.decoding.drafters import Chain, Draft, Eagle3Drafter, Shape, stack_probs
+from trainer.decoding.drafters import Chain, Draft, Eagle3Drafter, Shape, one_forward_chain
 from trainer.decoding.kv_cache import causal
 from trainer.decoding.verify import Sampling
 
@@ -30,5 +30,5 @@ class PEagleDrafter(Eagle3Drafter):
         # The prompt's forward runs eagerly: its length is the request's own.
         _, logits = self._step(hidden, ids, pos, causal(n, self.device), graphed=self.length > 0)
         self.length += t
-        picks = [self._pick(logits[0, t - 1 + j], sampling) for j in range(shape.k)]
-        return Draft(torch.tensor([tok for tok, _ in picks]), None, stack_probs([q for _, q in picks]))
+        return one_forward_chain(logits[0, t - 1 : t - 1 + shape.k], shape.p_min,
+                                 lambda row: self._pick(row, sampling))

@@ -80,10 +80,11 @@ def task_metrics(records: list[Record]) -> dict:
         "draft_time_s": round(sum(s.draft_s for s in spec), 4),
         "verify_time_s": round(sum(s.verify_s for s in spec), 4),
         "prefill_time_s": round(sum(s.prefill_s for s in spec), 4),
-        # Per speculative step (one draft + one verify forward) vs one plain greedy step: the
-        # cost side of the speedup, which acceptance alone does not show.
+        # Per speculative step (the draft's forwards, the verify forward, the rest) vs one plain
+        # greedy step: the cost side of the speedup, which acceptance alone does not show.
         "draft_ms_per_step": _rate(1000 * sum(s.draft_s for s in spec), drafts),
         "verify_ms_per_step": _rate(1000 * sum(s.verify_s for s in spec), drafts),
+        "other_ms_per_step": _rate(1000 * sum(s.other_s for s in spec), drafts),
         "greedy_ms_per_token": _rate(
             1000 * sum(g.verify_s for g in greedy), sum(g.target_forwards - 1 for g in greedy)
         ),
@@ -203,6 +204,74 @@ def _table(first: str, rows: dict[str, dict], extra: tuple[str, ...] = ()) -> li
     return lines
 
 
+def _step_lines(result: dict) -> list[str]:
+    """eval.md's "where a step's time goes": per task, a speculative step's draft, verify and
+    other milliseconds beside a greedy token's, and the acceptance length that breaks even."""
+    rows = {**result["tasks"], "overall": result["overall"]}
+    lines = ["", "## Where a step's time goes", "",
+             "Milliseconds per speculative step (the draft's forwards; the target's forward over the "
+             "root and the drafts; the rest: acceptance, cache upkeep, the drafter's commit) against "
+             "one greedy token. A step pays only when it yields more tokens than its time in greedy "
+             "tokens (break-even τ).", "",
+             "| task | draft ms | verify ms | other ms | step ms | greedy ms/token | break-even τ | τ |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, m in rows.items():
+        parts = [m.get("draft_ms_per_step"), m.get("verify_ms_per_step"), m.get("other_ms_per_step")]
+        step = round(sum(parts), 4) if None not in parts else None
+        greedy = m.get("greedy_ms_per_token")
+        even = _rate(step, greedy) if step is not None and greedy else None
+        cells = [name, *parts, step, greedy, even, m["mean_acceptance_length"]]
+        lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
+    return lines
+
+
+def settings_lines(sweep: dict | None) -> list[str]:
+    """eval.md's table of chain lengths and p_min (`trainer.evaluate.settings`): the step costs
+    per k it rests on, each setting's predicted τ and speedup, and the best decoded for real."""
+    if not sweep:
+        return []
+    head = ["", "## Draft length and p_min", ""]
+    if "skipped" in sweep:
+        return [*head, f"Not swept: {sweep['skipped']}."]
+    lines = [*head,
+             "Each k's step, measured on the first prompt at p_min 0 (greedy: "
+             f"{fmt(sweep['greedy_ms_per_token'])} ms a token):", "",
+             "| k | draft ms | verify ms | other ms | break-even τ | steps |", "|---|---|---|---|---|---|"]
+    for k, c in sweep["step_costs"].items():
+        fields = ("draft_ms", "verify_ms", "other_ms", "break_even_acceptance_length", "steps")
+        cells = [k, *(c[f] for f in fields)]
+        lines.append("| " + " | ".join(fmt(x) for x in cells) + " |")
+    lines += ["", "Every setting, predicted from those costs and the drafts this evaluation recorded "
+              "(what a shorter chain or a higher p_min would have drafted and kept at each step):", "",
+              "| k | p_min | drafted/step | τ | speedup |", "|---|---|---|---|---|"]
+    for r in sweep["rows"]:
+        fields = ("k", "p_min", "drafted_per_step", "mean_acceptance_length", "speedup_vs_greedy")
+        cells = [r[f] for f in fields]
+        lines.append("| " + " | ".join(fmt(x) for x in cells) + " |")
+    best, fastest, check = sweep["best"], sweep["fastest"], sweep.get("check")
+    lines.append("")
+    if best:
+        lines.append(f"**Best: k={best['k']}, p_min {fmt(best['p_min'])}**, predicted τ "
+                     f"{fmt(best['mean_acceptance_length'])}, {fmt(best['speedup_vs_greedy'])}x greedy; "
+                     "the model card's serve lines carry it.")
+    elif fastest:
+        lines.append(f"**No setting is faster than greedy decoding here** (the fastest, k={fastest['k']}, "
+                     f"p_min {fmt(fastest['p_min'])}: {fmt(fastest['speedup_vs_greedy'])}x); the model "
+                     "card says so.")
+    if check:
+        p, m, d = check["predicted"], check["measured"], check["decoded"]
+        same = check["same_as_greedy"]
+        lines += ["", f"Checked by a real decode of the first prompt at k={check['k']}, p_min "
+                  f"{fmt(check['p_min'])}: τ {fmt(m['mean_acceptance_length'])} and "
+                  f"{fmt(m['speedup_vs_greedy'])}x measured, {fmt(p['mean_acceptance_length'])} and "
+                  f"{fmt(p['speedup_vs_greedy'])}x predicted (the evaluation's own k={d['k']}, p_min "
+                  f"{fmt(d['p_min'])} there: τ {fmt(d['mean_acceptance_length'])}, "
+                  f"{fmt(d['speedup_vs_greedy'])}x)"
+                  + ("" if same is None else f"; output identical to greedy: {fmt(same)}") + ". "
+                  "Speedups here leave the prefill out."]
+    return lines
+
+
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [
@@ -216,6 +285,8 @@ def markdown(result: dict) -> str:
         *_mismatch_lines(result["mismatches"]),
         "",
         *_table("task", {**result["tasks"], "overall": result["overall"]}),
+        *_step_lines(result),
+        *settings_lines(result.get("draft_settings")),
         "",
         "The tokens/s are this evaluator's (PyTorch, one prompt at a time, on the machine that ran "
         "it): what the head costs and saves in our decoder, not in an engine. An engine's own "

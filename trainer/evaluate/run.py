@@ -11,7 +11,7 @@ A prompt whose outputs differ is named in eval.json and eval.md.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,11 +33,13 @@ from trainer.decoding import (
     reference_generate,
     speculative_generate,
 )
+from trainer.decoding.decoder import Step
 from trainer.decoding.drafters import Shape
 from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
 from trainer.evaluate.long_context import long_context_prompts
 from trainer.evaluate.progress import EvalProgress
 from trainer.evaluate.report import Record, summarise, write_outputs, write_report
+from trainer.evaluate.settings import MIN_STEPS, StepCost, greedy_ms, measured, predict, step_cost, sweep
 from trainer.evaluate.tasks import encode_all, load_prompts
 from trainer.kinds import build_drafter
 
@@ -52,7 +54,7 @@ def resolve_mode(mode: str, kind: str) -> str:
 def draft_shape(cfg: EvalConfig, mode: str) -> Shape:
     """The configured chain or tree for a resolved `mode`."""
     if mode == "chain":
-        return Chain(cfg.num_speculative_tokens)
+        return Chain(cfg.num_speculative_tokens, cfg.draft_p_min)
     choices = cfg.tree.medusa_choices
     return Tree(
         total_tokens=cfg.tree.total_tokens,
@@ -100,21 +102,33 @@ class Passes:
     lookup: bool  # the prompt-lookup baseline (`eval.baselines`)
     reference: bool  # the greedy baseline held to the target's own `generate`
     greedy_check: bool  # a sampled evaluation's second, greedy speculative run (the lossless check)
+    # Chain drafting, the first prompt: decodes at k = 1..K (p_min 0) measuring a step's costs,
+    # and one at the predicted best setting (`trainer.evaluate.settings`); else 0.
+    settings: int = 0
 
 
-def pass_schedule(cfg: EvalConfig, tasks: list[str]) -> list[Passes]:
-    """The passes of each prompt, given each prompt's task in order. The reference runs on every
-    prompt with `eval.reference=generate`, else on each task's first (a fault in the static
-    caches shows on any prompt longer than a sliding window)."""
+def settings_runs(cfg: EvalConfig) -> int:
+    """The speculative runs `trainer.evaluate.settings` adds on the calibration prompt: one per
+    k < K at p_min 0 (the evaluation's own run is k = K's when it drafts at p_min 0, else one
+    more), and the best setting's."""
+    return cfg.num_speculative_tokens - (cfg.draft_p_min == 0) + 1
+
+
+def pass_schedule(cfg: EvalConfig, tasks: list[str], chain: bool = True) -> list[Passes]:
+    """The passes of each prompt, given each prompt's task in order (`chain`: the head drafts
+    chains, whose settings the evaluator sweeps). The reference runs on every prompt with
+    `eval.reference=generate`, else on each task's first (a fault in the static caches shows on
+    any prompt longer than a sliding window)."""
     seen: dict[str, int] = {}
     passes = []
-    for task in tasks:
+    for i, task in enumerate(tasks):
         seen[task] = index = seen.get(task, -1) + 1
         passes.append(Passes(
             index=index,
             lookup="prompt_lookup" in cfg.baselines,
             reference=cfg.reference == "generate" or index == 0,
             greedy_check=cfg.temperature > 0,
+            settings=settings_runs(cfg) if chain and i == 0 else 0,
         ))
     return passes
 
@@ -157,6 +171,34 @@ def greedy_verdict(model, prompt: torch.Tensor, plain: list[int], spec: list[int
     return "tie" if float(behind.max()) <= tie_tolerance(model.dtype, top) else "mismatch"
 
 
+def choose_setting(
+    steps: list[Step], shape: Chain, costs: dict[int, StepCost], calibration, decode, greedy_decoding: bool
+) -> dict:
+    """eval.json's `draft_settings` (`trainer.evaluate.settings.sweep`) and its check: the best
+    setting (or, where none pays, the fastest) decoded for real on the calibration prompt, its
+    measured τ and speedup beside the prediction for that prompt's own recorded steps, and
+    (`greedy_decoding`) whether its output equals plain greedy. `calibration`: (prompt ids, its greedy and
+    speculative generations); `decode(ids, chain)`: a speculative decode."""
+    ids, greedy, run = calibration
+    base = greedy_ms(greedy.stats)
+    thin = [k for k, c in costs.items() if c.steps < MIN_STEPS]
+    if thin:
+        return {"skipped": f"the calibration prompt's decodes at k={thin} made fewer than {MIN_STEPS} "
+                           "steps: too few to measure a step's cost"}
+    chosen = sweep(steps, shape.k, shape.p_min, costs, base)
+    pick = chosen["best"] or chosen["fastest"]
+    real = decode(ids, Chain(pick["k"], pick["p_min"]))
+    chosen["check"] = {
+        "k": pick["k"],
+        "p_min": pick["p_min"],
+        "predicted": predict(run.stats.steps, pick["k"], pick["p_min"], costs, base),
+        "measured": measured(real.stats, base),
+        "decoded": {"k": shape.k, "p_min": shape.p_min, **measured(run.stats, base)},
+        "same_as_greedy": real.tokens == greedy.tokens if greedy_decoding else None,
+    }
+    return chosen
+
+
 def evaluate(
     cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target: Target | None = None
 ) -> dict:
@@ -184,8 +226,8 @@ def evaluate(
     sampling = eval_sampling(cfg)
     encoded = eval_prompts(cfg, target)
 
-    def spec(ids, how: Sampling = sampling, max_new_tokens=ev.max_new_tokens):
-        return speculative_generate(verifier, drafter, ids, max_new_tokens, shape, how, eos)
+    def spec(ids, how: Sampling = sampling, max_new_tokens=ev.max_new_tokens, chain: Shape = shape):
+        return speculative_generate(verifier, drafter, ids, max_new_tokens, chain, how, eos)
 
     # Every decode runs on the verifier's linears packed once (`DecodeLinears`); the checks
     # against `generate` run on the model as loaded.
@@ -194,8 +236,11 @@ def evaluate(
         greedy_generate(verifier, encoded[0][1], 8, eos)
         spec(encoded[0][1], max_new_tokens=8)
     progress = EvalProgress(len(encoded), cfg.logging.progress)
-    records, outputs = [], []
-    for (task, ids), passes in zip(encoded, pass_schedule(ev, [task for task, _ in encoded])):
+    records, outputs, costs = [], [], {}
+    # The settings' decodes draw from their own generator: the evaluation's samples stay as they were.
+    aside = replace(sampling, generator=torch.Generator().manual_seed(cfg.seed))
+    schedule = pass_schedule(ev, [task for task, _ in encoded], chain=mode == "chain")
+    for (task, ids), passes in zip(encoded, schedule):
         with fast:
             greedy = greedy_generate(verifier, ids, ev.max_new_tokens, eos)
             run = spec(ids)
@@ -205,6 +250,12 @@ def evaluate(
                 lookup = prompt_lookup_generate(
                     verifier, ids, ev.max_new_tokens, eos, ev.prompt_lookup_num_tokens
                 ).stats
+            if passes.settings:
+                # A step's costs at each k, p_min 0 (this run is k = K's when it drafts so).
+                costs = {k: step_cost((run if (k, shape.p_min) == (shape.k, 0) else
+                                       spec(ids, aside, chain=Chain(k))).stats)
+                         for k in range(1, shape.k + 1)}
+                calibration = (ids, greedy, run)
         verdict = greedy_verdict(verifier, ids, greedy.tokens, check.tokens)
         reference = None
         if passes.reference:
@@ -222,6 +273,7 @@ def evaluate(
         "target": target.name,
         "mode": mode,
         "num_speculative_tokens": ev.num_speculative_tokens,
+        "draft_p_min": ev.draft_p_min,
         "tree": asdict(ev.tree),
         "temperature": ev.temperature,
         "top_p": ev.top_p,
@@ -236,6 +288,11 @@ def evaluate(
         "threads": torch.get_num_threads(),
     }
     result = summarise(records, settings)
+    if costs:
+        with fast:
+            result["draft_settings"] = choose_setting(
+                [s for r in records for s in r.spec.steps], shape, costs, calibration,
+                lambda ids, chain: spec(ids, aside, chain=chain), sampling.greedy)
     write_report(result, out_dir)
     if ev.save_outputs:
         write_outputs(outputs, out_dir)

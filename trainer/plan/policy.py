@@ -19,7 +19,7 @@ from conf.schema import OptimConfig, RootConfig
 from conf.sizes import Sizes
 from data_prep.answers.regen_cost import StepCost, generate_seconds
 from data_prep.conversations.rows import Spans, cached_before
-from trainer.evaluate.run import pass_schedule
+from trainer.evaluate.run import pass_schedule, resolve_mode
 
 MARGIN = 0.06  # of the budget, kept back for the export and the noise in the measured rates
 MIN_CONVERSATIONS = 48  # the smallest plan: the training probe's folder (`probes.PROBE_SAMPLES`)
@@ -220,10 +220,11 @@ def evaluation_runs(cfg: RootConfig, tasks: list[str]) -> list[tuple[float, floa
     """(greedy-decoder runs, speculative-decoder runs) the evaluator makes of each prompt of
     `tasks`, from its own pass schedule (`trainer.evaluate.run.pass_schedule`): each prompt's
     greedy baseline and speculative run, and the passes the schedule adds (prompt lookup, the
-    `generate` reference at `GENERATE_COST`, a sampled run's greedy check). Each run prefills
-    the prompt and writes up to `eval.max_new_tokens`."""
-    return [(1 + p.lookup + GENERATE_COST * p.reference, 1 + p.greedy_check)
-            for p in pass_schedule(cfg.eval, tasks)]
+    `generate` reference at `GENERATE_COST`, a sampled run's greedy check, a chain's settings
+    sweep). Each run prefills the prompt and writes up to `eval.max_new_tokens`."""
+    chain = resolve_mode(cfg.eval.mode, cfg.head.name) == "chain"
+    return [(1 + p.lookup + GENERATE_COST * p.reference, 1 + p.greedy_check + p.settings)
+            for p in pass_schedule(cfg.eval, tasks, chain)]
 
 
 def minutes(seconds: float) -> str:

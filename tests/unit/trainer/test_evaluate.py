@@ -69,6 +69,19 @@ def test_evaluate_writes_the_report(tiny, tiny_llama_dir, eagle_dir, tmp_path):
     assert "| overall | 3 |" in md and "| mine | 1 |" in md
     assert md.rstrip().endswith("![Per-position acceptance](acceptance.png)")  # eval.md shows it
     assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    # Where a step's time goes, and the chain settings swept from it (trainer/evaluate/settings.py).
+    assert o["draft_ms_per_step"] > 0 and o["verify_ms_per_step"] > 0 and o["other_ms_per_step"] > 0
+    assert "## Where a step's time goes" in md and "## Draft length and p_min" in md
+    sweep = result["draft_settings"]
+    assert sorted(sweep["step_costs"]) == ["1", "2", "3"]
+    assert {(r["k"], r["p_min"]) for r in sweep["rows"]} == {(k, p) for k in (1, 2, 3)
+                                                            for p in (0.0, 0.3, 0.5, 0.75, 0.9)}
+    pick = sweep["best"] or sweep["fastest"]
+    assert pick["speedup_vs_greedy"] == max(r["speedup_vs_greedy"] for r in sweep["rows"])
+    assert (sweep["best"] is None) == (pick["speedup_vs_greedy"] < 1.0)
+    check = sweep["check"]
+    assert (check["k"], check["p_min"]) == (pick["k"], pick["p_min"]) and check["same_as_greedy"] is True
+    print(md)
 
 
 def test_evaluate_shows_progress_in_logs(tiny, tiny_llama_dir, eagle_dir, tmp_path, capsys):
