@@ -44,6 +44,9 @@ class CardFacts:
     location: str  # where users fetch the head from: a Hub repo id or the exported folder
     num_speculative_tokens: int
     license: str
+    # llama.cpp's --spec-draft-p-min: the evaluator's best (`served_setting`), else what it decoded
+    # with (llama.cpp's own default, 0.75, is not what was measured, so the line always says it).
+    draft_p_min: float = 0.0
     layer_ids: dict[str, list[int]] = field(default_factory=dict)  # engine -> aux ids (eagle3)
     eval_report: dict | None = None  # eval.json
     picture: str | None = None  # the evaluation's acceptance.png, copied beside the card
@@ -118,8 +121,35 @@ def acceptance_section(report: dict | None, picture: str | None = None) -> str:
     )
 
 
-def serve_section(lines: list[str]) -> str:
-    return "\n".join(["## Serve", "", *lines, ""])
+def served_setting(report: dict | None) -> dict | None:
+    """The evaluator's best chain setting (eval.json `draft_settings.best`: k, p_min, predicted τ
+    and speedup; `trainer.evaluate.settings`), or None where it swept none or none paid."""
+    return ((report or {}).get("draft_settings") or {}).get("best")
+
+
+def setting_lines(report: dict | None) -> list[str]:
+    """What the Serve section says first about the evaluator's sweep of k and p_min: the setting
+    the commands carry, or, plainly, that no setting beat greedy decoding where it was measured."""
+    sweep = (report or {}).get("draft_settings") or {}
+    best, fastest = sweep.get("best"), sweep.get("fastest")
+    if best:
+        return [f"These commands carry the fastest chain setting draftsmith's evaluator found on the "
+                f"machine that ran it: {best['k']} speculative tokens, p_min {best['p_min']} (predicted "
+                f"mean acceptance length {_num(best['mean_acceptance_length'])}, "
+                f"{_num(best['speedup_vs_greedy'])}x greedy decoding; eval.md holds every setting). "
+                "llama.cpp stops drafting below p_min (`--spec-draft-p-min`); vLLM has no such "
+                "threshold and drafts every token.", ""]
+    if fastest:
+        return [f"**No drafting setting was faster than plain greedy decoding** in draftsmith's "
+                f"evaluator on the machine that ran it (the fastest, {fastest['k']} speculative "
+                f"tokens at p_min {fastest['p_min']}: {_num(fastest['speedup_vs_greedy'])}x): on such "
+                "a machine, serve the target alone. The commands below are for one where the head "
+                "pays; measure there first (`python -m trainer.evaluate`).", ""]
+    return []
+
+
+def serve_section(lines: list[str], report: dict | None = None) -> str:
+    return "\n".join(["## Serve", "", *setting_lines(report), *lines, ""])
 
 
 # Engine -> (its numbering of the captured layers, where it reads the ids), in the card's order.
@@ -217,7 +247,7 @@ def render(f: CardFacts, title: str, library: str, serve: list[str]) -> str:
         f"# {title} for {hub_id(f.target_name) or f.target_name}",
         intro,
         acceptance_section(f.eval_report, f.picture),
-        serve_section(serve),
+        serve_section(serve, f.eval_report),
         layer_ids_section(f),
         data_section(f.data),
         training_section(f.training),

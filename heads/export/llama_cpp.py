@@ -152,6 +152,7 @@ def serve_lines(f: CardFacts, spec_type: str) -> list[str]:
     k = f.num_speculative_tokens
     return lines + [
         "```bash",
-        f"llama-server -m {target} {draft} --spec-type {spec_type} --spec-draft-n-max {k}",
+        f"llama-server -m {target} {draft} --spec-type {spec_type} --spec-draft-n-max {k} "
+        f"--spec-draft-p-min {f.draft_p_min:g}",
         "```",
     ]

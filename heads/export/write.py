@@ -21,7 +21,7 @@ from conf.errors import UserError
 from conf.files import disk_full_is_one_line, read_json, staged_dir
 from conf.schema import EXPORT_DTYPES
 from heads import kinds
-from heads.export.card import PICTURE, CardFacts, hub_id, render
+from heads.export.card import PICTURE, CardFacts, hub_id, render, served_setting
 from heads.export.check import verify_export
 from heads.export.core import ExportContext
 from heads.folder import TargetSpec, load_head, read_head_meta, run_config
@@ -78,12 +78,20 @@ def export_head(
     Returns the folder and the report printed by the CLI (format, out, what the self-check
     compared, and the Hub commit with `push_to_hub`). `fmt` and `dtype` are taken as checked:
     `export.formats` / `export.dtype` by the config schema, the CLI's own `format=` by the CLI.
+    `num_speculative_tokens` (`eval.num_speculative_tokens`) gives way to the best chain setting of
+    `eval_json` where its sweep found one that pays (the card's serve lines carry it), and the
+    kind's own count where the kind pins one (`served_tokens`).
     """
     kind, head_path, out = kinds.format_kind(fmt), Path(head_path), Path(out_dir)
     layout = kind.formats[fmt]
     check_out_dir(out)
     src_cfg, spec, src_tensors = load_head(head_path, kind.name)
-    num_speculative_tokens = kind.served_tokens(src_cfg, num_speculative_tokens)
+    report = read_json(Path(eval_json), "eval") if eval_json else None
+    # The evaluator's best chain setting, where one beat greedy decoding (`served_setting`);
+    # else what it decoded with.
+    best = served_setting(report)
+    p_min = best["p_min"] if best else ((report or {}).get("settings") or {}).get("draft_p_min", 0.0)
+    num_speculative_tokens = kind.served_tokens(src_cfg, best["k"] if best else num_speculative_tokens)
     if target_model is not None:
         spec.check(
             TargetSpec.from_model(target_model, spec.name_or_path), f"head={str(head_path)!r}"
@@ -91,7 +99,6 @@ def export_head(
     verifier, arch = _verifier(spec, target_model)
     ctx = ExportContext(dtype, num_speculative_tokens, verifier, arch, spec)
     config = layout.config(src_cfg, ctx)
-    report = read_json(Path(eval_json), "eval") if eval_json else None
     picture = Path(eval_json).with_name(PICTURE) if eval_json else None
     run = run_config(head_path)
 
@@ -109,6 +116,7 @@ def export_head(
             location=push_to_hub or str(out.resolve()),
             num_speculative_tokens=num_speculative_tokens,
             license=license,
+            draft_p_min=p_min,
             eval_report=report,
             picture=PICTURE if picture and picture.exists() else None,
             data=run.get("data"),
