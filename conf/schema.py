@@ -38,6 +38,7 @@ REGEN_BACKENDS = ("hf", "vllm", "server")
 CAPTURE_BACKENDS = REGEN_BACKENDS
 _ENDPOINT = re.compile(r"https?://[^\s/]+(/\S*)?")
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+GGUF_TYPES = ("bf16", "f16", "q8_0")
 STRATEGIES = ("none", "ddp", "deepspeed")
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 WANDB_MODES = ("disabled", "offline", "online")
@@ -501,10 +502,16 @@ class ExportConfig(Checked):
     out_dir: str | None = None
     push_to_hub: str | None = None
     dtype: str = "bfloat16"  # storage dtype of the exported weights (engines cast on load)
+    # llama.cpp GGUF exports' matrices: bf16 | f16 | q8_0 (32-value blocks, one f16 scale and int8s:
+    # ~1.06 bytes a weight, each within one step max|w|/127 of its block, checked at export);
+    # null = export.dtype's. Norms stay F32.
+    gguf_type: str | None = None
     license: str = "apache-2.0"  # the model card's license: the target's, the head derives from it
 
     def check(self) -> None:
         self._one_of("dtype", EXPORT_DTYPES)
+        if self.gguf_type is not None:
+            self._one_of("gguf_type", GGUF_TYPES)
 
 
 @dataclass(frozen=True)

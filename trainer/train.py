@@ -131,6 +131,7 @@ def export_all(cfg: RootConfig, head_dir: Path, run_dir: Path, target_model) -> 
             dtype=cfg.export.dtype,
             num_speculative_tokens=cfg.eval.num_speculative_tokens,
             license=cfg.export.license,
+            gguf_type=cfg.export.gguf_type,
         )[0])
         for fmt in formats_for(head_dir, cfg.export.formats)
     ]

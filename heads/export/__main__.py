@@ -89,6 +89,7 @@ def export(head: str, asked: list[str] | None, own: dict[str, str], cfg: RootCon
             eval_json=eval_json,
             push_to_hub=push,
             dtype=cfg.export.dtype,
+            gguf_type=cfg.export.gguf_type,
             num_speculative_tokens=cfg.eval.num_speculative_tokens,
             license=cfg.export.license,
         )

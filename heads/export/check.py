@@ -14,6 +14,7 @@ import torch
 
 from conf.errors import UserError
 from heads.export.core import cast_weights
+from heads.export.gguf_file import q8_0_blocks, q8_0_round_trip, within_q8_0_steps
 from heads.folder import TargetSpec
 
 Tensors = dict[str, torch.Tensor]
@@ -62,10 +63,23 @@ def verify_export(
     dtype: torch.dtype,
     target_model=None,
     where: str = "export",
+    q8_0: bool = False,
 ) -> dict:
-    """Raise UserError on any difference; return what was checked and the storage-dtype drift."""
+    """Raise UserError on any difference; return what was checked and the storage-dtype drift.
+    `q8_0`: a GGUF whose matrices are Q8_0 blocks (`gguf_file`): each must read back exactly as our
+    quantization of the trained weights gives it, and so within one quantization step of them
+    (`within_q8_0_steps`), checked here as the stated tolerance."""
     cfg, tensors = read_back
     stored = cast_weights(src_tensors, dtype)
+    steps = 0.0
+    if q8_0:
+        quantized = [k for k, v in stored.items() if q8_0_blocks(v)]
+        stored |= {k: q8_0_round_trip(stored[k]) for k in quantized}
+        steps = max((within_q8_0_steps(src_tensors[k], tensors[k]) for k in quantized if k in tensors),
+                    default=0.0)
+        if steps > 1.0:
+            raise UserError(f"{where}: self-check failed: a Q8_0 weight is {steps:.3g} quantization "
+                            "steps from the trained one (at most 1)")
     problems = tensor_mismatches(stored, tensors)
     want, got = ops.config_fields(src_cfg), ops.config_fields(cfg)
     problems += [
@@ -83,4 +97,5 @@ def verify_export(
         "tensors": len(tensors),
         "outputs_identical": True,
         "max_abs_diff_vs_trained_float32": max_abs_diff(trained, exported),
+        **({"q8_0_max_error_in_steps": round(steps, 4)} if q8_0 else {}),
     }

@@ -38,6 +38,8 @@ class ExportContext:
     verifier: str  # the target as the engine should load it: a Hub id or a path
     verifier_architectures: list[str]
     target: TargetSpec  # the head's target (llama.cpp captures no layer past its last)
+    # A GGUF's storage (`export.gguf_type`, or export.dtype's own: `gguf_file.GGUF_TYPES`)
+    gguf_type: str = "bf16"
 
 
 def write_folder(folder: Path, weights_file: str, config: dict, tensors: Tensors) -> None:

@@ -14,7 +14,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from gguf import GGUFValueType
 
 from conf.errors import UserError
@@ -94,7 +93,7 @@ def layer_values(schema: Schema, cfg: dict, ctx: ExportContext, blocks: int) -> 
     head dim for keys, values and the rope; no rope scaling, which each layout refuses first)."""
     key = schema.key
     return {
-        "general.file_type": file_type(getattr(torch, ctx.dtype)),
+        "general.file_type": file_type(ctx.gguf_type),
         key("context_length"): cfg["max_position_embeddings"],
         key("embedding_length"): cfg["hidden_size"],
         key("block_count"): blocks,

@@ -24,6 +24,7 @@ from heads import kinds
 from heads.export.card import PICTURE, CardFacts, hub_id, render, served_setting
 from heads.export.check import verify_export
 from heads.export.core import ExportContext
+from heads.export.gguf_file import OF_DTYPE, storage_dtype
 from heads.folder import TargetSpec, load_head, read_head_meta, run_config
 from heads.record import HeadKind
 
@@ -72,12 +73,15 @@ def export_head(
     dtype: str = "bfloat16",
     num_speculative_tokens: int = 3,
     license: str = "apache-2.0",
+    gguf_type: str | None = None,
 ) -> tuple[Path, dict]:
     """Write `head_path` (a draftsmith head folder) to `out_dir` in format `fmt`, self-checked.
 
     Returns the folder and the report printed by the CLI (format, out, what the self-check
     compared, and the Hub commit with `push_to_hub`). `fmt` and `dtype` are taken as checked:
-    `export.formats` / `export.dtype` by the config schema, the CLI's own `format=` by the CLI.
+    `export.formats` / `export.dtype` / `export.gguf_type` by the config schema, the CLI's own
+    `format=` by the CLI. `gguf_type` (None: `dtype`'s) is a llama.cpp GGUF's storage; other
+    formats store `dtype`.
     `num_speculative_tokens` (`eval.num_speculative_tokens`) gives way to the best chain setting of
     `eval_json` where its sweep found one that pays (the card's serve lines carry it), and the
     kind's own count where the kind pins one (`served_tokens`).
@@ -97,18 +101,20 @@ def export_head(
             TargetSpec.from_model(target_model, spec.name_or_path), f"head={str(head_path)!r}"
         )
     verifier, arch = _verifier(spec, target_model)
-    ctx = ExportContext(dtype, num_speculative_tokens, verifier, arch, spec)
+    gguf_type = gguf_type or OF_DTYPE[dtype]
+    ctx = ExportContext(dtype, num_speculative_tokens, verifier, arch, spec, gguf_type)
+    gguf = layout.weights_file.endswith(".gguf")
+    storage = storage_dtype(gguf_type) if gguf else DTYPES[dtype]
     config = layout.config(src_cfg, ctx)
     picture = Path(eval_json).with_name(PICTURE) if eval_json else None
     run = run_config(head_path)
 
     full = "free space and export again (nothing was written under it)"
     with disk_full_is_one_line(out.parent, full), staged_dir(out) as tmp:
-        layout.save(tmp, layout.weights_file, config, layout.tensors(src_tensors, src_cfg, DTYPES[dtype]))
+        layout.save(tmp, layout.weights_file, config, layout.tensors(src_tensors, src_cfg, storage))
         where = f"format={fmt} out={str(out)!r}"
-        check = verify_export(
-            kind.check, src_cfg, spec, src_tensors, layout.read(tmp), DTYPES[dtype], target_model, where
-        )
+        check = verify_export(kind.check, src_cfg, spec, src_tensors, layout.read(tmp), storage, target_model,
+                              where, q8_0=gguf and gguf_type == "q8_0")
         facts = CardFacts(
             fmt=fmt,
             kind=kind.name,

@@ -92,6 +92,35 @@ def test_gguf_holds_the_head_as_llama_cpp_loads_it(head_dir, tmp_path, dtype):
     assert report["tensors"] == len(trained)  # read back through the layout's strict reader
 
 
+def test_q8_0_gguf_round_trips_within_one_quantization_step(head_dir, tmp_path, tiny_model, tiny_llama_dir):
+    """export.gguf_type=q8_0: matrices as ggml's block_q8_0 (per 32 values of a row: one f16
+    scale d, 32 int8 q; value q * d), read here byte by byte, each weight within one step
+    max|w| / 127 of its block's trained one; norms F32, d2t I64; our readers read it back."""
+    out, report = export_head(head_dir, "gguf", tmp_path / "q", target_model=tiny_model, gguf_type="q8_0")
+    bf16, _ = export_head(head_dir, "gguf", tmp_path / "b")
+    assert 0 < report["q8_0_max_error_in_steps"] <= 1 and report["outputs_identical"]
+    assert (out / "draft.gguf").stat().st_size < 0.7 * (bf16 / "draft.gguf").stat().st_size
+    _, _, trained = load_head(head_dir, "eagle3")
+    reader = GGUFReader(out / "draft.gguf")
+    assert reader.fields["general.file_type"].contents() == 7  # LlamaFileType.MOSTLY_Q8_0
+    got = {t.name: t for t in reader.tensors}
+    for ours, name in GGUF_NAMES.items():
+        kind = got[name].tensor_type
+        assert kind == (GGMLQuantizationType.F32 if trained[ours].dim() == 1 else GGMLQuantizationType.Q8_0)
+    w = trained["fc.weight"].float().reshape(-1, 32)  # fc's rows are not permuted
+    raw = np.array(got["fc.weight"].data).reshape(-1, 34)
+    scale = torch.from_numpy(raw[:, :2].copy().view(np.float16).astype(np.float32))
+    q = torch.from_numpy(raw[:, 2:].copy().view(np.int8).astype(np.float32))
+    step = w.abs().amax(-1, keepdim=True) / 127
+    assert torch.allclose(scale, step, rtol=1e-3)  # d = max|w| / 127, in f16
+    assert ((q * scale - w).abs() <= step).all() and q.abs().max() == 127
+    # Both our readers dequantize it: the layout's own (the self-check's) and evaluation's.
+    _, tensors = llama_cpp.read_export(out)
+    assert torch.equal(tensors["fc.weight"], (q * scale).reshape(trained["fc.weight"].shape))
+    head = load_for_decoding(out, tiny_model, str(tiny_llama_dir))[1]
+    assert torch.equal(head.fc.weight.float(), tensors["fc.weight"])
+
+
 def test_gguf_keys_are_the_ones_llama_cpp_reads(head_dir, tmp_path, tiny_llama_dir):
     out, _ = export_head(head_dir, "gguf", tmp_path / "g")
     cfg, spec, _ = load_head(head_dir, "eagle3")

@@ -196,6 +196,7 @@ def test_greedy_verdict_tells_rounding_ties_from_mismatches():
         ("eval.mode=beam", "eval.mode='beam'"),
         ("eval.num_speculative_tokens=0", "eval.num_speculative_tokens=0"),
         ("eval.top_p=0", "eval.top_p=0"),
+        ("eval.draft_p_min=1", "eval.draft_p_min=1: expected a probability in \\[0, 1\\)"),
         ("eval.baselines=[greedy,medusa]", "eval.baselines=\\['greedy', 'medusa'\\]: expected a subset"),
         ("eval.tasks=[mmlu]", "eval.tasks=\\['mmlu'\\]: unknown task"),
     ],

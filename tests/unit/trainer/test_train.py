@@ -18,6 +18,7 @@ BAD_OVERRIDES = [
     ("eval.baselines=[x]", "eval.baselines=['x']"),
     ("logging.wandb=onlin", "logging.wandb='onlin'"),
     ("export.dtype=bf16", "export.dtype='bf16'"),
+    ("export.gguf_type=q4_0", "export.gguf_type='q4_0'"),
     ("export.formats=[nope]", "export.formats=['nope']"),
     ("export.formats=[medusa-tgi]", "export.formats=['medusa-tgi']"),
     ("+head=medusa head.num_heads=0", "head.num_heads=0"),
