@@ -113,6 +113,18 @@ def test_gguf_holds_the_head_as_llama_cpp_loads_it(heads, exported, readers, tin
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_q8_0_gguf_self_checks_within_one_quantization_step(heads, tiny_model, tmp_path, kind):
+    """export.gguf_type=q8_0 on the block drafters' layouts: matrices of whole 32-value rows as
+    Q8_0, the rest (DSpark's rank-8 Markov embedding) F32, read back within one step."""
+    out, report = export_head(heads[kind], f"{kind}-gguf", tmp_path / kind, tiny_model, gguf_type="q8_0")
+    assert 0 < report["q8_0_max_error_in_steps"] <= 1 and report["outputs_identical"]
+    types = {t.name: t.tensor_type for t in GGUFReader(out / "draft.gguf").tensors}
+    assert types["fc.weight"] == GGMLQuantizationType.Q8_0
+    if kind == "dspark":  # rows of R = 8 values: no whole block
+        assert types["markov_w1.weight"] == GGMLQuantizationType.F32
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_gguf_keys_are_the_ones_llama_cpp_reads(heads, readers, tiny_model, kind):
     cfg = load_head(heads[kind], kind)[0]
     fields = readers[kind, "bfloat16"].fields
