@@ -140,11 +140,14 @@ def setting_lines(report: dict | None) -> list[str]:
                 "llama.cpp stops drafting below p_min (`--spec-draft-p-min`); vLLM has no such "
                 "threshold and drafts every token.", ""]
     if fastest:
+        measured = (sweep.get("check") or {}).get("measured", {}).get("speedup_vs_greedy")
+        speed = (f"predicted {_num(fastest['speedup_vs_greedy'])}x, {_num(measured)}x when decoded"
+                 if fastest["speedup_vs_greedy"] >= 1.0 else f"{_num(fastest['speedup_vs_greedy'])}x")
         return [f"**No drafting setting was faster than plain greedy decoding** in draftsmith's "
                 f"evaluator on the machine that ran it (the fastest, {fastest['k']} speculative "
-                f"tokens at p_min {fastest['p_min']}: {_num(fastest['speedup_vs_greedy'])}x): on such "
-                "a machine, serve the target alone. The commands below are for one where the head "
-                "pays; measure there first (`python -m trainer.evaluate`).", ""]
+                f"tokens at p_min {fastest['p_min']}: {speed}): on such a machine, serve the target "
+                "alone. The commands below are for one where the head pays; measure there first "
+                "(`python -m trainer.evaluate`).", ""]
     return []
 
 

@@ -175,7 +175,8 @@ def choose_setting(
     steps: list[Step], shape: Chain, costs: dict[int, StepCost], calibration, decode, greedy_decoding: bool
 ) -> dict:
     """eval.json's `draft_settings` (`trainer.evaluate.settings.sweep`) and its check: the best
-    setting (or, where none pays, the fastest) decoded for real on the calibration prompt, its
+    setting (or, where none pays, the fastest) decoded for real on the calibration prompt (a best
+    whose real decode is slower than greedy is dropped: the card recommends no slower decode), its
     measured τ and speedup beside the prediction for that prompt's own recorded steps, and
     (`greedy_decoding`) whether its output equals plain greedy. `calibration`: (prompt ids, its greedy and
     speculative generations); `decode(ids, chain)`: a speculative decode."""
@@ -196,6 +197,8 @@ def choose_setting(
         "decoded": {"k": shape.k, "p_min": shape.p_min, **measured(run.stats, base)},
         "same_as_greedy": real.tokens == greedy.tokens if greedy_decoding else None,
     }
+    if chosen["best"] and (chosen["check"]["measured"]["speedup_vs_greedy"] or 0) < 1.0:
+        chosen["best"] = None  # predicted to pay, but its real decode did not: recommend nothing
     return chosen
 
 
