@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from tests.support.decode import chaotic_target, medusa_drafter, random_eagle3_head
+from tests.support.heads import random_dflash_head, random_dspark_head
 from trainer.decoding import Chain, Eagle3Drafter, greedy_generate, speculative_generate
+from trainer.decoding.dflash import DFlashDrafter
 from trainer.decoding.drafters import confident_prefix
+from trainer.decoding.dspark import DSparkDrafter
 
 NEW = 24
 K = 3
@@ -21,6 +24,9 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 DRAFTERS = {
     "eagle3": lambda m: Eagle3Drafter(random_eagle3_head(m, draft_vocab=64)),  # one forward a token
     "medusa": medusa_drafter,  # every position from one forward
+    "dflash": lambda m: DFlashDrafter(random_dflash_head(m, block_size=4, aux_layer_ids=[1, 2, 3])),
+    # one forward, then each slot on the bias of the token drawn before
+    "dspark": lambda m: DSparkDrafter(random_dspark_head(m, block_size=4, aux_layer_ids=[1, 2, 3])),
 }
 
 
