@@ -8,9 +8,10 @@ plain greedy, transformers' prompt lookup, chain drafting (`eval.num_speculative
 tree drafting (`eval.tree.*`) `reps` times, interleaved so that a neighbour's load spike hurts
 all alike, and keeps each method's fastest run. Speedups are ratios of tokens/s over all prompts.
 `lossless` says that chain and tree greedy outputs equalled plain greedy token for token;
-`*speedup_at_full_acceptance` is the ceiling the measured draft + verify step costs allow (every
+`*speedup_at_full_acceptance` is the ceiling the measured step costs allow (every
 draft accepted), which tells a weak head from a machine where verifying k+1 tokens is dear.
-`greedy_ms_per_token` and `*draft_ms_per_step` / `*verify_ms_per_step` are the step costs; on CUDA
+`greedy_ms_per_token` and `*draft_ms_per_step` / `*verify_ms_per_step` / `*other_ms_per_step`
+(acceptance, cache upkeep, the drafter's commit) are the step costs; on CUDA
 every step after the prompt replays a CUDA graph (`cuda_graphs`), captured during the warm-up.
 """
 
@@ -107,7 +108,7 @@ def main(argv: list[str]) -> None:
         "greedy_ms_per_token": chain["greedy_ms_per_token"],
     }
     for prefix, m in (("", chain), ("tree_", tree)):
-        step_ms = m["draft_ms_per_step"] + m["verify_ms_per_step"]
+        step_ms = m["draft_ms_per_step"] + m["verify_ms_per_step"] + m["other_ms_per_step"]
         longest = len(m["acceptance_per_position"]) + 1  # tokens per step if all accepted
         line |= {
             f"{prefix}mean_acceptance_length": m["mean_acceptance_length"],
@@ -117,6 +118,7 @@ def main(argv: list[str]) -> None:
             f"{prefix}speedup_vs_prompt_lookup": m["speedup_vs_prompt_lookup"],
             f"{prefix}draft_ms_per_step": m["draft_ms_per_step"],
             f"{prefix}verify_ms_per_step": m["verify_ms_per_step"],
+            f"{prefix}other_ms_per_step": m["other_ms_per_step"],
             # What a head accepted at every position would reach with these measured step costs.
             f"{prefix}speedup_at_full_acceptance": round(
                 longest * chain["greedy_ms_per_token"] / step_ms, 3
