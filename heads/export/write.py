@@ -113,8 +113,9 @@ def export_head(
     with disk_full_is_one_line(out.parent, full), staged_dir(out) as tmp:
         layout.save(tmp, layout.weights_file, config, layout.tensors(src_tensors, src_cfg, storage))
         where = f"format={fmt} out={str(out)!r}"
+        q8_0 = gguf and gguf_type == "q8_0"
         check = verify_export(kind.check, src_cfg, spec, src_tensors, layout.read(tmp), storage, target_model,
-                              where, q8_0=gguf and gguf_type == "q8_0")
+                              where, q8_0)
         facts = CardFacts(
             fmt=fmt,
             kind=kind.name,
