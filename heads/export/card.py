@@ -86,6 +86,7 @@ def acceptance_section(report: dict | None, picture: str | None = None) -> str:
         f"{s.get('mode', 'chain')} drafting"
         + (
             f" with {s['num_speculative_tokens']} speculative tokens"
+            + (f" at p_min {s['draft_p_min']}" if s.get("draft_p_min") else "")
             if s.get("mode") == "chain"
             else ""
         )

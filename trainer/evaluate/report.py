@@ -162,7 +162,8 @@ def _drafting(s: dict) -> str:
 
 def _shape(s: dict) -> str:
     if s["mode"] == "chain":
-        return f"chain drafting (k={s['num_speculative_tokens']})"
+        cut = f", p_min {s['draft_p_min']}" if s.get("draft_p_min") else ""
+        return f"chain drafting (k={s['num_speculative_tokens']}{cut})"
     t = s["tree"]
     if head_kind(s["kind"]).static_tree:
         nodes = len(t["medusa_choices"] or DEFAULT_MEDUSA_CHOICES)

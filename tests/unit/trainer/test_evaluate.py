@@ -85,6 +85,18 @@ def test_evaluate_writes_the_report(tiny, tiny_llama_dir, eagle_dir, tmp_path):
     assert (sweep["best"] is not None) == pays
 
 
+def test_a_p_min_run_sweeps_from_its_own_p_min(tiny, tiny_llama_dir, eagle_dir, tmp_path):
+    """eval.draft_p_min=0.3: decoded losslessly with chains cut there, its step costs measured at
+    p_min 0 by a run of its own (k = K too), and only p_min >= 0.3 predicted."""
+    cfg = config("eagle3", tiny_llama_dir, "eval.draft_p_min=0.3", "eval.tasks=[gsm8k]")
+    result = evaluate(cfg, eagle_dir, tmp_path)
+    assert result["lossless"] is True and result["settings"]["draft_p_min"] == 0.3
+    sweep = result["draft_settings"]
+    assert sorted(sweep["step_costs"]) == ["1", "2", "3"]
+    assert sorted({r["p_min"] for r in sweep["rows"]}) == [0.3, 0.5, 0.75, 0.9]
+    assert "chain drafting (k=3, p_min 0.3)" in (tmp_path / "eval.md").read_text()
+
+
 def test_evaluate_shows_progress_in_logs(tiny, tiny_llama_dir, eagle_dir, tmp_path, capsys):
     # capsys' stderr is no terminal, as in CI or a log file: plain lines, no bar.
     cfg = config("eagle3", tiny_llama_dir)
