@@ -8,10 +8,11 @@ the verified text before it and the draft's own tokens. A step recorded at k = K
 any k <= K and p_min >= p0 would have drafted there (the leading positions at or above p_min,
 at most k) and kept (as many as were kept, at most that). What it does not tell is where the next
 step would have started: the prediction weighs the recorded steps as a sample of steps, so its τ
-is an estimate. The costs are measured, not modelled: one prompt is decoded once per k at
-p_min = 0 (`calibrate`), giving the draft, verify and other time of a step that drafts n tokens,
-and a step that drafts none costs one greedy token. The best setting is then decoded for real on
-that prompt, and eval.md shows its measured figures beside the prediction for the same prompt.
+is an estimate. The costs are measured, not modelled: the first prompt is decoded once per k at
+p_min = 0 (`trainer.evaluate.run`), giving the draft, verify and other time of a step that drafts
+n tokens, and a step that drafts none costs one greedy token. The best setting is then decoded for
+real on that prompt, and eval.md shows its measured figures beside the prediction for the same
+prompt; a best whose real decode is slower than greedy is not recommended.
 """
 
 from __future__ import annotations
