@@ -9,6 +9,18 @@ its loader batch, lets the trainee lay out rows cut at random anchors on the hos
 over each prefix and its drafts (`on_policy_batch`); the trainee's ordinary objective then trains
 on those rows. The trainee kinds that can are listed in `trainer.kinds` (`TrainerKind.on_policy`).
 
+What it changes against TTT, exactly: the unroll already feeds back the head's own hidden state
+at each step; from the data it takes the token each step reads (the data's x[t+1+k] where the
+decoder feeds its own draft d[k]) and the target's states and distributions, conditioned on the
+data's tokens. An accepted draft is the target's greedy token, so where the data is the target's
+own greedy answer (`data.regenerate`'s default, temperature 0) the on-policy rows hold, on the
+prefix a greedy chain reaches, what TTT at that anchor holds: the stage then changes which labels
+count (those the chain reaches, and the first it gets wrong, where TTT weighs step k by
+`head.step_weight`**k everywhere) and where they are, not what they say. It trains on states TTT
+never shows where the data is not the target's greedy path: human or sampled answers
+(`data.regenerate.enabled=false`, `data.regenerate.temperature` > 0), or a target other than the
+one that wrote the answers.
+
 The stage is the steps from `TrainState.on_policy_from` on, fixed when a run first starts and
 kept in its checkpoints; its anchors are drawn from a generator seeded by the run's seed and the
 step's place in the data, so a resumed run trains exactly the batches the uninterrupted one did.
