@@ -352,6 +352,17 @@ class OptimConfig(Checked):
     # stops the run (trainer/health.py). 0 = none: the first one stops it. > 0 reads the gradient
     # norm back from the device every step (the one read a step then makes).
     skip_nonfinite: int = 0
+    # On-policy training (EAGLE-3; Draft-OPD, arXiv 2605.29343): the share of the run's optimizer
+    # steps, at its end, whose batches train on the states the head's own drafts induce. Each row
+    # of such a batch is cut after a random answer position; the head drafts `head.ttt_length`
+    # tokens there (an argmax chain, as the decoder drafts), the frozen target runs once over the
+    # prefix and the drafts, and the head trains on those rows with the target's distributions
+    # there as teacher, each draft counted up to the first the target rejects
+    # (`trainer.kinds.eagle3.on_policy_rows`). Teacher-forced TTT feeds the data's tokens, so the
+    # head never sees its own mistakes as context; this stage does. Holds the whole target in
+    # every training process, runs it once more per step. 0: off (nothing measured yet says how
+    # much pays); 1: every step (fine-tuning a `head.init_from` head).
+    on_policy: float = 0.0
 
     def check(self) -> None:
         self._require("lr", lambda v: v > 0, "a learning rate > 0")
@@ -366,6 +377,7 @@ class OptimConfig(Checked):
         self._require("save_every_min", lambda v: v is None or v >= 0,
                       "null (per device) or minutes >= 0 (0 = every optim.save_every steps)")
         self._at_least(0, "val_decode_prompts")
+        self._require("on_policy", lambda v: 0 <= v <= 1, "a share of the steps in [0, 1] (0 = off)")
         self._one_of("select_by", SELECT_BY)
         if self.select_by == "decoded" and self.val_decode_prompts == 0:
             raise UserError(

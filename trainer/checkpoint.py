@@ -46,6 +46,9 @@ class TrainState:
     # checkpoint saved before they were recorded.
     world: int | None = None
     zero_stage: int | None = None
+    # The step count from which steps train on-policy (`trainer.on_policy`), fixed when the run
+    # first starts: None where it trains none (or was saved before this was recorded).
+    on_policy_from: int | None = None
 
 
 def checkpoint_root(run_dir: Path) -> Path:

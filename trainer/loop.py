@@ -54,6 +54,7 @@ from trainer.deadline import deadline_stop
 from trainer.distributed import prepare
 from trainer.health import NonFiniteGuard, NonFiniteWatch, describe, sample_at
 from trainer.logger import RunLogger
+from trainer.on_policy import OnPolicy, stage_start
 from trainer.saving import CheckpointClock, rank0_share
 from trainer.selection import DECODED, keeps, kept_head_dir, save_best, selection_score
 from trainer.tally import Tally
@@ -195,6 +196,7 @@ def train_step(
     capture: Capture | None = None,
     watch: NonFiniteWatch | None = None,
     tally: Tally | None = None,
+    on_policy: Callable[[Batch], Batch] | None = None,
 ) -> torch.Tensor:
     """One micro-batch from the loader: to the device (through `capture` online), forward,
     backward and, at the end of an accumulation, clip and step. `watch` records on the device
@@ -202,8 +204,11 @@ def train_step(
     up the trainee's metrics and the gradient norm there, for the tracker's next read. Returns the
     loss as a device tensor, for logging steps to read: nothing here reads the device
     (tests/unit/trainer/test_sync_free.py and test_online.py count), not even the gradient norm, unless
-    `optim.skip_nonfinite` asks for it (`NonFiniteWatch`)."""
+    `optim.skip_nonfinite` asks for it (`NonFiniteWatch`). `on_policy`: what turns the device batch
+    into the on-policy rows the step trains on instead (`trainer.on_policy.OnPolicy.transform`)."""
     batch, hidden = checked_device_batch(batch, accelerator.device, capture)
+    if on_policy is not None:
+        batch = on_policy(batch)
     with accelerator.accumulate(trainee):
         out = trainee(batch)
         loss = out["loss"].detach()
@@ -255,6 +260,7 @@ class Run:
     capture: Capture | None
     val_decode: ValDecode | None
     state: TrainState
+    on_policy: OnPolicy | None  # the on-policy stage (`optim.on_policy`), else None
     guard: NonFiniteGuard
     history: list[dict]
     logger: RunLogger
@@ -284,6 +290,7 @@ def fit(
     val_decode: ValDecode | None = None,
     deadline: float | None = None,
     logger: RunLogger | None = None,
+    teacher: Capture | None = None,
 ) -> FitReport:
     """Train, validating every `val_every` steps (at most the device's `Cadence.val_batches` per
     rank) and checkpointing as `trainer.saving` decides (by steps, or on CUDA by wall time); the
@@ -293,7 +300,9 @@ def fit(
     `deadline`: a `time.perf_counter()` value; the step that ends past it is the last, validated
     and saved as the last step is (`trainer.deadline`; None: train the planned steps).
     `logger`: the main job's tracker, left open for what it logs after training (the
-    evaluation, the stage times); None: one of this fit's own, closed when it ends."""
+    evaluation, the stage times); None: one of this fit's own, closed when it ends.
+    `teacher`: the target's capture of any rows, for the on-policy stage (`optim.on_policy` > 0:
+    `trainer.on_policy`), which starts at the step the run's first start fixed."""
     optim, world = cfg.optim, accelerator.num_processes
     per_epoch = steps_per_epoch(train_ds, optim, cfg.seed, world)
     if per_epoch == 0:
@@ -304,8 +313,15 @@ def fit(
     sizes = Sizes.of(cfg)  # the run's, or the defaults of sizes left unset
     total = sizes.max_steps or sizes.epochs * per_epoch
     trainee, opt, sched, params, state, history = prepare_training(cfg, accelerator, trainee, run_dir, total)
+    on_policy = None
+    if optim.on_policy > 0:
+        if teacher is None:
+            raise ValueError("optim.on_policy > 0 needs the target's capture (`teacher`)")
+        on_policy = OnPolicy(teacher, cfg.seed)
+        if state.on_policy_from is None:
+            state.on_policy_from = stage_start(total, optim.on_policy)
     run = start(cfg, accelerator, trainee, train_ds, val_ds, run_dir, capture, val_decode, state, history,
-                total, logger)
+                total, logger, on_policy)
     first_step = state.step
     share = rank0_share(accelerator) if world > 1 else None  # whose clock ends training: rank 0's
     for loss in optimizer_steps(run, train_ds, opt, params, total):
@@ -368,6 +384,7 @@ def prepare_training(cfg: RootConfig, accelerator, trainee, run_dir: Path, total
 def start(
     cfg: RootConfig, accelerator, trainee, train_ds, val_ds, run_dir: Path, capture, val_decode,
     state: TrainState, history: list[dict], total: int, logger: RunLogger | None = None,
+    on_policy: OnPolicy | None = None,
 ) -> Run:
     """The `Run` of a fit about to take its first step (`state.step`: a resumed run's next, with
     the `history` its checkpoint kept), logging to `logger` (None: a `RunLogger` of its own)."""
@@ -375,7 +392,7 @@ def start(
     cadence = Cadence.of(cfg.optim, accelerator.device.type == "cuda")
     trainee.train()
     return Run(
-        cfg, accelerator, trainee, val_ds, run_dir, capture, val_decode, state,
+        cfg, accelerator, trainee, val_ds, run_dir, capture, val_decode, state, on_policy,
         guard=NonFiniteGuard(accelerator, state, train_ds, cfg.optim, cfg.seed, run_dir),
         history=history,
         logger=logger or RunLogger(cfg, run_dir, accelerator.is_main_process),
@@ -396,15 +413,17 @@ def optimizer_steps(
     end of each optimizer step. The caller counts the step and stops at `total` or before."""
     cfg, acc, state = run.cfg, run.accelerator, run.state
     rank, world = acc.process_index, acc.num_processes
-    index, watch = acc.unwrap_model(run.trainee).batch_index, run.guard.watch
+    model, watch = acc.unwrap_model(run.trainee), run.guard.watch
     while state.step < total:
         batches = rank_batches(train_ds, cfg.optim, cfg.seed, state.epoch, rank, world)
-        loader = _loader(train_ds, batches[state.batch_in_epoch :], cfg.optim, acc.device, index, run.capture)
+        loader = _loader(train_ds, batches[state.batch_in_epoch :], cfg.optim, acc.device, model.batch_index,
+                         run.capture)
         for batch in run.pace.waiting(loader):
             run.pace.tokens += int(batch["attention_mask"].sum()) * world  # still on the CPU: no sync
             watch.places.append((state.step + 1, state.epoch, state.batch_in_epoch))
+            own = None if run.on_policy is None else run.on_policy.transform(model, batch, state)
             loss = train_step(
-                acc, run.trainee, opt, params, cfg.optim.grad_clip, batch, run.capture, watch, run.tally
+                acc, run.trainee, opt, params, cfg.optim.grad_clip, batch, run.capture, watch, run.tally, own
             )
             state.batch_in_epoch += 1
             if acc.sync_gradients:

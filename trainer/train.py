@@ -36,7 +36,7 @@ from conf.sizes import Sizes
 from data_prep.conversations.ranks import Ranks
 from data_prep.folders.folder import DataFolder
 from data_prep.folders.online_engine import held_parts, holds_whole, served_capture, served_online
-from data_prep.folders.store import CapturedDataset, online_capture
+from data_prep.folders.store import CapturedDataset, online_capture, target_capture
 from data_prep.masks import attention_layout
 from data_prep.prepare import capture_spec, check_source, prepare
 from data_prep.states.capture import CaptureSpec
@@ -47,7 +47,7 @@ from trainer.checkpoint import check_layout, checkpoint_step, latest_checkpoint
 from trainer.closing import closing_lines
 from trainer.distributed import build_accelerator, fast_float32_matmuls
 from trainer.evaluate.run import evaluate
-from trainer.kinds import build_trainee, check_init_from
+from trainer.kinds import build_trainee, check_init_from, check_on_policy
 from trainer.logger import RunLogger
 from trainer.loop import fit, read_history
 from trainer.plan import note_stop, plan_run, recheck
@@ -181,6 +181,7 @@ def check_main_job(cfg: RootConfig) -> HeadKind:
     record of its head's kind, resolved here once for the whole job."""
     kind = check_export_formats(cfg)
     check_push(cfg, kind)
+    check_on_policy(cfg)
     if cfg.pipeline.evaluate:
         cfg.target.one_device("the evaluator's speculative decoder", "set pipeline.evaluate=false")
     check_run_dir(cfg)
@@ -270,7 +271,9 @@ def run(cfg: RootConfig) -> dict:
         capture = online_capture(data.manifest, model)
     plan = None if budget is None else budget.as_dict()
     tracker = RunLogger(cfg, run_dir, acc.is_main_process, plan=plan)  # finished after evaluation
-    result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode, sizes.deadline, tracker)
+    teacher = target_capture(data.manifest, model) if cfg.optim.on_policy else None
+    result = fit(cfg, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode, sizes.deadline, tracker,
+                 teacher)
     if budget is not None:
         budget = note_stop(cfg, budget, result.steps)
     stages.done("train")

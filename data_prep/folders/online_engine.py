@@ -56,12 +56,14 @@ def holds_whole(cfg: RootConfig, spec: CaptureSpec, hidden_states: str, main: bo
     """Whether a training process (rank 0: `main`) holds the whole target while it trains, not
     only the parts its head reads (`held_parts`): where it computes the states (online, but
     from servers), trains the target itself (Medusa-2, which captures no states) or decodes
-    with it (rank 0's decoded validation and evaluation). Offline the states are in the data
+    with it (rank 0's decoded validation and evaluation), or trains on-policy (`optim.on_policy`,
+    every rank). Offline the states are in the data
     folder, so every other rank holds a few tensors where it held 16 GB at 8B
     (`trainer.plan.memory` plans with this rule; `trainer.train.held_target` follows it)."""
     computes = hidden_states == "online" and cfg.data.capture.backend != "server"
     decodes = main and (cfg.optim.val_decode_prompts > 0 or cfg.pipeline.evaluate)
-    return computes or not spec.needs_forward or decodes
+    on_policy = cfg.optim.on_policy > 0  # the stage runs the target on the head's drafts
+    return computes or not spec.needs_forward or decodes or on_policy
 
 
 def held_parts(target: Target, spec: CaptureSpec) -> torch.nn.Module:

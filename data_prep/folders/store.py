@@ -319,10 +319,17 @@ def online_capture(manifest: dict, model) -> Callable[[dict], dict] | None:
     loop runs with `model` (the target), computing the hidden states the folder does not hold,
     and where they overflowed (`capture.NONFINITE`). None when the folder holds them, or when
     the head reads none (Medusa-2)."""
+    if manifest.get("hidden_states") != "online" or not manifest_spec(manifest).needs_forward:
+        return None
+    return target_capture(manifest, model)
+
+
+def target_capture(manifest: dict, model) -> Callable[[dict], dict]:
+    """The per-batch capture of the folder's fields by `model` (the target), whatever the folder
+    holds: online mode's, and on-policy training's on rows the head drafted
+    (`trainer.kinds.eagle3.on_policy_rows`), which no folder can hold."""
     m = manifest
     spec = manifest_spec(manifest)
-    if manifest.get("hidden_states") != "online" or not spec.needs_forward:
-        return None
     # The linear layers compute as they did when the folder was prepared (`data.matmul_dtype`);
     # folders from before that setting ran the target's own dtype.
     linears = DataLinears(model, getattr(torch, m["matmul_dtype"]) if "matmul_dtype" in m else None)

@@ -23,6 +23,7 @@ from heads.kinds import KINDS
 from heads.medusa.model import MedusaHead
 from heads.peagle.model import PEagleHead
 from trainer.batching import batch_loader
+from trainer.checkpoint import TrainState
 from trainer.distributed import build_accelerator
 from trainer.health import NonFiniteWatch
 from trainer.kinds.dflash import DFlashTrainee
@@ -31,6 +32,7 @@ from trainer.kinds.eagle3 import Eagle3Trainee
 from trainer.kinds.medusa import JointMedusaTrainee, MedusaTrainee
 from trainer.kinds.peagle import PEagleTrainee
 from trainer.loop import lr_lambda, train_step
+from trainer.on_policy import OnPolicy
 from trainer.tally import Tally
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -220,11 +222,14 @@ def kind_builds(table: dict[str, tuple] = TINY, kinds: Iterable[str] = KINDS) ->
 
 
 def assert_steps_never_sync(
-    trainee, items: list[dict[str, torch.Tensor]], tmp_path: Path, capture=None, packed: bool = False
+    trainee, items: list[dict[str, torch.Tensor]], tmp_path: Path, capture=None, packed: bool = False,
+    on_policy: OnPolicy | None = None,
 ):
     """Two rounds of `train_step` (+ the LR schedule) over one loader batch of `items`, the way
-    `fit` runs them (`capture`: online mode's target forward; `packed`: two samples a row), with
-    the loop's non-finite watch and the tracker's tally, counting syncs."""
+    `fit` runs them (`capture`: online mode's target forward; `packed`: two samples a row;
+    `on_policy`: as steps of the on-policy stage, whose rows are laid out on the host first, as
+    the loop lays them out from the loader's host batch), with the loop's non-finite watch and the
+    tracker's tally, counting syncs."""
     order = [[[0, 1], [2, 3]]] if packed else [[0, 1, 2, 3]]
     batches = list(batch_loader(items, order, 0, False, trainee.batch_index, packed))
     optim = OptimConfig()
@@ -233,6 +238,9 @@ def assert_steps_never_sync(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(10, 0.1))
     trainee, opt = acc.prepare(trainee, opt)
     params = [p for g in opt.param_groups for p in g["params"]]
+    staged = TrainState(on_policy_from=0)
+    owns = [None if on_policy is None else on_policy.transform(acc.unwrap_model(trainee), b, staged)
+            for b in batches]
 
     def step_counters():
         """AdamW keeps its step counts on the host (unless capturable or fused): reading them is
@@ -242,8 +250,8 @@ def assert_steps_never_sync(
     watch = NonFiniteWatch(acc.device, 0, check_grad_norm=True)  # the loop's non-finite record
     tally = Tally()  # what the tracker reads at logging steps
     with counting_syncs(step_counters) as syncs:
-        for batch in batches * 2:
-            loss = train_step(acc, trainee, opt, params, optim.grad_clip, batch, capture, watch, tally)
+        for batch, own in zip(batches * 2, owns * 2):
+            loss = train_step(acc, trainee, opt, params, optim.grad_clip, batch, capture, watch, tally, own)
             sched.step()
     assert not syncs, "\n".join(f"{n} x {where}" for where, n in sorted(Counter(syncs).items()))
     assert torch.isfinite(loss)  # read back as a logging step would

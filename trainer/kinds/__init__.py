@@ -38,10 +38,13 @@ class TrainerKind:
     drafter: Callable[[Any, Any, Sequence[Shape]], Any]
     # (cfg, a row's sizes) -> bytes autograd keeps per trained token, an estimate (`trainer.plan.memory`)
     activations: Callable[[RootConfig, RowSizes], int]
+    # whether its trainee trains on-policy (`trainer.on_policy`: `on_policy_rows`, `on_policy_batch`)
+    on_policy: bool = False
 
 
 CATALOG: dict[str, TrainerKind] = {
-    "eagle3": TrainerKind(eagle3.build_eagle3_trainee, eagle3.eagle3_drafter, eagle3.eagle3_activations),
+    "eagle3": TrainerKind(eagle3.build_eagle3_trainee, eagle3.eagle3_drafter, eagle3.eagle3_activations,
+                          on_policy=True),
     "medusa": TrainerKind(medusa.build_medusa_trainee, medusa.medusa_drafter, medusa.medusa_activations),
     "peagle": TrainerKind(peagle.build_peagle_trainee, peagle.peagle_drafter, eagle3.eagle3_activations),
     "dflash": TrainerKind(dflash.build_dflash_trainee, dflash.dflash_drafter, dflash.dflash_activations),
@@ -77,6 +80,32 @@ def check_init_from(cfg: RootConfig, target_config) -> None:
         skeleton = AutoModelForCausalLM.from_config(target_config)
         head = CATALOG[cfg.head.name].trainee(cfg, skeleton, None).head
     check_fits(read, cfg, head)
+
+
+def check_on_policy(cfg: RootConfig) -> None:
+    """Refuse `optim.on_policy` where this run cannot train on-policy, in one line, from its
+    config alone: a kind whose trainee does not (`TrainerKind.on_policy`), a time budget (its
+    planner does not price the stage's steps yet: each drafts and runs the target once more),
+    the target served elsewhere (the stage runs it here), packed rows (the stage cuts padded
+    rows) and ZeRO-3 (the head drafts outside the wrapped forward, which gathers its shards)."""
+    share = cfg.optim.on_policy
+    if share == 0:
+        return
+    what = f"optim.on_policy={share}"
+    if not CATALOG[cfg.head.name].on_policy:
+        able = ", ".join(name for name, kind in CATALOG.items() if kind.on_policy)
+        raise UserError(f"{what}: a {cfg.head.name} head does not train on-policy ({able} does); "
+                        "set optim.on_policy=0")
+    if cfg.budget_s is not None:
+        raise UserError(f"{what}: the time budget's planner does not price on-policy steps yet; set "
+                        "budget=null, or size the run with data.max_samples and optim.epochs")
+    if cfg.data.hidden_states == "online" and cfg.data.capture.backend == "server":
+        raise UserError(f"{what}: the on-policy stage runs the whole target here, and "
+                        "data.capture.backend=server keeps it on the servers; set data.capture.backend=hf")
+    if cfg.optim.packing:
+        raise UserError(f"{what}: the on-policy stage cuts padded rows; set optim.packing=false")
+    if cfg.dist.zero_stage == 3:
+        raise UserError(f"{what}: the head drafts outside ZeRO-3's gathered forward; use dist=zero2 or ddp")
 
 
 def build_drafter(kind: HeadKind, head: nn.Module, target, shapes: Sequence[Shape] = ()):

@@ -8,7 +8,7 @@ full vocabulary, comes with the batch (`data_prep.states.capture.TOP`), computed
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from conf.errors import UserError
-from data_prep.states.capture import TOP
+from data_prep.states.capture import NONFINITE, TOP
 from heads.eagle3.model import Branches, Eagle3Head, branch_scores, context_attention, fused_kernels
 from heads.formats import read_init_head
 from heads.window import near, window_of
@@ -38,6 +38,9 @@ from trainer.trainee import (
     shift_left,
     trained_mask,
 )
+
+ANCHORS = "on_policy_anchors"  # [B]: where each on-policy row's draft starts (`on_policy_rows`)
+LABEL_WEIGHT = "label_weight"  # [B,T] float: a weight on each label's rows (`on_policy_batch`)
 
 
 def context_mask(
@@ -319,6 +322,8 @@ class Eagle3Trainee(HeadTrainee, nn.Module):
         teacher_p, teacher_top = self.teacher(final, batch[TOP].flatten().index_select(0, before))
         answer = batch["loss_mask"].flatten().index_select(0, labels)
         weight = self.objective.row_weights(answer)
+        if LABEL_WEIGHT in batch:  # on-policy rows: each draft counted up to the first rejected
+            weight = weight * batch[LABEL_WEIGHT].flatten().index_select(0, labels)
         inside = teacher_top >= 0  # the target's choice is inside the draft vocabulary
         loss = teacher_p.new_zeros(())
         correct = teacher_p.new_zeros(self.ttt_length)
@@ -338,6 +343,78 @@ class Eagle3Trainee(HeadTrainee, nn.Module):
 
     def drafter(self, target) -> tuple[Eagle3Drafter, object]:
         return Eagle3Drafter(self.head), target
+
+    @torch.no_grad()
+    def draft_chain(self, aux_hidden: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Target ids [B, ttt_length]: the argmax chain the head drafts at row b after position
+        `anchors[b]`, with the verified context ids[b, :anchors[b] + 2] and its target features
+        `aux_hidden` [B,T,3H]: the draft at anchor+2, then each next one from the hidden state
+        and the token the step before fed back, as `Eagle3Drafter.propose` grows a chain (the
+        unroll's branch attention is the chain decoder's cache, `unroll`). Each step's token is
+        written into the ids the next step reads (`step_input` reads them lazily), into K
+        columns of padding, so a row cut at its last token drafts past it."""
+        k = self.ttt_length
+        ids = F.pad(ids, (0, k))
+        at = anchors[:, None]
+        later = (at, torch.ones_like(at, dtype=torch.bool))
+        drafts = []
+        for step, hidden, _, _ in self.unroll_gathered(F.pad(aux_hidden, (0, 0, 0, k)), ids, later):
+            if step == 0:  # step 0 ran every position: the anchor's
+                hidden = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
+            token = self.head.to_target_ids(self.head.logits(hidden[:, 0]).argmax(-1))
+            ids.scatter_(1, at + 2 + step, token[:, None])
+            drafts.append(token)
+        return torch.stack(drafts, 1)
+
+    def on_policy_rows(self, batch: Batch, generator: torch.Generator) -> Batch:
+        """`on_policy_rows` of a loader batch, drafting `ttt_length` tokens: the steps the
+        unroll trains, and the chain the decoder's default k drafts."""
+        return on_policy_rows(batch, self.ttt_length, generator)
+
+    def on_policy_batch(self, batch: Batch, rows: Batch, capture: Callable[[Batch], Batch]) -> Batch:
+        """The batch an on-policy step trains on, on the device: `rows` (`on_policy_rows`, laid
+        out on the host from the loader's `batch`) with the head's drafts (`draft_chain`, from
+        `batch`'s target features) in their draft columns, the fields the target's `capture`
+        computes over them (its distributions and states where the drafts took it), and
+        `LABEL_WEIGHT`: draft j counts where drafts 1..j-1 equal the target's greedy choice
+        there (the first rejected one is where the head learns most; after it, context serving
+        never reaches). Reads nothing back: the layout came from the host."""
+        anchors = rows[ANCHORS]
+        drafts = self.draft_chain(batch["aux_hidden"], batch["input_ids"], anchors)
+        cols = anchors[:, None] + 2 + torch.arange(drafts.shape[1], device=drafts.device)
+        ids = rows["input_ids"].scatter(1, cols, drafts)
+        fields = capture({"input_ids": ids, "attention_mask": rows["attention_mask"]})
+        fields.pop(NONFINITE, None)  # the loss's own check stops the run on what would overflow here
+        accepted = (drafts == fields[TOP].gather(1, cols - 1)).float()
+        reached = torch.cat([torch.ones_like(accepted[:, :1]), accepted[:, :-1]], 1).cumprod(1)
+        weight = torch.zeros_like(ids, dtype=torch.float32).scatter(1, cols, reached)
+        return {**rows, "input_ids": ids, **fields, LABEL_WEIGHT: weight}
+
+
+def on_policy_rows(batch: Batch, drafts: int, generator: torch.Generator) -> Batch:
+    """The host's half of an on-policy batch (`Eagle3Trainee.on_policy_batch`): each row of
+    the loader's padded `batch` cut after a random anchor t with an answer token at t+1 (the
+    verified token the draft follows; a row without one: its last two tokens), then `drafts`
+    columns for the head's drafts (zero until drafted), labelled (`loss_mask`) there and nowhere
+    else; `ANCHORS` [B], and `ttt_batch_index`'s fields of that layout (a fact of the anchors,
+    not of the drafted tokens), computed here where reading the mask costs no device wait.
+    `generator` picks the anchors: seeded by the step, a resumed run cuts the same rows."""
+    ids, keep = batch["input_ids"], batch["attention_mask"].bool()
+    follows = shift_left(batch["loss_mask"] & keep, 1, False)
+    pick = torch.where(follows, torch.rand(ids.shape, generator=generator), -1.0).argmax(1)
+    last = (keep.sum(1) - 2).clamp(min=0)
+    anchors = torch.where(follows.any(1), pick, last)
+    cut = anchors + 2
+    width = int(cut.max()) + drafts
+    cols = torch.arange(width)[None]
+    prefix = F.pad(ids, (0, max(0, width - ids.shape[1])))[:, :width]
+    rows = {
+        "input_ids": torch.where(cols < cut[:, None], prefix, 0),
+        "attention_mask": (cols < cut[:, None] + drafts).long(),
+        "loss_mask": (cols >= cut[:, None]) & (cols < cut[:, None] + drafts),
+        ANCHORS: anchors,
+    }
+    return rows | ttt_batch_index(rows, drafts)
 
 
 def init_vocab(cfg, target) -> tuple[torch.Tensor, torch.Tensor]:

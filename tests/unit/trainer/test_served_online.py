@@ -170,6 +170,7 @@ def test_a_rank_holds_the_parts_a_head_needs_and_trains_as_with_the_target(
         ("eagle3", ("pipeline.evaluate=true",), "offline", False, False),
         ("eagle3", ("optim.val_decode_prompts=2",), "offline", True, True),  # rank 0 decodes with it
         ("eagle3", (), "online", False, True),  # it computes the states
+        ("eagle3", ("optim.on_policy=0.5",), "offline", False, True),  # it runs it on the drafts
         ("medusa", ("head.joint=true",), "offline", False, True),  # Medusa-2 trains the target
     ],
 )

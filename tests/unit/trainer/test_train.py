@@ -52,6 +52,10 @@ BAD_OVERRIDES = [
     ("optim.val_decode_prompts=-1", "optim.val_decode_prompts=-1"),
     ("optim.val_decode_prompts=4 data.val_fraction=0", "optim.val_decode_prompts=4"),
     ("optim.val_decode_prompts=4 dist=zero3", "optim.val_decode_prompts=4"),
+    ("optim.on_policy=2", "optim.on_policy=2"),
+    ("+head=medusa optim.on_policy=0.5 budget=null", "optim.on_policy=0.5: a medusa head does not train"),
+    ("optim.on_policy=0.5", "optim.on_policy=0.5: the time budget's planner does not price"),
+    ("optim.on_policy=0.5 budget=null optim.packing=true", "set optim.packing=false"),
 ]
 
 
