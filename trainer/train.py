@@ -54,7 +54,7 @@ from trainer.plan import note_stop, plan_run, recheck
 from trainer.plan.memory import check_memory_plan
 from trainer.plan.policy import PlanRecord
 from trainer.training_plot import plot_training
-from trainer.val_decode import build_val_decoder
+from trainer.val_decode import build_val_decoder, resolve_decoding
 
 
 def prepare_data(cfg: RootConfig, acc, target: Target, kind: HeadKind, ranks: Ranks) -> DataFolder:
@@ -112,7 +112,7 @@ def decodes_on_static_caches(cfg: RootConfig) -> bool:
     themselves and refuse what they cannot mask."""
     regen = cfg.data.regenerate
     own_regen = regen.enabled and regen.backend == "hf"
-    return own_regen or cfg.optim.val_decode_prompts > 0 or cfg.pipeline.evaluate
+    return own_regen or cfg.val_decode_prompts > 0 or cfg.pipeline.evaluate
 
 
 def export_all(cfg: RootConfig, head_dir: Path, run_dir: Path, target_model) -> list[str]:
@@ -253,6 +253,9 @@ def run(cfg: RootConfig) -> dict:
     if budget is not None:
         stages.done("probes")
     cfg = sizes.apply(cfg)
+    cfg, line = resolve_decoding(cfg, None if budget is None else budget.plan.decodes)
+    if line is not None and acc.is_main_process:
+        print(line)
     data = prepare_data(cfg, acc, target, kind, ranks)
     stages.done("data")
     train_ds = CapturedDataset(data.path, "train")

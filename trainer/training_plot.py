@@ -1,9 +1,11 @@
 """training.png beside summary.json: the training loss and the validation acceptance against step,
 drawn from history.json, for the person who would rather look than read JSON.
 
-Validation acceptance is the simulated chain acceptance length the head is kept by (and the
-decoded one where `optim.val_decode_prompts` measured it): the curve that says whether more steps
-or more data would have helped.
+Validation acceptance is the simulated chain acceptance length (teacher-forced: every draft step
+reads the true prefix) and, where decoded validation ran (`optim.val_decode_prompts`, on by
+default), the decoded one, side by side: the gap between them is what serving loses to drafts
+that read their own earlier guesses, and the curves say whether more steps or more data would
+have helped, and which one the kept head was chosen by.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from conf.files import atomic_write
+from trainer.collapse import SIM
 from trainer.selection import DECODED
 
-ACCEPTANCE = {"sim_acceptance_length": "simulated", DECODED: "decoded"}
+ACCEPTANCE = {SIM: "simulated (teacher-forced)", DECODED: "decoded"}
 
 
 def plot_training(history: list[dict], path: Path) -> Path:
