@@ -288,7 +288,8 @@ def run(cfg: RootConfig) -> dict:
         report = None
         plot_training(read_history(run_dir, result.steps), run_dir / "training.png")
         if cfg.pipeline.evaluate:
-            report = evaluate(cfg, result.head_dir, run_dir / "eval", target=target)
+            report = evaluate(cfg, result.head_dir, run_dir / "eval", target=target,
+                              kept=result.kept_validation)
             summary["eval_dir"] = str(run_dir / "eval")
             summary["mean_acceptance_length"] = report["overall"]["mean_acceptance_length"]
             stages.done("evaluate")

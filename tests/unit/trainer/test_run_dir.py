@@ -1,7 +1,8 @@
 """A run ends speaking to a person: a few plain lines (the record stays in summary.json) saying τ,
-whether it was lossless, where the head and exports are and how to serve them. That one run_dir
-holds one run (a second refused in one line, `resume=true` continuing it) is
-tests/e2e/test_run_dir.py's: three main jobs and the command as typed. A head in its run folder
+how far the kept head's simulated τ was from what decodes, whether it was lossless, where the head
+and exports are and how to serve them. That one run_dir holds one run (a second refused in one
+line, `resume=true` continuing it) is tests/e2e/test_run_dir.py's: three main jobs and the command
+as typed. A head in its run folder
 evaluates into that run."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import shutil
 
 from trainer.closing import closing_lines
+from trainer.evaluate.report import validation_gap
 
 REPORT = {
     "lossless": True,
@@ -38,6 +40,18 @@ def test_the_closing_lines_say_tau_lossless_where_and_how_to_serve(tmp_path):
         f"head: {tmp_path / 'head'}; exports: {export}",
         "serve: vllm serve /x/speculators",
         f"details: {tmp_path / 'summary.json'}, {tmp_path / 'training.png'}",
+    ]
+    kept = {"step": 40, "simulated": 1.85, "decoded": 1.51}
+    gapped = {**REPORT, "validation_gap": validation_gap(kept, 1.4361)}
+    assert closing_lines(summary, gapped)[1] == (
+        "τ gap: the kept head (step 40): simulated τ 1.850 (teacher-forced), decoded 1.510 on validation "
+        "prompts, evaluated 1.436; the simulated τ overstates the evaluated one by +0.414"
+    )
+    unevaluated = closing_lines({**summary, "kept_validation": kept}, None)
+    assert unevaluated[:2] == [
+        "done in 18.7 min: not evaluated",
+        "τ gap: the kept head (step 40): simulated τ 1.850 (teacher-forced), decoded 1.510 on validation "
+        "prompts; the simulated τ overstates the decoded one by +0.340",
     ]
     broken = {**REPORT, "lossless": False, "mismatches": [{"task": "gsm8k", "prompt": 2, "against": "x"}]}
     eval_md = tmp_path / "eval" / "eval.md"
