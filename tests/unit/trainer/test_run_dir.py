@@ -2,8 +2,7 @@
 how far the kept head's simulated τ was from what decodes, whether it was lossless, where the head
 and exports are and how to serve them. That one run_dir holds one run (a second refused in one
 line, `resume=true` continuing it) is tests/e2e/test_run_dir.py's: three main jobs and the command
-as typed. A head in its run folder
-evaluates into that run."""
+as typed. A head in its run folder evaluates into that run."""
 
 from __future__ import annotations
 
