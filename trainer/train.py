@@ -54,7 +54,7 @@ from trainer.plan import note_stop, plan_run, recheck
 from trainer.plan.memory import check_memory_plan
 from trainer.plan.policy import PlanRecord
 from trainer.training_plot import plot_training
-from trainer.val_decode import build_val_decoder, resolve_decoding
+from trainer.val_decode import decoder_or_off, resolve_decoding
 
 
 def prepare_data(cfg: RootConfig, acc, target: Target, kind: HeadKind, ranks: Ranks) -> DataFolder:
@@ -252,7 +252,7 @@ def run(cfg: RootConfig) -> dict:
     sizes, budget = decide_sizes(cfg, acc, target, started, kind, ranks)
     if budget is not None:
         stages.done("probes")
-    cfg = sizes.apply(cfg)
+    asked, cfg = cfg, sizes.apply(cfg)
     cfg, line = resolve_decoding(cfg, None if budget is None else budget.plan.decodes)
     if line is not None and acc.is_main_process:
         print(line)
@@ -265,7 +265,9 @@ def run(cfg: RootConfig) -> dict:
         cfg = sizes.apply(cfg)
     model = held_target(cfg, target, spec, data.hidden_states, acc.is_main_process)
     trainee = build_trainee(cfg, model, data.path)
-    val_decode = build_val_decoder(cfg, trainee, (model, target.tokenizer), val_ds)
+    cfg, val_decode, line = decoder_or_off(asked, cfg, trainee, (model, target.tokenizer), val_ds)
+    if line is not None and acc.is_main_process:
+        print(line)
     if served_online(cfg, data.hidden_states):
         capture = served_capture(cfg, target, data.manifest, model)
     else:

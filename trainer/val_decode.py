@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from conf.errors import UserError
 from conf.schema import RootConfig, derive
 from data_prep.target import eos_token_ids
 from trainer.decoding import GREEDY, MedusaDrafter, speculative_generate
@@ -111,7 +112,29 @@ def resolve_decoding(cfg: RootConfig, planned: bool | None = None) -> tuple[Root
         if why is None and planned is False:
             n, why = 0, f"the plan prices it over {VAL_DECODE_SHARE:.0%} of budget={cfg.budget}"
         if why is not None:
-            line = (f"decoded validation off ({why}): validation reports the simulated acceptance length "
-                    f"only{' and keeps the head by it' if cfg.optim.select_by == 'auto' else ''}")
+            line = off_line(why, cfg.optim.select_by)
     by = chosen_by(cfg.optim.select_by, n > 0)
     return derive(cfg, {"optim.val_decode_prompts": n, "optim.select_by": by}), line
+
+
+def off_line(why: str, select_by: str) -> str:
+    """The one line a run whose default decoded validation is off prints."""
+    kept = " and keeps the head by it" if select_by == "auto" else ""
+    return f"decoded validation off ({why}): validation reports the simulated acceptance length only{kept}"
+
+
+def decoder_or_off(asked: RootConfig, cfg: RootConfig, trainee, target,
+                   val_ds) -> tuple[RootConfig, ValDecoder | None, str | None]:
+    """(the run's config, its decoded validation, None) as `build_val_decoder` builds it; where
+    decoded validation was left to its default (`asked`: the config as the user gave it) and the
+    head cannot draft the evaluator's shape (fewer Medusa heads than the tree), off instead of
+    refused: the config derived again, and the line that says so. The user's own number, or
+    `optim.select_by=decoded`, is refused as before."""
+    try:
+        return cfg, build_val_decoder(cfg, trainee, target, val_ds), None
+    except UserError as err:
+        o = asked.optim
+        if o.val_decode_prompts is not None or o.select_by == "decoded":
+            raise
+        off = derive(cfg, {"optim.val_decode_prompts": 0, "optim.select_by": chosen_by(o.select_by, False)})
+        return off, None, off_line(str(err), o.select_by)

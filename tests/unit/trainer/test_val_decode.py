@@ -33,7 +33,14 @@ from trainer.distributed import build_accelerator
 from trainer.kinds.medusa import MedusaTrainee
 from trainer.loop import FitReport, fit
 from trainer.selection import DECODED, chosen_by, kept_validation, selection_score
-from trainer.val_decode import ValDecoder, build_val_decoder, prompt_ids, resolve_decoding, spread
+from trainer.val_decode import (
+    ValDecoder,
+    build_val_decoder,
+    decoder_or_off,
+    prompt_ids,
+    resolve_decoding,
+    spread,
+)
 
 VOCAB = 256
 
@@ -231,6 +238,19 @@ def test_medusa_heads_decode_with_their_tree(target):
     small = MedusaHead.from_target(target, "tiny", MedusaConfig(num_heads=2))
     with pytest.raises(UserError, match="Medusa heads"):
         build_val_decoder(cfg, MedusaTrainee(small, 0.8), (target, tokenizer), Samples(target, 1, 4))
+    # left to its default, decoded validation goes off in one line instead, the head kept by the
+    # simulated figure; asked for (a number, or select_by=decoded), it is refused as above
+    asked = RootConfig(head=MedusaConfig(num_heads=2))
+    run, _ = resolve_decoding(asked)
+    off, decoder, line = decoder_or_off(asked, run, MedusaTrainee(small, 0.8), (target, tokenizer),
+                                        Samples(target, 1, 4))
+    assert decoder is None and (off.optim.val_decode_prompts, off.optim.select_by) == (0, "simulated")
+    assert line.startswith("decoded validation off (eval.tree needs ") and "keeps the head by it" in line
+    for change in ({"optim.val_decode_prompts": 3}, {"optim.select_by": "decoded"}):
+        chosen = derive(asked, change)
+        with pytest.raises(UserError, match="Medusa heads"):
+            decoder_or_off(chosen, resolve_decoding(chosen)[0], MedusaTrainee(small, 0.8),
+                           (target, tokenizer), Samples(target, 1, 4))
 
 
 def test_a_deadline_makes_the_step_that_passes_it_the_last(target, tmp_path):
