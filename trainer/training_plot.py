@@ -19,6 +19,15 @@ from trainer.selection import DECODED
 ACCEPTANCE = {SIM: "simulated (teacher-forced)", DECODED: "decoded"}
 
 
+def acceptance_curves(history: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """The validation acceptance curves the right panel draws, by label: (step, τ) where that
+    validation measured it."""
+    val = [(h["step"], h["val"]) for h in history if "val" in h]
+    curves = {label: [(s, m[key]) for s, m in val if m.get(key) is not None]
+              for key, label in ACCEPTANCE.items()}
+    return {label: points for label, points in curves.items() if points}
+
+
 def plot_training(history: list[dict], path: Path) -> Path:
     """Two panels against step: train and validation loss; validation acceptance length."""
     import matplotlib
@@ -35,10 +44,8 @@ def plot_training(history: list[dict], path: Path) -> Path:
         loss_ax.plot([s for s, _ in val], [m.get("loss") for _, m in val], marker="o", label="validation")
     loss_ax.set(xlabel="step", ylabel="loss", title="Loss")
     loss_ax.legend()
-    for key, label in ACCEPTANCE.items():
-        points = [(s, m[key]) for s, m in val if m.get(key) is not None]
-        if points:
-            acc_ax.plot(*zip(*points), marker="o", label=label)
+    for label, points in acceptance_curves(history).items():
+        acc_ax.plot(*zip(*points), marker="o", label=label)
     acc_ax.set(xlabel="step", ylabel="acceptance length (τ)", title="Validation acceptance")
     if acc_ax.lines:
         acc_ax.legend()
