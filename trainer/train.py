@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from conf.compose import hydra_main
 from conf.device_defaults import cpu_sized_line
 from conf.errors import UserError, exit_on_user_error
-from conf.schema import RootConfig, to_root_config
+from conf.schema import RootConfig, derive, to_root_config
 from conf.sizes import Sizes
 from data_prep.conversations.ranks import Ranks
 from data_prep.folders.folder import DataFolder
@@ -54,7 +54,7 @@ from trainer.plan import note_stop, plan_run, recheck
 from trainer.plan.memory import check_memory_plan
 from trainer.plan.policy import PlanRecord
 from trainer.training_plot import plot_training
-from trainer.val_decode import decoder_or_off, resolve_decoding
+from trainer.val_decode import decoder_or_off, off_line, resolve_decoding
 
 
 def prepare_data(cfg: RootConfig, acc, target: Target, kind: HeadKind, ranks: Ranks) -> DataFolder:
@@ -113,6 +113,24 @@ def decodes_on_static_caches(cfg: RootConfig) -> bool:
     regen = cfg.data.regenerate
     own_regen = regen.enabled and regen.backend == "hf"
     return own_regen or cfg.val_decode_prompts > 0 or cfg.pipeline.evaluate
+
+
+def check_decoders(cfg: RootConfig, target: Target, main: bool) -> RootConfig:
+    """Refuse a target that draftsmith's decoders cannot mask (`attention_layout`) where this
+    run decodes with them, before any weights load. Where decoded validation left to its default
+    would be the only one, it goes off instead, in one line (rank 0's): the config it returns."""
+    if not decodes_on_static_caches(cfg):
+        return cfg
+    try:
+        attention_layout(target.config, target.attn_implementation)
+    except UserError as err:
+        off = derive(cfg, {"optim.val_decode_prompts": 0})
+        if cfg.optim.val_decode_prompts is not None or decodes_on_static_caches(off):
+            raise
+        if main:
+            print(off_line(str(err).partition("; use ")[0], cfg.optim.select_by))
+        return off
+    return cfg
 
 
 def export_all(cfg: RootConfig, head_dir: Path, run_dir: Path, target_model) -> list[str]:
@@ -239,8 +257,7 @@ def run(cfg: RootConfig) -> dict:
     if acc.is_main_process and (line := cpu_sized_line(cfg, acc.device.type == "cuda")):
         print(line)  # a GPU run on the CPU-sized defaults: the preset, named once
     target = resolve_target(cfg, acc.device)  # once: every stage below gets this one
-    if decodes_on_static_caches(cfg):
-        attention_layout(target.config, target.attn_implementation)  # refused before any weights load
+    cfg = check_decoders(cfg, target, acc.is_main_process)  # refused before any weights load
     kind.check_target(cfg.head, target.config)
     check_max_length(cfg.data.max_length, target.config)
     check_init_from(cfg, target.config)  # head.init_from: refused before any data stage
