@@ -71,3 +71,17 @@ def test_a_head_in_its_run_folder_evaluates_into_that_run(tiny_model, tiny_llama
     assert compose_for_head(str(head), [f"run_dir={tmp_path / 'x'}"]).run_dir == str(tmp_path / "x")
     loose = shutil.copytree(head, tmp_path / "loose" / "head")
     assert compose_for_head(str(loose), []).run_dir == "outputs/eagle3"
+
+
+def test_the_evaluator_finds_the_gap_of_the_head_its_run_kept(tmp_path):
+    """`python -m trainer.evaluate head=<run_dir>/head` reports the kept head's gap again; a head
+    its run did not keep (a copy, another folder) has none to report."""
+    from trainer.evaluate.__main__ import kept_validation_of
+
+    kept = {"step": 40, "simulated": 1.85, "decoded": 1.51}
+    (tmp_path / "head").mkdir()
+    record = {"head_dir": str(tmp_path / "head"), "kept_validation": kept}
+    (tmp_path / "summary.json").write_text(json.dumps(record))
+    assert kept_validation_of(str(tmp_path / "head")) == kept
+    assert kept_validation_of(str(tmp_path / "elsewhere")) is None
+    assert kept_validation_of(str(tmp_path / "nowhere" / "head")) is None
