@@ -343,17 +343,18 @@ class OptimConfig(Checked):
     # Decoded validation: at every validation the built-in decoder runs this many validation
     # prompts (the eval.* shape, greedy, `val_decode_tokens` each) with the current head and logs
     # their pooled acceptance length beside the simulated one; 0 = off. null = 8
-    # (`DEFAULT_VAL_DECODE_PROMPTS`) where this run can decode, else off with one line: not under
-    # ZeRO-3 (rank 0 decodes with the whole head), nor without a validation split, a target on one
-    # device or held here; and under a time budget only where the plan prices it under
-    # `trainer.val_decode.VAL_DECODE_SHARE` (15%) of the budget. Why on by default: the simulated τ
-    # is teacher-forced and overstated the decoded one by 0.34 on the README's main job (1.85 vs
-    # 1.51), and it can go on rising after what decodes has peaked. Rank 0 decodes, one prompt at a
-    # time (the decoder is batch 1); every rank receives the value.
+    # (`DEFAULT_VAL_DECODE_PROMPTS`) where this run can decode, else off with one line (ZeRO-3,
+    # which partitions the head rank 0 decodes with; no validation split; a target split over
+    # devices or served; an attention or a head shape the decoder cannot run), and under a time
+    # budget only where the plan prices it under `trainer.val_decode.VAL_DECODE_SHARE` (15%) of
+    # the budget. Why on by default: the simulated τ is teacher-forced (it said 1.85 on the
+    # README's main job where the evaluation decoded 1.51), and it can go on rising after what
+    # decodes has peaked. Rank 0 decodes, one prompt at a time (the decoder is batch 1).
     val_decode_prompts: int | None = None
     DEFAULT_VAL_DECODE_PROMPTS: ClassVar[int] = 8
-    # Tokens each decoded-validation prompt writes: short, so that 8 prompts cost a few seconds a
-    # validation on a CPU; enough steps for a pooled τ over 8 x 32 tokens.
+    # Tokens each decoded-validation prompt writes: short, so that a validation's 8 prompts cost
+    # ~10 s at most on the README's main job (2 cores, ~38 ms a draft-and-verify step), while 256
+    # tokens still pool a τ over ~150 verify steps.
     val_decode_tokens: int = 32
     # What picks the kept head: simulated (the trainee's simulated acceptance length on the
     # validation split, cheap) | decoded (the decoded one: needs decoded validation) | auto

@@ -5,7 +5,8 @@ A trainee is an nn.Module whose forward(batch) returns {"loss", metric sums...},
 `save_pretrained(dir, state=None)`, `batch_index` and `drafter(target)` (see
 `trainer.trainee.Trainee`). The loop knows nothing else about heads. The kept head is the best by
 `optim.select_by`: the simulated `score`, or the acceptance length the built-in decoder measures
-on validation prompts (`val_decode`, see `trainer.val_decode`).
+on validation prompts (`val_decode`, see `trainer.val_decode`), which `auto` (the default) takes
+wherever it runs.
 
 Online (`data.hidden_states=online`) the loop also holds a `capture`: the frozen target's
 per-batch forward (`data_prep.folders.store.online_capture`), run on each batch's ids before the

@@ -2,20 +2,24 @@
 training, so that the kept head can be the one that decodes best (`optim.select_by`).
 
 The simulated acceptance length is teacher-forced: each draft step reads the true prefix, not the
-head's own earlier guesses. It overstated what decodes by 0.34 on the README's main job (1.85
-against 1.51), and it can go on rising while real acceptance has peaked and falls (heads trained
-past their best). This runs the evaluator's own decoder (`trainer.decoding`), shape and counting,
-greedy, on prompts of the validation split: what the data's answers continue from, never the
-evaluation's tasks.
+head's own earlier guesses. On the README's main job it said 1.85 where the evaluation decoded
+1.51 (issue #60), and it can go on rising while real acceptance has peaked and falls (heads
+trained past their best). This runs the evaluator's own decoder (`trainer.decoding`), shape and
+counting, greedy, on prompts of the validation split: what the data's answers continue from,
+never the evaluation's tasks.
 
 On by default (`optim.val_decode_prompts=null`: 8 prompts of `optim.val_decode_tokens`=32
 tokens each), and the kept head is the best decoded one (`optim.select_by=auto`), wherever the
-run can decode (`RootConfig.val_decode_off`) and, under a time budget, where the plan prices it
-under `VAL_DECODE_SHARE` of the budget (`trainer.plan.policy.decided_val_decode`); else it is off
-with one line (`resolve_decoding`). Cheap by size, not by batching: the decoder is batch 1 (its
-static KV caches and the drafters' state are one request's), so the prompts run one after the
-other, few and short. Rank 0 decodes (not with ZeRO-3); summary.json names the `best_step`,
-its `kept_validation` (simulated and decoded τ), and checkpoints carry the best so far.
+run can decode and, under a time budget, where the plan prices it under `VAL_DECODE_SHARE` of
+the budget (`trainer.plan.policy.fitting_plan`); else it is off with one line: the config rules
+it out (`RootConfig.val_decode_off`: ZeRO-3, no validation split, a split or served target) or
+the plan does (`resolve_decoding`), the target's attention is one the decoders cannot mask
+(`trainer.train.check_decoders`), or the head cannot draft the evaluator's shape
+(`decoder_or_off`). A number the user gives is never turned off: it is refused where it
+cannot run. Cheap by size, not by batching: the decoder is batch 1 (its static KV caches and the
+drafters' state are one request's), so the prompts run one after the other, few and short.
+Rank 0 decodes; summary.json names the `best_step` and its `kept_validation` (simulated and
+decoded τ), and checkpoints carry the best so far.
 """
 
 from __future__ import annotations
