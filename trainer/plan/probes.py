@@ -51,7 +51,7 @@ from trainer.plan.policy import (
     fitting_plan,
     minutes,
 )
-from trainer.val_decode import build_val_decoder
+from trainer.val_decode import decoder_or_off
 
 PROBE_SAMPLES = MIN_CONVERSATIONS  # conversations in the capture-and-train probe folder, at least
 PROBE_STEPS = 6  # training steps on it, timed after the first (`Throughput.steady_tokens_per_s`)
@@ -179,10 +179,11 @@ def regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path, kind: Hea
 def train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int, kind: HeadKind,
                 ranks: Ranks = SINGLE) -> TrainProbe:
     """A folder of the first `samples` conversations captured (capture tokens/s) and up to
-    `PROBE_STEPS` training steps of the chosen head on it, the last validated and saved. The
-    head it trained stays in run_dir/head for the evaluation probe. Several `ranks` capture and
-    train it together as they will the run (each its share of the shards, then DDP or ZeRO on
-    its own batches: the rates are the world's)."""
+    `PROBE_STEPS` training steps of the chosen head on it, the last validated (decoding the
+    prompts the run's validations will decode) and saved. The head it trained stays in
+    run_dir/head for the evaluation probe. Several `ranks` capture and train it together as they
+    will the run (each its share of the shards, then DDP or ZeRO on its own batches: the rates
+    are the world's)."""
     probe = probe_config(cfg, samples, cfg.data.hidden_states, run_dir)
     data = prepare(probe, target=target, ranks=ranks, keep_states=one_pass(cfg), kind=kind)
     train_ds = CapturedDataset(data.path, "train")
@@ -202,7 +203,8 @@ def train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int, ki
     capture = online_capture(data.manifest, target.model)
     wanted = cfg.val_decode_prompts  # the run's decoded validation, or its default's, to be priced
     decoding = derive(probe, {"optim.val_decode_prompts": wanted})
-    val_decode = build_val_decoder(decoding, trainee, (target.model, target.tokenizer), val_ds)
+    # (a default the head cannot decode is off here as in the run, which says so)
+    _, val_decode, _ = decoder_or_off(cfg, decoding, trainee, (target.model, target.tokenizer), val_ds)
     with contextlib.redirect_stdout(io.StringIO()):  # a few steps' validation lines are not the run's
         result = fit(probe, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode)
     del acc, trainee
