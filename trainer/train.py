@@ -124,8 +124,10 @@ def check_decoders(cfg: RootConfig, target: Target, main: bool) -> RootConfig:
     try:
         attention_layout(target.config, target.attn_implementation)
     except UserError as err:
+        if cfg.optim.val_decode_prompts is not None or cfg.optim.select_by == "decoded":
+            raise  # asked for
         off = derive(cfg, {"optim.val_decode_prompts": 0})
-        if cfg.optim.val_decode_prompts is not None or decodes_on_static_caches(off):
+        if decodes_on_static_caches(off):
             raise
         if main:
             print(off_line(str(err).partition("; use ")[0], cfg.optim.select_by))

@@ -114,8 +114,8 @@ class Plan:
             f"= {self.total_s / 60:.1f} of {self.budget_s / 60:.0f} min"
         )
 
-
     def _decoding(self) -> str:
+        """The decoded validations' share of `train_s`, where the run decodes."""
         return f" (decoded validation ~{minutes(self.val_decode_s)})" if self.decodes else ""
 
 
