@@ -45,8 +45,8 @@ WANDB_MODES = ("disabled", "offline", "online")
 EVAL_BASELINES = ("greedy", "prompt_lookup")
 EVAL_MODES = ("auto", "chain", "tree")
 EVAL_REFERENCES = ("greedy", "generate")
-# What picks the kept head (trainer/loop.py).
-SELECT_BY = ("simulated", "decoded")
+# What picks the kept head (trainer/loop.py): auto is decoded where decoded validation runs.
+SELECT_BY = ("auto", "simulated", "decoded")
 # The data fields that decide how prompts and rows render (`data_prep.template.ChatTemplate`).
 TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "template_date")
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
@@ -342,12 +342,25 @@ class OptimConfig(Checked):
     save_every_min: float | None = None
     loader_workers: int = 0
     # Decoded validation: at every validation the built-in decoder runs this many validation
-    # prompts (the eval.* shape, greedy, eval.max_new_tokens) with the current head and logs
-    # their mean acceptance length; 0 = off. Rank 0 decodes, every rank receives the value.
-    val_decode_prompts: int = 0
+    # prompts (the eval.* shape, greedy, `val_decode_tokens` each) with the current head and logs
+    # their pooled acceptance length beside the simulated one; 0 = off. null = 8
+    # (`DEFAULT_VAL_DECODE_PROMPTS`) where this run can decode, else off with one line (ZeRO-3,
+    # which partitions the head rank 0 decodes with; no validation split; a target split over
+    # devices or served; an attention or a head shape the decoder cannot run), and under a time
+    # budget only where the plan prices it under `trainer.val_decode.VAL_DECODE_SHARE` (15%) of
+    # the budget. Why on by default: the simulated τ is teacher-forced (it said 1.85 on the
+    # README's main job where the evaluation decoded 1.51), and it can go on rising after what
+    # decodes has peaked. Rank 0 decodes, one prompt at a time (the decoder is batch 1).
+    val_decode_prompts: int | None = None
+    DEFAULT_VAL_DECODE_PROMPTS: ClassVar[int] = 8
+    # Tokens each decoded-validation prompt writes: short, so that a validation's 8 prompts cost
+    # ~10 s at most on the README's main job (2 cores, ~38 ms a draft-and-verify step), while 256
+    # tokens still pool a τ over ~150 verify steps.
+    val_decode_tokens: int = 32
     # What picks the kept head: simulated (the trainee's simulated acceptance length on the
-    # validation split, cheap) | decoded (the decoded one: needs val_decode_prompts > 0).
-    select_by: str = "simulated"
+    # validation split, cheap) | decoded (the decoded one: needs decoded validation) | auto
+    # (decoded wherever decoded validation runs, else simulated).
+    select_by: str = "auto"
     # Optimizer steps with a non-finite gradient norm that may be skipped before a non-finite value
     # stops the run (trainer/health.py). 0 = none: the first one stops it. > 0 reads the gradient
     # norm back from the device every step (the one read a step then makes).
@@ -376,7 +389,9 @@ class OptimConfig(Checked):
                       "null (per device) or a number of batches >= 0 (0 = the whole split)")
         self._require("save_every_min", lambda v: v is None or v >= 0,
                       "null (per device) or minutes >= 0 (0 = every optim.save_every steps)")
-        self._at_least(0, "val_decode_prompts")
+        self._require("val_decode_prompts", lambda v: v is None or v >= 0,
+                      "null (8 where this run can decode) or a number of prompts >= 0 (0 = off)")
+        self._at_least(1, "val_decode_tokens")
         self._require("on_policy", lambda v: 0 <= v <= 1, "a share of the steps in [0, 1] (0 = off)")
         self._one_of("select_by", SELECT_BY)
         if self.select_by == "decoded" and self.val_decode_prompts == 0:
@@ -562,24 +577,50 @@ class RootConfig:
             return None
         return duration_seconds(self.budget)
 
+    def val_decode_blocker(self) -> str | None:
+        """Why this run cannot decode validation prompts, which refuses an explicit
+        `optim.val_decode_prompts` and turns its default (null) off; None: it can. (A
+        `target.device_map` is refused by `TargetConfig.one_device`, states from servers by
+        `trainer.train.check_served_online`, each in its own words; both turn the default off.)"""
+        if self.data.val_fraction == 0:
+            return "decoded validation reads validation prompts, and data.val_fraction=0 holds none out"
+        if self.dist.zero_stage == 3:
+            return "rank 0 decodes with the whole head, which ZeRO-3 partitions; use dist=zero2 or dist=ddp"
+        return None
+
+    def val_decode_off(self) -> str | None:
+        """Why the default (null) `optim.val_decode_prompts` is off in this run (None: on): the
+        blockers, a target split over devices, or states from servers (the target not held)."""
+        d = self.data
+        if self.target.device_map is not None:
+            return f"target.device_map={self.target.device_map} splits the target that decoding runs whole"
+        if d.hidden_states == "online" and d.capture.backend == "server":
+            return "the states come from servers, and decoding runs the whole target here"
+        return self.val_decode_blocker()
+
+    @property
+    def val_decode_prompts(self) -> int:
+        """The validation prompts each validation decodes: `optim.val_decode_prompts`, or where
+        it is null (auto) its default unless `val_decode_off`, then 0. A time budget may still
+        turn the default off (`trainer.val_decode.resolve_decoding`)."""
+        n = self.optim.val_decode_prompts
+        if n is not None:
+            return n
+        return 0 if self.val_decode_off() else OptimConfig.DEFAULT_VAL_DECODE_PROMPTS
+
     def __post_init__(self) -> None:
         if not self.run_dir:
             raise UserError("run_dir='': expected a folder")
         if self.budget is not None and self.budget != "off" and duration_seconds(self.budget) is None:
             raise UserError(f"budget={self.budget!r}: expected a duration like 20m, 1h or 1h30m, or null")
-        if self.optim.val_decode_prompts and self.data.val_fraction == 0:
-            raise UserError(
-                f"optim.val_decode_prompts={self.optim.val_decode_prompts}: decoded validation "
-                "reads validation prompts, and data.val_fraction=0 holds none out"
-            )
-        if self.optim.val_decode_prompts and self.dist.zero_stage == 3:
-            raise UserError(
-                f"optim.val_decode_prompts={self.optim.val_decode_prompts}: rank 0 decodes with "
-                "the whole head, which ZeRO-3 partitions; use dist=zero2 or dist=ddp"
-            )
         if self.optim.val_decode_prompts:
             self.target.one_device(f"decoded validation (optim.val_decode_prompts="
                                    f"{self.optim.val_decode_prompts})", "set optim.val_decode_prompts=0")
+            if (why := self.val_decode_blocker()) is not None:
+                raise UserError(f"optim.val_decode_prompts={self.optim.val_decode_prompts}: {why}")
+        if self.optim.select_by == "decoded" and self.val_decode_prompts == 0:
+            raise UserError(f"optim.select_by='decoded': {self.val_decode_off()}; "
+                            "use optim.select_by=simulated")
         if getattr(self.head, "joint", False):
             self.target.one_device("Medusa-2 joint training (head.joint=true)", "set head.joint=false")
         if self.optim.skip_nonfinite and self.dist.strategy == "deepspeed":

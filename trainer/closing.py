@@ -1,13 +1,16 @@
-"""What a person reads when the main job ends: five plain lines, not the summary's JSON.
+"""What a person reads when the main job ends: a few plain lines, not the summary's JSON.
 
 The run's record stays whole in summary.json (and eval.json); these lines answer the questions a
-user has at that moment: did the head help (τ per task), is it safe (lossless), where is it, and
-how to serve it. Pure text from the dicts the run already holds, so a test checks it without a run.
+user has at that moment: did the head help (τ per task), how far training's teacher-forced τ
+was from what decodes (the gap), is it safe (lossless), where is it, and how to serve it. Pure
+text from the dicts the run already holds, so a test checks it without a run.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from trainer.evaluate.report import gap_sentence, validation_gap
 
 
 def _tau(value) -> str:
@@ -45,11 +48,22 @@ def serve_line(exports: list[str]) -> str | None:
     return min(lines, key=len, default=None)
 
 
+def gap_line(summary: dict, report: dict | None) -> str | None:
+    """The simulated (teacher-forced) τ of the kept head against the evaluated one (eval.json's
+    `validation_gap`), or against the decoded one where nothing was evaluated; None: no
+    simulated figure (no validation kept the head)."""
+    gap = report.get("validation_gap") if report else validation_gap(summary.get("kept_validation"), None)
+    return None if gap is None else f"τ gap: {gap_sentence(gap)}"
+
+
 def closing_lines(summary: dict, report: dict | None) -> list[str]:
     """The end of a main job, from its summary (and the evaluation's eval.json, if it ran)."""
     run_dir = Path(summary["run_dir"])
     minutes = summary["wall_time_s"] / 60
     lines = [f"done in {minutes:.1f} min: " + (tau_line(report) if report else "not evaluated")]
+    gap = gap_line(summary, report)
+    if gap:
+        lines.append(gap)
     if report:
         lines.append(lossless_line(report, summary["eval_dir"]))
     exports = summary.get("exports", [])

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 # The work between steps: kind -> (its seconds field, its count field) in `BetweenSteps`.
 WORK = {
     "validate": ("validate_s", "validations"),
+    "val_decode": ("val_decode_s", "decoded_validations"),
     "save_best": ("save_best_s", "best_saves"),
     "checkpoint": ("checkpoint_s", "checkpoints"),
 }
@@ -26,9 +27,13 @@ WORK = {
 class BetweenSteps:
     """Seconds and counts of the work a fit did between its steps."""
 
-    # validation metrics, decoded validation with `val_decode`, the printed line
+    # validation metrics over the validation split
     validate_s: float = 0.0
     validations: int = 0
+    # decoded validation (`trainer.val_decode`): priced apart, since it grows with the prompts
+    # decoded, not with the split
+    val_decode_s: float = 0.0
+    decoded_validations: int = 0
     # saving run_dir/head when a validation beats the kept head (collective under ZeRO-3)
     save_best_s: float = 0.0
     best_saves: int = 0
@@ -38,11 +43,15 @@ class BetweenSteps:
 
     @property
     def seconds(self) -> float:
-        return self.validate_s + self.save_best_s + self.checkpoint_s
+        return self.validate_s + self.val_decode_s + self.save_best_s + self.checkpoint_s
 
     def per_validation(self) -> float:
         """Seconds one validation took (0.0: none ran)."""
         return self.validate_s / max(self.validations, 1)
+
+    def per_decoded_validation(self) -> float:
+        """Seconds one decoded validation took (0.0: none ran)."""
+        return self.val_decode_s / max(self.decoded_validations, 1)
 
     def per_best_save(self) -> float:
         return self.save_best_s / max(self.best_saves, 1)

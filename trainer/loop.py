@@ -5,7 +5,8 @@ A trainee is an nn.Module whose forward(batch) returns {"loss", metric sums...},
 `save_pretrained(dir, state=None)`, `batch_index` and `drafter(target)` (see
 `trainer.trainee.Trainee`). The loop knows nothing else about heads. The kept head is the best by
 `optim.select_by`: the simulated `score`, or the acceptance length the built-in decoder measures
-on validation prompts (`val_decode`, see `trainer.val_decode`).
+on validation prompts (`val_decode`, see `trainer.val_decode`), which `auto` (the default) takes
+wherever it runs.
 
 Online (`data.hidden_states=online`) the loop also holds a `capture`: the frozen target's
 per-batch forward (`data_prep.folders.store.online_capture`), run on each batch's ids before the
@@ -56,7 +57,15 @@ from trainer.health import NonFiniteGuard, NonFiniteWatch, describe, sample_at
 from trainer.logger import RunLogger
 from trainer.on_policy import OnPolicy, stage_start
 from trainer.saving import CheckpointClock, rank0_share
-from trainer.selection import DECODED, keeps, kept_head_dir, save_best, selection_score
+from trainer.selection import (
+    DECODED,
+    chosen_by,
+    keeps,
+    kept_head_dir,
+    kept_validation,
+    save_best,
+    selection_score,
+)
 from trainer.tally import Tally
 from trainer.trainee import Batch, BatchIndex
 
@@ -233,7 +242,8 @@ class FitReport:
     steps: int  # the step the run ended at (a resumed run restored the earlier ones)
     best_score: float
     best_step: int
-    select_by: str
+    select_by: str  # what chose the kept head: simulated | decoded
+    kept_validation: dict | None  # the kept head's step, simulated and decoded τ (`kept_validation`)
     skipped_steps: int
     acceptance_collapse: dict | None  # `trainer.collapse.CollapseWatch.record`
     train_tokens_per_s: float
@@ -272,6 +282,11 @@ class Run:
     costs: BetweenStepsClock = field(default_factory=BetweenStepsClock)
     pace: Throughput = field(default_factory=Throughput)
     tally: Tally = field(default_factory=Tally)  # the trainee's metrics since the last logging step
+
+    @property
+    def select_by(self) -> str:
+        """What the kept head is chosen by in this run (`selection.chosen_by`)."""
+        return chosen_by(self.cfg.optim.select_by, self.val_decode is not None)
 
     def say(self, line: str | None) -> None:
         """Print `line` (None: nothing) once, from rank 0, above the progress bar."""
@@ -453,15 +468,16 @@ def validate(run: Run) -> None:
     with run.costs.timed("validate"):
         metrics = validation_metrics(acc, run.trainee, run.val_ds, run.cfg, run.capture, run.val_batches)
         run.guard.check_validation(metrics, run.val_ds)
-        if run.val_decode is not None:
+    if run.val_decode is not None:
+        with run.costs.timed("val_decode"):
             metrics[DECODED] = decoded_validation(acc, run.trainee, run.val_decode)
-        run.logger.log(step, metrics, "val")
-        shown = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
-        run.say(
-            f"step {step}: val {shown} (train {run.pace.tokens_per_s():.0f} tokens/s, "
-            f"{run.pace.wait_fraction():.0%} waiting for data)"
-        )
-    if keeps(run.state, selection_score(metrics, run.cfg.optim.select_by)):
+    run.logger.log(step, metrics, "val")
+    shown = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
+    run.say(
+        f"step {step}: val {shown} (train {run.pace.tokens_per_s():.0f} tokens/s, "
+        f"{run.pace.wait_fraction():.0%} waiting for data)"
+    )
+    if keeps(run.state, selection_score(metrics, run.select_by)):
         with run.costs.timed("save_best"):
             save_best(acc, run.trainee, kept_head_dir(run.run_dir))
     run.say(run.collapse.validated(run.history, metrics, step, run.state.best_step))
@@ -496,7 +512,8 @@ def report(run: Run, first_step: int) -> FitReport:
         steps=state.step,
         best_score=state.best_score,
         best_step=state.best_step,
-        select_by=run.cfg.optim.select_by,
+        select_by=run.select_by,
+        kept_validation=kept_validation(run.history, state.best_step),
         skipped_steps=run.guard.watch.skipped,
         acceptance_collapse=run.collapse.record,
         between_steps=spent,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from conf.files import disk_full_is_one_line
 from trainer.checkpoint import RESUME_THEN, TrainState
+from trainer.collapse import SIM
 
 DECODED = "decoded_acceptance_length"  # the validation metric decoded validation adds
 
@@ -19,10 +20,29 @@ def kept_head_dir(run_dir: Path) -> Path:
     return run_dir / "head"
 
 
+def chosen_by(select_by: str, decodes: bool) -> str:
+    """What `optim.select_by` (conf.schema.SELECT_BY) chooses by in a run that decodes in
+    validation (`decodes`) or not: auto is decoded where decoded validation runs."""
+    if select_by == "auto":
+        return "decoded" if decodes else "simulated"
+    return select_by
+
+
 def selection_score(metrics: dict[str, float], select_by: str) -> float | None:
-    """The validation number the kept head is chosen by (higher is better; conf.schema.SELECT_BY):
-    the trainee's simulated `score` or the decoded acceptance length. None: no validation data."""
+    """The validation number the kept head is chosen by (higher is better; `chosen_by`'s
+    answer): the trainee's simulated `score` or the decoded acceptance length. None: no
+    validation data."""
     return metrics.get("score" if select_by == "simulated" else DECODED)
+
+
+def kept_validation(history: list[dict], best_step: int) -> dict | None:
+    """The kept head's validation figures, for the gap the closing lines and eval.md report:
+    its step, the simulated (teacher-forced) and decoded acceptance lengths (None where not
+    measured). None: no validation kept a head."""
+    val = next((h["val"] for h in history if h["step"] == best_step and "val" in h), None)
+    if val is None:
+        return None
+    return {"step": best_step, "simulated": val.get(SIM), "decoded": val.get(DECODED)}
 
 
 def keeps(state: TrainState, score: float | None) -> bool:

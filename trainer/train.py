@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from conf.compose import hydra_main
 from conf.device_defaults import cpu_sized_line
 from conf.errors import UserError, exit_on_user_error
-from conf.schema import RootConfig, to_root_config
+from conf.schema import RootConfig, derive, to_root_config
 from conf.sizes import Sizes
 from data_prep.conversations.ranks import Ranks
 from data_prep.folders.folder import DataFolder
@@ -54,7 +54,7 @@ from trainer.plan import note_stop, plan_run, recheck
 from trainer.plan.memory import check_memory_plan
 from trainer.plan.policy import PlanRecord
 from trainer.training_plot import plot_training
-from trainer.val_decode import build_val_decoder
+from trainer.val_decode import decoder_or_off, off_line, resolve_decoding
 
 
 def prepare_data(cfg: RootConfig, acc, target: Target, kind: HeadKind, ranks: Ranks) -> DataFolder:
@@ -112,7 +112,27 @@ def decodes_on_static_caches(cfg: RootConfig) -> bool:
     themselves and refuse what they cannot mask."""
     regen = cfg.data.regenerate
     own_regen = regen.enabled and regen.backend == "hf"
-    return own_regen or cfg.optim.val_decode_prompts > 0 or cfg.pipeline.evaluate
+    return own_regen or cfg.val_decode_prompts > 0 or cfg.pipeline.evaluate
+
+
+def check_decoders(cfg: RootConfig, target: Target, main: bool) -> RootConfig:
+    """Refuse a target that draftsmith's decoders cannot mask (`attention_layout`) where this
+    run decodes with them, before any weights load. Where decoded validation left to its default
+    would be the only one, it goes off instead, in one line (rank 0's): the config it returns."""
+    if not decodes_on_static_caches(cfg):
+        return cfg
+    try:
+        attention_layout(target.config, target.attn_implementation)
+    except UserError as err:
+        if cfg.optim.val_decode_prompts is not None or cfg.optim.select_by == "decoded":
+            raise  # asked for
+        off = derive(cfg, {"optim.val_decode_prompts": 0})
+        if decodes_on_static_caches(off):
+            raise
+        if main:
+            print(off_line(str(err).partition("; use ")[0], cfg.optim.select_by))
+        return off
+    return cfg
 
 
 def export_all(cfg: RootConfig, head_dir: Path, run_dir: Path, target_model) -> list[str]:
@@ -241,8 +261,7 @@ def run(cfg: RootConfig) -> dict:
     if acc.is_main_process and (line := cpu_sized_line(cfg, acc.device.type == "cuda")):
         print(line)  # a GPU run on the CPU-sized defaults: the preset, named once
     target = resolve_target(cfg, acc.device)  # once: every stage below gets this one
-    if decodes_on_static_caches(cfg):
-        attention_layout(target.config, target.attn_implementation)  # refused before any weights load
+    cfg = check_decoders(cfg, target, acc.is_main_process)  # refused before any weights load
     kind.check_target(cfg.head, target.config)
     check_max_length(cfg.data.max_length, target.config)
     check_init_from(cfg, target.config)  # head.init_from: refused before any data stage
@@ -254,7 +273,10 @@ def run(cfg: RootConfig) -> dict:
     sizes, budget = decide_sizes(cfg, acc, target, started, kind, ranks)
     if budget is not None:
         stages.done("probes")
-    cfg = sizes.apply(cfg)
+    asked, cfg = cfg, sizes.apply(cfg)
+    cfg, line = resolve_decoding(cfg, None if budget is None else budget.plan.decodes)
+    if line is not None and acc.is_main_process:
+        print(line)
     data = prepare_data(cfg, acc, target, kind, ranks)
     stages.done("data")
     train_ds = CapturedDataset(data.path, "train")
@@ -264,7 +286,9 @@ def run(cfg: RootConfig) -> dict:
         cfg = sizes.apply(cfg)
     model = held_target(cfg, target, spec, data.hidden_states, acc.is_main_process)
     trainee = build_trainee(cfg, model, data.path)
-    val_decode = build_val_decoder(cfg, trainee, (model, target.tokenizer), val_ds)
+    cfg, val_decode, line = decoder_or_off(asked, cfg, trainee, (model, target.tokenizer), val_ds)
+    if line is not None and acc.is_main_process:
+        print(line)
     if served_online(cfg, data.hidden_states):
         capture = served_capture(cfg, target, data.manifest, model)
     else:
@@ -289,7 +313,8 @@ def run(cfg: RootConfig) -> dict:
         report = None
         plot_training(read_history(run_dir, result.steps), run_dir / "training.png")
         if cfg.pipeline.evaluate:
-            report = evaluate(cfg, result.head_dir, run_dir / "eval", target=target)
+            report = evaluate(cfg, result.head_dir, run_dir / "eval", target=target,
+                              kept=result.kept_validation)
             summary["eval_dir"] = str(run_dir / "eval")
             summary["mean_acceptance_length"] = report["overall"]["mean_acceptance_length"]
             stages.done("evaluate")

@@ -1,15 +1,25 @@
 """Decoded validation: the built-in decoder runs a few validation prompts with the head in
-training, so that the kept head can be the one that decodes best (`optim.select_by=decoded`).
+training, so that the kept head can be the one that decodes best (`optim.select_by`).
 
-The simulated acceptance length assumes each draft step independent and right-prefixed; real
-acceptance can peak and fall while it keeps rising (heads trained past their best). This runs the
-evaluator's own decoder (`trainer.decoding`), shape and counting, greedy, on prompts of the
-validation split: what the data's answers continue from, never the evaluation's tasks.
+The simulated acceptance length is teacher-forced: each draft step reads the true prefix, not the
+head's own earlier guesses. On the README's main job it said 1.85 where the evaluation decoded
+1.51 (issue #60), and it can go on rising while real acceptance has peaked and falls (heads
+trained past their best). This runs the evaluator's own decoder (`trainer.decoding`), shape and
+counting, greedy, on prompts of the validation split: what the data's answers continue from,
+never the evaluation's tasks.
 
-`optim.val_decode_prompts=n` decodes n prompts per validation (the `eval.*` shape, greedy,
-`eval.max_new_tokens`) and logs `decoded_acceptance_length`; rank 0 decodes (not with ZeRO-3).
-`optim.select_by=decoded` (needs n > 0) keeps, evaluates and exports the head with the best
-decoded figure; summary.json names its `best_step`, and checkpoints carry the best so far.
+On by default (`optim.val_decode_prompts=null`: 8 prompts of `optim.val_decode_tokens`=32
+tokens each), and the kept head is the best decoded one (`optim.select_by=auto`), wherever the
+run can decode and, under a time budget, where the plan prices it under `VAL_DECODE_SHARE` of
+the budget (`trainer.plan.policy.fitting_plan`); else it is off with one line: the config rules
+it out (`RootConfig.val_decode_off`: ZeRO-3, no validation split, a split or served target) or
+the plan does (`resolve_decoding`), the target's attention is one the decoders cannot mask
+(`trainer.train.check_decoders`), or the head cannot draft the evaluator's shape
+(`decoder_or_off`). A number the user gives is never turned off: it is refused where it
+cannot run. Cheap by size, not by batching: the decoder is batch 1 (its static KV caches and the
+drafters' state are one request's), so the prompts run one after the other, few and short.
+Rank 0 decodes; summary.json names the `best_step` and its `kept_validation` (simulated and
+decoded τ), and checkpoints carry the best so far.
 """
 
 from __future__ import annotations
@@ -18,11 +28,20 @@ from dataclasses import dataclass
 
 import torch
 
-from conf.schema import RootConfig
+from conf.errors import UserError
+from conf.schema import RootConfig, derive
 from data_prep.target import eos_token_ids
 from trainer.decoding import GREEDY, MedusaDrafter, speculative_generate
 from trainer.decoding.drafters import Shape
 from trainer.evaluate.run import draft_shape, resolve_mode
+from trainer.selection import chosen_by
+
+# The most of a budgeted run the default decoded validation may take, as the plan prices it. The
+# plan prices it with the probe's barely trained head, which accepts about nothing, so every token
+# costs a verify step: an upper bound; a head at τ 1.5 decodes the same tokens in about 2/3 of
+# the steps, so 15% priced is about 10% spent. Estimated on the README's main job (20 min, 2
+# cores: ~38 ms a step, ~11 validations of 8 x 32 tokens) it prices ~9%.
+VAL_DECODE_SHARE = 0.15
 
 
 def prompt_ids(item: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -72,7 +91,7 @@ class ValDecoder:
 def build_val_decoder(cfg: RootConfig, trainee, target, val_ds) -> ValDecoder | None:
     """The decoded validation `cfg.optim` asks for (None: off), checked before training: a
     Medusa head refuses a shape it cannot draft here, not at the first validation."""
-    n = cfg.optim.val_decode_prompts
+    n = cfg.val_decode_prompts
     if n == 0 or len(val_ds) == 0:
         return None
     model, tokenizer = target
@@ -82,4 +101,44 @@ def build_val_decoder(cfg: RootConfig, trainee, target, val_ds) -> ValDecoder | 
         drafter.check(shape)
     prompts = [prompt_ids(val_ds[i]) for i in spread(len(val_ds), n)]
     eos = tuple(sorted(eos_token_ids(verifier, tokenizer)))
-    return ValDecoder(model, prompts, shape, cfg.eval.max_new_tokens, eos)
+    return ValDecoder(model, prompts, shape, cfg.optim.val_decode_tokens, eos)
+
+
+def resolve_decoding(cfg: RootConfig, planned: bool | None = None) -> tuple[RootConfig, str | None]:
+    """`cfg` with decoded validation decided: `optim.val_decode_prompts` a number
+    (`RootConfig.val_decode_prompts`; where the default was left to a time budget, 0 unless the
+    plan keeps it, `planned`: `Plan.decodes`; None: no plan) and `optim.select_by` simulated or
+    decoded (`selection.chosen_by`); and the one line that says why the default is off here
+    (None: on, or the user chose)."""
+    n, line = cfg.val_decode_prompts, None
+    if cfg.optim.val_decode_prompts is None:
+        why = cfg.val_decode_off()
+        if why is None and planned is False:
+            n, why = 0, f"the plan prices it over {VAL_DECODE_SHARE:.0%} of budget={cfg.budget}"
+        if why is not None:
+            line = off_line(why, cfg.optim.select_by)
+    by = chosen_by(cfg.optim.select_by, n > 0)
+    return derive(cfg, {"optim.val_decode_prompts": n, "optim.select_by": by}), line
+
+
+def off_line(why: str, select_by: str) -> str:
+    """The one line a run whose default decoded validation is off prints."""
+    kept = " and keeps the head by it" if select_by == "auto" else ""
+    return f"decoded validation off ({why}): validation reports the simulated acceptance length only{kept}"
+
+
+def decoder_or_off(asked: RootConfig, cfg: RootConfig, trainee, target,
+                   val_ds) -> tuple[RootConfig, ValDecoder | None, str | None]:
+    """(the run's config, its decoded validation, None) as `build_val_decoder` builds it; where
+    decoded validation was left to its default (`asked`: the config as the user gave it) and the
+    head cannot draft the evaluator's shape (fewer Medusa heads than the tree), off instead of
+    refused: the config derived again, and the line that says so. The user's own number, or
+    `optim.select_by=decoded`, is refused as before."""
+    try:
+        return cfg, build_val_decoder(cfg, trainee, target, val_ds), None
+    except UserError as err:
+        o = asked.optim
+        if o.val_decode_prompts is not None or o.select_by == "decoded":
+            raise
+        off = derive(cfg, {"optim.val_decode_prompts": 0, "optim.select_by": chosen_by(o.select_by, False)})
+        return off, None, off_line(str(err), o.select_by)

@@ -61,7 +61,7 @@ def holds_whole(cfg: RootConfig, spec: CaptureSpec, hidden_states: str, main: bo
     folder, so every other rank holds a few tensors where it held 16 GB at 8B
     (`trainer.plan.memory` plans with this rule; `trainer.train.held_target` follows it)."""
     computes = hidden_states == "online" and cfg.data.capture.backend != "server"
-    decodes = main and (cfg.optim.val_decode_prompts > 0 or cfg.pipeline.evaluate)
+    decodes = main and (cfg.val_decode_prompts > 0 or cfg.pipeline.evaluate)
     on_policy = cfg.optim.on_policy > 0  # the stage runs the target on the head's drafts
     return computes or not spec.needs_forward or decodes or on_policy
 

@@ -77,8 +77,13 @@ def test_the_main_job_runs_as_typed_and_ends_speaking_to_a_person(user):
         assert bar in screen, bar
     lines = [line for line in screen.replace("\r\n", "\n").replace("\r", "\n").splitlines() if line.strip()]
     done = next(i for i, line in enumerate(lines) if line.startswith("done in "))
-    end = lines[done:done + 5]
+    end = lines[done:done + 6]
     assert " min: τ 1." in end[0] and "mtbench" in end[0] and "prompts per task" in end[0]
+    # the train-versus-serve gap: the kept head's simulated τ against the decoded and evaluated
+    gap = end.pop(1)
+    assert gap.startswith("τ gap: the kept head (step ") and "τ overstates the evaluated one" in gap
+    eval_md = (home / RUN / "eval" / "eval.md").read_text()
+    assert "Validation in training against decoding: the kept head" in eval_md
     run = (home / RUN).resolve()
     assert end[1].startswith("lossless: yes") and end[1].endswith(str(RUN / "eval" / "eval.md"))
     exports = f"{RUN / 'export' / 'eagle3'}, {RUN / 'export' / 'speculators'}"

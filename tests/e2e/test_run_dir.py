@@ -28,11 +28,15 @@ def test_a_reused_run_dir_is_refused_and_resume_continues_it(sharp_target, chat_
     first = run(tiny_run_config("eagle3", sharp_target, chat_file, run_dir, *STEPS))
     assert first["steps"] == 4
     shown = capsys.readouterr().out.strip().splitlines()
-    assert shown[-3:] == [
+    assert shown[-4:] == [
+        shown[-4],
         shown[-3],
         f"head: {run_dir / 'head'}",
         f"details: {run_dir / 'summary.json'}, {run_dir / 'training.png'}",
-    ] and shown[-3].startswith("done in ") and shown[-3].endswith(" min: not evaluated")
+    ] and shown[-4].startswith("done in ") and shown[-4].endswith(" min: not evaluated")
+    # decoded validation by default: the kept head's simulated τ against its decoded one
+    assert shown[-3].startswith(f"τ gap: the kept head (step {first['best_step']}): simulated τ ")
+    assert " the simulated τ overstates the decoded one by " in shown[-3]
     assert (run_dir / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     before = files(run_dir)
 

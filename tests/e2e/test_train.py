@@ -109,6 +109,9 @@ def test_zero3_trains_resumes_and_evaluates_losslessly(sharp_target, chat_file, 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert summary(straight)["world_size"] == 2
     assert (straight / "head" / "model.safetensors").exists()
+    # decoded validation's default turns itself off under ZeRO-3, in one line, rank 0's
+    off = [x for x in proc.stdout.splitlines() if x.startswith("decoded validation off (rank 0 decodes")]
+    assert len(off) == 1 and summary(straight)["select_by"] == "simulated"
 
     resumed = tmp_path / "resumed"
     kept = resumed / "checkpoints" / "step-0000003"
@@ -201,6 +204,7 @@ def test_two_cpu_processes_agree_and_resume_exactly(sharp_target, chat_file, tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = summary(run_dir)
     assert s["world_size"] == 2
+    assert s["select_by"] == "decoded" and s["between_steps"]["decoded_validations"] == 1  # rank 0 decodes
     a, b = s["replica_checksums"]
     assert a == b and a != 0.0
     losses = train_losses(run_dir)

@@ -1,5 +1,6 @@
 """Choosing the head by decoded validation from the command line, in one process and on two DDP
-ranks that agree."""
+ranks that agree; and the main job's default, which decodes and keeps the head by it, and says the
+gap between the simulated and the decoded τ."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from tests.support.cli import run_train_cli
 from tests.support.runs import tiny_run_args
+from trainer.collapse import SIM
 from trainer.loop import DECODED
 
 # Each kind's own settings for a short run: a small draft vocabulary, EAGLE-3's unroll of 3.
@@ -33,7 +35,6 @@ def decoded_run_args(target: Path, data: Path, run_dir: Path, *extra: str, kind:
         "optim.val_every=4",
         "optim.val_decode_prompts=2",
         "optim.select_by=decoded",
-        "eval.max_new_tokens=8",
         *extra,
     )
 
@@ -55,6 +56,29 @@ def test_the_main_job_selects_by_decoding(sharp_target, chat_file, tmp_path, kin
     assert len(decoded) == 2 and all(v >= 1.0 for v in decoded)
     assert summary["select_by"] == "decoded" and summary["best_score"] == max(decoded)
     assert DECODED in proc.stdout  # each validation line shows it
+
+
+def test_the_main_job_decodes_in_validation_by_default(sharp_target, chat_file, tmp_path):
+    """No decoding override: each validation decodes 8 prompts beside the simulated τ (the
+    printed line, history.json, training.png), the head is kept by the decoded τ, and
+    summary.json and the closing lines name the kept head's gap."""
+    run_dir = tmp_path / "run"
+    args = tiny_run_args("eagle3", sharp_target, chat_file, run_dir, *KIND_ARGS["eagle3"],
+                         "optim.max_steps=8", "optim.val_every=4")
+    proc = run_train_cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    decoded = decoded_history(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert len(decoded) == 2 and summary["select_by"] == "decoded" and summary["best_score"] == max(decoded)
+    assert summary["between_steps"]["decoded_validations"] == 2
+    kept = summary["kept_validation"]
+    history = json.loads((run_dir / "history.json").read_text())
+    at_best = next(h["val"] for h in history if "val" in h and h["step"] == summary["best_step"])
+    assert kept == {"step": summary["best_step"], "simulated": at_best[SIM], "decoded": max(decoded)}
+    assert f"{DECODED}=" in proc.stdout and "decoded validation off" not in proc.stdout
+    assert "τ gap: the kept head (step " in proc.stdout and (run_dir / "training.png").exists()
+    config = json.loads((run_dir / "config.json").read_text())["optim"]
+    assert (config["val_decode_prompts"], config["select_by"]) == (8, "decoded")
 
 
 @pytest.mark.slow

@@ -24,7 +24,8 @@ from trainer.loop import device_batch
 
 def tiny_run_args(head: str, target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
     """`trainer.train` overrides for a seconds-long run of `head` on a tiny target: no
-    regeneration, no evaluation or export, small batches."""
+    regeneration, no evaluation or export, small batches; decoded validation on by default, as
+    the main job's, its prompts short."""
     return [
         f"+head={head}",
         f"target.name_or_path={target}",
@@ -40,6 +41,7 @@ def tiny_run_args(head: str, target: Path, data: Path, run_dir: Path, *extra: st
         "optim.batch_tokens=512",
         "optim.max_batch_size=4",
         "optim.lr=1e-3",
+        "optim.val_decode_tokens=8",
         "logging.log_every=2",
         "logging.progress=false",
         *extra,

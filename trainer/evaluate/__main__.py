@@ -5,6 +5,7 @@ EAGLE-3 folder, Medusa's), with `target.name_or_path=` where the folder names no
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -22,6 +23,19 @@ SHOWS = ("target", "eval", "data.chat_template", "data.chat_template_kwargs", "d
          "seed", "run_dir", "logging.progress")
 
 
+def kept_validation_of(head: str) -> dict | None:
+    """A run's kept head's validation figures (summary.json's `kept_validation`) where `head` is
+    the head that run kept, so eval.md reports its train-versus-serve gap evaluated again too;
+    None for any other folder."""
+    try:
+        record = json.loads((Path(head).parent / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if Path(record.get("head_dir", "")).resolve() != Path(head).resolve():
+        return None
+    return record.get("kept_validation")
+
+
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
@@ -32,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     head = own.get("head", "")
     cfg = compose_for_any_head(head, overrides)
     out_dir = Path(cfg.eval.out_dir or Path(cfg.run_dir) / "eval")
-    result = evaluate(cfg, head, out_dir)
+    result = evaluate(cfg, head, out_dir, kept=kept_validation_of(head))
     o = result["overall"]
     print(
         f"mean acceptance length {o['mean_acceptance_length']}, speedup vs greedy "

@@ -123,15 +123,45 @@ def by_context(records: list[Record], uppers: list[int]) -> dict:
     return out
 
 
-def summarise(records: list[Record], settings: dict) -> dict:
+def validation_gap(kept: dict | None, evaluated: float | None) -> dict | None:
+    """The kept head's validation figures (`trainer.selection.kept_validation`: its step, the
+    simulated τ, teacher-forced, and the decoded τ on validation prompts) beside the `evaluated`
+    τ, with the gap between the simulated figure and the best measure of what decodes: the
+    evaluated τ, else the decoded one. None: no simulated figure to compare."""
+    if not kept or kept.get("simulated") is None:
+        return None
+    served = evaluated if evaluated is not None else kept.get("decoded")
+    gap = None if served is None else round(kept["simulated"] - served, 4)
+    return {**kept, "evaluated": evaluated, "gap": gap,
+            "gap_against": None if served is None else "evaluated" if evaluated is not None else "decoded"}
+
+
+def gap_sentence(g: dict) -> str:
+    """`validation_gap`'s figures as eval.md and the closing lines say them."""
+    figures = [f"simulated τ {fmt(g['simulated'])} (teacher-forced)"]
+    if g.get("decoded") is not None:
+        figures.append(f"decoded {fmt(g['decoded'])} on validation prompts")
+    if g.get("evaluated") is not None:
+        figures.append(f"evaluated {fmt(g['evaluated'])}")
+    said = f"the kept head (step {g['step']}): " + ", ".join(figures)
+    if g["gap"] is None:
+        return said
+    return said + f"; the simulated τ overstates the {g['gap_against']} one by {g['gap']:+.3f}"
+
+
+def summarise(records: list[Record], settings: dict, kept: dict | None = None) -> dict:
     """The eval.json object: settings, overall, per task, the lossless verdict, each prompt that
-    broke it (task, index in the task, what its output failed to equal) and, with
-    `context_lengths`, the long-context task by bucket (`by_context`)."""
+    broke it (task, index in the task, what its output failed to equal), with `context_lengths`
+    the long-context task by bucket (`by_context`) and, for a head a run just kept (`kept`:
+    its validation figures), the gap between its simulated τ and what decodes
+    (`validation_gap`)."""
     tasks: dict[str, list[Record]] = {}
     for r in records:
         tasks.setdefault(r.task, []).append(r)
     per_task = {name: task_metrics(rs) for name, rs in tasks.items()}
+    overall = task_metrics(records)
     uppers = settings.get("context_lengths") or []
+    gap = validation_gap(kept, overall["mean_acceptance_length"])
     return {
         "settings": settings,
         "lossless": all(r.lossless for r in records),
@@ -140,9 +170,10 @@ def summarise(records: list[Record], settings: dict) -> dict:
             for r in records
             for against in r.mismatches
         ],
-        "overall": task_metrics(records),
+        "overall": overall,
         "tasks": per_task,
         **({"by_context": by_context(records, uppers)} if uppers else {}),
+        **({"validation_gap": gap} if gap else {}),
     }
 
 
@@ -275,6 +306,14 @@ def settings_lines(sweep: dict | None) -> list[str]:
     return lines
 
 
+def _gap_lines(g: dict | None) -> list[str]:
+    """eval.md's paragraph on the train-versus-serve gap, for a head a run just kept."""
+    if g is None:
+        return []
+    return [f"Validation in training against decoding: {gap_sentence(g)}. The simulated τ reads the "
+            "true prefix at every draft step; decoding reads the head's own drafts, as serving does.", ""]
+
+
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [
@@ -291,6 +330,7 @@ def markdown(result: dict) -> str:
         *_step_lines(result),
         *settings_lines(result.get("draft_settings")),
         "",
+        *_gap_lines(result.get("validation_gap")),
         "The tokens/s are this evaluator's (PyTorch, one prompt at a time, on the machine that ran "
         "it): what the head costs and saves in our decoder, not in an engine. An engine's own "
         "figures, on the same prompts and weights: `scripts/check_vllm.py` (vLLM), "

@@ -203,14 +203,17 @@ def choose_setting(
 
 
 def evaluate(
-    cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target: Target | None = None
+    cfg: RootConfig, head_path: str | Path, out_dir: str | Path, target: Target | None = None,
+    kept: dict | None = None,
 ) -> dict:
     """Evaluate the head at `head_path` (a head folder of any format draftsmith reads); write
     eval.json/eval.md/acceptance.png to `out_dir`.
 
     target: the run's resolved `cfg.target` (`data_prep.target.resolve_target`) when the caller
     holds it; None resolves it here. Its weights load after the attention check that needs the
-    config alone. Returns the eval.json object.
+    config alone. kept: the main job's validation figures of this head (`FitReport.
+    kept_validation`), reported beside the evaluated τ (`report.validation_gap`). Returns the
+    eval.json object.
     """
     cfg.target.one_device("the evaluator's speculative decoder", "evaluate where one device holds it")
     ev = cfg.eval
@@ -290,7 +293,7 @@ def evaluate(
         "seed": cfg.seed,
         "threads": torch.get_num_threads(),
     }
-    result = summarise(records, settings)
+    result = summarise(records, settings, kept)
     if costs:
         with fast:
             result["draft_settings"] = choose_setting(

@@ -25,7 +25,11 @@ runs, before the data stage:
    both are modelled at the cadence of `optim.val_every` and `optim.save_every` (`train_cost`)
    rather than averaged into the rate of six steps. Unless `optim.val_every` is given, the plan
    also sets it (`planned_val_every`): a long run validates about `VALIDATIONS` times, not every
-   50 steps;
+   50 steps. The probe's validation also decodes the prompts the run will decode
+   (`trainer.val_decode`, on by default): a decoded validation costs what its prompts cost,
+   whatever the split's size, and is priced per validation. Left to its default, it is planned
+   only where the run's decoded validations cost at most `VAL_DECODE_SHARE` of the budget;
+   the probe's barely trained head accepts about nothing, so the price is an upper bound;
 3. evaluation: the evaluator's greedy decoder, and its speculative decoder with the head the probe
    trained, each write a few tokens of its first prompt, and of its longest where the
    long-context task (`eval.context_lengths`) makes prompts longer (prefill and per-token costs,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from conf.errors import UserError
 from conf.schema import OptimConfig, RootConfig
@@ -20,6 +20,7 @@ from conf.sizes import Sizes
 from data_prep.answers.regen_cost import StepCost, generate_seconds
 from data_prep.conversations.rows import Spans, cached_before
 from trainer.evaluate.run import pass_schedule, resolve_mode
+from trainer.val_decode import VAL_DECODE_SHARE
 
 MARGIN = 0.06  # of the budget, kept back for the export and the noise in the measured rates
 MIN_CONVERSATIONS = 48  # the smallest plan: the training probe's folder (`probes.PROBE_SAMPLES`)
@@ -47,6 +48,9 @@ class Rates:
     probe_s: float  # the probes' own time, spent before the plan
     # the regeneration engine's fitted step cost (`regen_cost.StepCost`); None: another backend
     regenerate_step_cost: dict | None = None
+    # one decoded validation (`trainer.val_decode`) of the run's prompts, with the probe's barely
+    # trained head (an upper bound); 0.0: none priced
+    val_decode_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,10 @@ class Plan:
     train_s: float
     evaluate_s: float
     export_s: float
+    # decoded validation over the run (in `train_s` where `decodes`): what the default's share
+    # of the budget is judged by (`fitting_plan`)
+    val_decode_s: float = 0.0
+    decodes: bool = False
 
     @property
     def total_s(self) -> float:
@@ -101,9 +109,14 @@ class Plan:
             f"plan: {self.conversations:,} conversations x {self.answers} answer"
             f"{'s' if self.answers > 1 else ''}, {self.epochs} epoch{'s' if self.epochs > 1 else ''}: "
             f"probes {m(self.spent_s)}, regenerate ~{m(self.regenerate_s)}, capture ~{m(self.capture_s)}, "
-            f"train ~{m(self.train_s)}, evaluate ~{m(self.evaluate_s)}, export ~{m(self.export_s)} "
+            f"train ~{m(self.train_s)}{self._decoding()}, evaluate ~{m(self.evaluate_s)}, "
+            f"export ~{m(self.export_s)} "
             f"= {self.total_s / 60:.1f} of {self.budget_s / 60:.0f} min"
         )
+
+    def _decoding(self) -> str:
+        """The decoded validations' share of `train_s`, where the run decodes."""
+        return f" (decoded validation ~{minutes(self.val_decode_s)})" if self.decodes else ""
 
 
 def policy_epochs(cfg: RootConfig) -> int:
@@ -116,20 +129,22 @@ def policy_epochs(cfg: RootConfig) -> int:
 class Schedule:
     """How the data is trained, besides its size: the policy's epochs and answers per prompt, the
     share of the rows that trains (the rest validates), `optim.val_every` (None: planned,
-    `planned_val_every`) and `optim.save_every`."""
+    `planned_val_every`), `optim.save_every`, and whether each validation decodes
+    (`trainer.val_decode`, priced at `Rates.val_decode_s`)."""
 
     epochs: int
     answers: int
     train_share: float
     val_every: int | None
     save_every: int
+    decodes: bool = False
 
 
 def schedule(cfg: RootConfig, epochs: int) -> Schedule:
     """The run's `Schedule` at `epochs`: its cadence planned unless `optim.val_every` was given."""
     o = cfg.optim
     return Schedule(epochs, cfg.data.regenerate.num_samples, 1 - cfg.data.val_fraction, o.val_every,
-                    o.save_every)
+                    o.save_every, cfg.val_decode_prompts > 0)
 
 
 def planned_val_every(steps: float) -> int:
@@ -140,12 +155,20 @@ def planned_val_every(steps: float) -> int:
     return max(OptimConfig.DEFAULT_VAL_EVERY, math.ceil(steps / VALIDATIONS))
 
 
-def between_steps_s(rates: Rates, val_tokens: float, val_every: int, save_every: int) -> tuple[float, float]:
-    """(seconds per training step, seconds once at the end) spent validating `val_tokens` and
-    saving the best head every `val_every` steps and checkpointing every `save_every`: the last
-    step always does both."""
+def between_steps_s(rates: Rates, val_tokens: float, val_every: int, save_every: int,
+                    decodes: bool = False) -> tuple[float, float]:
+    """(seconds per training step, seconds once at the end) spent validating `val_tokens` (and
+    decoding, where each validation `decodes`) and saving the best head every `val_every` steps
+    and checkpointing every `save_every`: the last step always does both."""
     validation = val_tokens * rates.validate_s_per_token + rates.save_best_s
+    validation += rates.val_decode_s if decodes else 0.0
     return validation / val_every + rates.checkpoint_s / save_every, validation + rates.checkpoint_s
+
+
+def training_steps(rates: Rates, rows: float, schedule: Schedule) -> tuple[float, int]:
+    """(optimizer steps, the validation cadence) of a run on `rows` data rows."""
+    steps = schedule.epochs * rows * rates.row_tokens * schedule.train_share / rates.tokens_per_step
+    return steps, schedule.val_every or planned_val_every(steps)
 
 
 def train_cost(rates: Rates, rows: float, schedule: Schedule) -> tuple[float, int]:
@@ -153,12 +176,17 @@ def train_cost(rates: Rates, rows: float, schedule: Schedule) -> tuple[float, in
     the measured rate, and validations and saves at their cadence (validation grows with the
     data too, so the seconds grow faster than `rows`)."""
     tokens = rows * rates.row_tokens
-    trained = schedule.epochs * tokens * schedule.train_share
-    steps = trained / rates.tokens_per_step
-    val_every = schedule.val_every or planned_val_every(steps)
+    steps, val_every = training_steps(rates, rows, schedule)
     per_step, last = between_steps_s(rates, tokens * (1 - schedule.train_share), val_every,
-                                     schedule.save_every)
-    return trained / rates.train_tokens_per_s + steps * per_step + last, val_every
+                                     schedule.save_every, schedule.decodes)
+    return steps * rates.tokens_per_step / rates.train_tokens_per_s + steps * per_step + last, val_every
+
+
+def val_decode_cost(rates: Rates, rows: float, schedule: Schedule) -> float:
+    """Seconds decoded validation takes over a run on `rows` data rows, whether or not the
+    schedule decodes: a validation every `val_every` steps and one at the last."""
+    steps, val_every = training_steps(rates, rows, schedule)
+    return (math.floor(steps / val_every) + 1) * rates.val_decode_s
 
 
 def make_plan(budget_s: float, spent_s: float, rates: Rates, schedule: Schedule,
@@ -187,6 +215,7 @@ def make_plan(budget_s: float, spent_s: float, rates: Rates, schedule: Schedule,
         lo, hi = (mid, hi) if cost(mid) <= left else (lo, mid)
     n = max(MIN_CONVERSATIONS, lo)
     train_s, val_every = train_cost(rates, n * answers, schedule)
+    decode_s = val_decode_cost(rates, n * answers, schedule)
     return Plan(
         budget_s=budget_s,
         spent_s=spent_s,
@@ -199,6 +228,8 @@ def make_plan(budget_s: float, spent_s: float, rates: Rates, schedule: Schedule,
         train_s=train_s,
         evaluate_s=rates.evaluate_s,
         export_s=rates.export_s,
+        val_decode_s=decode_s,
+        decodes=schedule.decodes,
     )
 
 
@@ -241,9 +272,16 @@ def budget_value(seconds: float) -> str:
 def fitting_plan(cfg: RootConfig, spent_s: float, rates: Rates, shape: RegenShape | None,
                  bound: bool = False) -> Plan:
     """The plan for `cfg`'s budget, or the one line (`unmet_line`) that its smallest size does
-    not fit. `bound`: `rates` price the stages not yet probed free, so the plan is a lower bound
+    not fit. Decoded validation left to its default (`optim.val_decode_prompts=null`) is planned
+    only where it costs at most `VAL_DECODE_SHARE` of the budget (`Plan.decodes`). `bound`:
+    `rates` price the stages not yet probed free, so the plan is a lower bound
     and a smallest plan over the budget already means no plan fits."""
-    plan = make_plan(cfg.budget_s, spent_s, rates, schedule(cfg, policy_epochs(cfg)), shape)
+    planned = schedule(cfg, policy_epochs(cfg))
+    plan = make_plan(cfg.budget_s, spent_s, rates, planned, shape)
+    if cfg.optim.val_decode_prompts is None and plan.val_decode_s > VAL_DECODE_SHARE * plan.budget_s:
+        # the default decoded validation costs more than its share: the run goes without it
+        plan = replace(make_plan(cfg.budget_s, spent_s, rates, replace(planned, decodes=False), shape),
+                       val_decode_s=plan.val_decode_s)
     if plan.total_s > plan.budget_s:
         raise UserError(unmet_line(cfg, plan, bound))
     return plan
@@ -288,7 +326,8 @@ def decide_recheck(plan: Plan, rates: Rates, left_s: float, per_epoch: int, samp
     training, at the measured rate over the data built: `samples` rows, `per_epoch` steps an
     epoch, `train_tokens` and `val_tokens` in its splits."""
     short = samples < 0.9 * plan.conversations * plan.answers
-    between, last = between_steps_s(rates, val_tokens, optim.val_every, optim.save_every)
+    between, last = between_steps_s(rates, val_tokens, optim.val_every, optim.save_every,
+                                    bool(optim.val_decode_prompts))
     step_s = train_tokens / max(per_epoch, 1) / rates.train_tokens_per_s + between
     epochs, steps = fit_steps(left_s, step_s, last, per_epoch, optim.epochs, short)
     return Recheck(round(left_s, 1), epochs, steps, per_epoch, short)

@@ -51,6 +51,7 @@ from trainer.plan.policy import (
     fitting_plan,
     minutes,
 )
+from trainer.val_decode import decoder_or_off
 
 PROBE_SAMPLES = MIN_CONVERSATIONS  # conversations in the capture-and-train probe folder, at least
 PROBE_STEPS = 6  # training steps on it, timed after the first (`Throughput.steady_tokens_per_s`)
@@ -83,6 +84,7 @@ class TrainProbe:
     checkpoint_s: float
     row_tokens: float
     head_bytes: int  # the trained parameters at 2 bytes each: what an export writes per format
+    val_decode_s: float = 0.0  # one decoded validation of the run's prompts (0.0: the run decodes none)
 
     @classmethod
     def unmeasured(cls, row_tokens: float | None) -> TrainProbe:
@@ -177,10 +179,11 @@ def regeneration_probe(cfg: RootConfig, target: Target, run_dir: Path, kind: Hea
 def train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int, kind: HeadKind,
                 ranks: Ranks = SINGLE) -> TrainProbe:
     """A folder of the first `samples` conversations captured (capture tokens/s) and up to
-    `PROBE_STEPS` training steps of the chosen head on it, the last validated and saved. The
-    head it trained stays in run_dir/head for the evaluation probe. Several `ranks` capture and
-    train it together as they will the run (each its share of the shards, then DDP or ZeRO on
-    its own batches: the rates are the world's)."""
+    `PROBE_STEPS` training steps of the chosen head on it, the last validated (decoding the
+    prompts the run's validations will decode) and saved. The head it trained stays in
+    run_dir/head for the evaluation probe. Several `ranks` capture and train it together as they
+    will the run (each its share of the shards, then DDP or ZeRO on its own batches: the rates
+    are the world's)."""
     probe = probe_config(cfg, samples, cfg.data.hidden_states, run_dir)
     data = prepare(probe, target=target, ranks=ranks, keep_states=one_pass(cfg), kind=kind)
     train_ds = CapturedDataset(data.path, "train")
@@ -198,8 +201,12 @@ def train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int, ki
     head_bytes = sum(p.numel() for p in trainee.parameters() if p.requires_grad) * 2
     val_ds = CapturedDataset(data.path, "validation")
     capture = online_capture(data.manifest, target.model)
+    wanted = cfg.val_decode_prompts  # the run's decoded validation, or its default's, to be priced
+    decoding = derive(probe, {"optim.val_decode_prompts": wanted})
+    # (a default the head cannot decode is off here as in the run, which says so)
+    _, val_decode, _ = decoder_or_off(cfg, decoding, trainee, (target.model, target.tokenizer), val_ds)
     with contextlib.redirect_stdout(io.StringIO()):  # a few steps' validation lines are not the run's
-        result = fit(probe, acc, trainee, train_ds, val_ds, run_dir, capture)
+        result = fit(probe, acc, trainee, train_ds, val_ds, run_dir, capture, val_decode)
     del acc, trainee
     gc.collect()
     shutil.rmtree(data.path, ignore_errors=True)
@@ -213,6 +220,9 @@ def train_probe(cfg: RootConfig, target: Target, run_dir: Path, samples: int, ki
         checkpoint_s=between.per_checkpoint(),
         row_tokens=conversation_tokens(cfg, data, samples),
         head_bytes=head_bytes,
+        # a probe split of fewer prompts than the run decodes, priced up to the run's
+        val_decode_s=0.0 if val_decode is None else
+        between.per_decoded_validation() * wanted / len(val_decode.prompts),
     )
 
 
@@ -344,6 +354,7 @@ def rates_of(cfg: RootConfig, kind: HeadKind, regenerated: RegenProbe, trained: 
         row_tokens=trained.row_tokens,
         evaluate_s=evaluate_s,
         export_s=formats * (2 + trained.head_bytes / EXPORT_BYTES_PER_S),
+        val_decode_s=trained.val_decode_s,
         cached_spans=regenerated.cached,
         probe_s=time.perf_counter() - started,
     )

@@ -54,7 +54,8 @@ def test_evaluate_writes_the_report(tiny, tiny_llama_dir, eagle_dir, tmp_path):
     cfg = config("eagle3", tiny_llama_dir, f"eval.prompts={prompts}",
                  "eval.baselines=[greedy,prompt_lookup]")
     out = tmp_path / "eval"
-    result = evaluate(cfg, eagle_dir, out)
+    kept = {"step": 40, "simulated": 1.85, "decoded": 1.51}  # a main job's kept head (`kept_validation`)
+    result = evaluate(cfg, eagle_dir, out, kept=kept)
     assert sorted(p.name for p in out.iterdir()) == ["acceptance.png", "eval.json", "eval.md"]
     assert json.loads((out / "eval.json").read_text()) == result
     assert result["lossless"] is True and set(result["tasks"]) == {"mtbench", "gsm8k", "mine"}
@@ -67,6 +68,14 @@ def test_evaluate_writes_the_report(tiny, tiny_llama_dir, eagle_dir, tmp_path):
     assert {"prompt_lookup_tokens_per_s", "speedup_vs_prompt_lookup"} <= o.keys()
     md = (out / "eval.md").read_text()
     assert "| overall | 3 |" in md and "| mine | 1 |" in md
+    # the train-versus-serve gap: the kept head's simulated τ against the evaluated one
+    evaluated = o["mean_acceptance_length"]
+    gap = result["validation_gap"]
+    assert gap == {**kept, "evaluated": evaluated, "gap": round(1.85 - evaluated, 4),
+                   "gap_against": "evaluated"}
+    assert (f"the kept head (step 40): simulated τ 1.850 (teacher-forced), decoded 1.510 on validation "
+            f"prompts, evaluated {evaluated:.3f}; the simulated τ overstates the evaluated one by "
+            f"{1.85 - evaluated:+.3f}") in md
     assert md.rstrip().endswith("![Per-position acceptance](acceptance.png)")  # eval.md shows it
     assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
     # Where a step's time goes, and the chain settings swept from it (trainer/evaluate/settings.py).

@@ -188,23 +188,28 @@ def test_the_kept_head_is_strictly_the_best_or_the_latest_without_scores():
 
 
 def test_the_report_summary_is_the_summary_json_record():
-    spent = BetweenSteps(validate_s=1.5, validations=3, checkpoint_s=0.5, checkpoints=1)
+    spent = BetweenSteps(validate_s=1.5, validations=3, val_decode_s=0.6, decoded_validations=3,
+                         checkpoint_s=0.5, checkpoints=1)
+    kept = {"step": 6, "simulated": 1.5, "decoded": 1.2}
     report = FitReport(
         world_size=1, replica_checksums=[0.5], steps=8, best_score=1.2, best_step=6,
-        select_by="simulated", skipped_steps=0, acceptance_collapse=None, train_tokens_per_s=10.0,
+        select_by="decoded", kept_validation=kept, skipped_steps=0, acceptance_collapse=None,
+        train_tokens_per_s=10.0,
         step_tokens_per_s=12.0, tokens_per_step=64.0, between_steps=spent, data_wait_fraction=0.1,
         head_dir=Path("run/head"),
     )
     summary = report.summary()
     assert list(summary) == [
         "world_size", "replica_checksums", "steps", "best_score", "best_step", "select_by",
-        "skipped_steps", "acceptance_collapse", "train_tokens_per_s", "step_tokens_per_s",
+        "kept_validation", "skipped_steps", "acceptance_collapse", "train_tokens_per_s", "step_tokens_per_s",
         "tokens_per_step", "between_steps", "data_wait_fraction", "head_dir",
     ]
     assert summary["head_dir"] == "run/head" and summary["between_steps"] == {
-        "validate_s": 1.5, "validations": 3, "save_best_s": 0.0, "best_saves": 0,
-        "checkpoint_s": 0.5, "checkpoints": 1,
+        "validate_s": 1.5, "validations": 3, "val_decode_s": 0.6, "decoded_validations": 3,
+        "save_best_s": 0.0, "best_saves": 0, "checkpoint_s": 0.5, "checkpoints": 1,
     }
+    assert summary["kept_validation"] == kept
     assert spent.per_validation() == 0.5 and spent.per_checkpoint() == 0.5
+    assert spent.per_decoded_validation() == pytest.approx(0.2) and spent.seconds == pytest.approx(2.6)
     with pytest.raises(dataclasses.FrozenInstanceError):
         report.steps = 9

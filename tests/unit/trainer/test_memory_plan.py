@@ -74,7 +74,9 @@ def test_activations_grow_with_the_tokens_of_a_micro_batch_and_the_ttt_steps():
 def test_rank_0_holds_the_whole_target_only_where_it_decodes():
     evaluates = plan(mode="offline")
     assert evaluates.rank0 == evaluates.training_rank + evaluates.target_whole - evaluates.target
-    quiet = plan("pipeline.evaluate=false", mode="offline")
+    decodes = plan("pipeline.evaluate=false", mode="offline")  # decoded validation, by default
+    assert decodes.rank0 == evaluates.rank0
+    quiet = plan("pipeline.evaluate=false", "optim.val_decode_prompts=0", mode="offline")
     assert quiet.rank0 == quiet.training_rank
 
 

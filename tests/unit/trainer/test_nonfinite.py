@@ -161,8 +161,9 @@ def test_acceptance_falling_to_one_is_said_in_log_and_summary(
     shutil.copytree(data_cache, tmp_path / "data-cache")
 
     def train(run_dir: Path, max_steps: int, *extra: str) -> tuple[dict, str]:
-        """The run's summary and what it printed."""
-        steps = ("optim.val_every=2", "optim.save_every=4", f"optim.max_steps={max_steps}")
+        """The run's summary and what it printed (the head kept by the simulated figure)."""
+        steps = ("optim.val_every=2", "optim.save_every=4", f"optim.max_steps={max_steps}",
+                 "optim.select_by=simulated")
         summary = run(eagle3_run(sharp_target, chat_file, run_dir, *steps, *extra))
         return summary, capsys.readouterr().out
 

@@ -34,8 +34,10 @@ from trainer.plan.policy import (
     fitting_plan,
     make_plan,
     train_cost,
+    val_decode_cost,
 )
 from trainer.plan.probes import PROBE_SAMPLES, regeneration_probe, train_probe
+from trainer.val_decode import VAL_DECODE_SHARE
 
 EAGLE3 = head_kind("eagle3")
 
@@ -130,6 +132,35 @@ def test_validation_and_saves_are_paid_at_their_cadence():
     assert train_cost(r, 1000, sched) == (pytest.approx(1080 + 540 / 50 * 45 + 45), 50)
 
 
+def test_decoded_validation_is_priced_at_the_validation_cadence():
+    """Each validation that decodes pays `Rates.val_decode_s` once, whatever the split's size."""
+    r = rates(val_decode_s=6.0)
+    bare, decoding = Schedule(2, 1, 0.9, 50, 50), Schedule(2, 1, 0.9, 50, 50, decodes=True)
+    # 1,000 rows: 540 steps, a validation every 50 and one at the last
+    assert train_cost(r, 1000, decoding)[0] == pytest.approx(train_cost(r, 1000, bare)[0] + 540 / 50 * 6 + 6)
+    assert val_decode_cost(r, 1000, decoding) == val_decode_cost(r, 1000, bare) == 11 * 6
+    assert plan(val_decode_s=6.0).conversations == plan().conversations  # a schedule that decodes none
+
+
+def test_the_default_decodes_only_under_its_share_of_the_budget():
+    """`optim.val_decode_prompts=null`: planned, and counted in training, where its validations
+    cost at most `VAL_DECODE_SHARE` of the budget; else the plan goes without it (and says what
+    it would have cost). A number the user gave is planned whatever it costs."""
+    cfg = compose_root(["+head=eagle3", "budget=20m"])
+    cheap = fitting_plan(cfg, 60, rates(val_decode_s=2.0), None)
+    assert cheap.decodes and 0 < cheap.val_decode_s <= VAL_DECODE_SHARE * 1200
+    assert "(decoded validation ~" in cheap.line()
+    assert cheap.conversations < fitting_plan(cfg, 60, rates(), None).conversations  # it is paid for
+    dear = fitting_plan(cfg, 60, rates(val_decode_s=100.0), None)
+    assert not dear.decodes and dear.val_decode_s > VAL_DECODE_SHARE * 1200
+    assert "decoded validation" not in dear.line()
+    assert dear.conversations == fitting_plan(cfg, 60, rates(), None).conversations
+    chosen = derive(cfg, {"optim.val_decode_prompts": 8})
+    assert fitting_plan(chosen, 60, rates(val_decode_s=100.0), None).decodes  # the user's: kept, paid
+    off = derive(cfg, {"optim.val_decode_prompts": 0})
+    assert not fitting_plan(off, 60, rates(val_decode_s=2.0), None).decodes
+
+
 def test_a_long_planned_run_validates_about_ten_times_and_an_explicit_cadence_wins():
     costs = dict(validate_s_per_token=1e-3, save_best_s=5.0, checkpoint_s=10.0)
     r = rates(**costs)
@@ -161,6 +192,10 @@ def test_the_plan_record_is_frozen_reads_back_and_decides_the_sizes(tmp_path):
     checked = decide_recheck(planned.plan, planned.rates, left_s=30.0, per_epoch=10, samples=1,
                              train_tokens=10_000, val_tokens=0, optim=optim)
     assert checked.short_of_data and checked.steps == 15  # 1,000 tokens a step at 500 tokens/s: 15 in 30 s
+    decoding = dataclasses.replace(planned.rates, val_decode_s=5.0)  # 5 s at the last step, 0.1 s a step
+    assert decide_recheck(planned.plan, decoding, 30.0, 10, 1, 10_000, 0, optim).steps == 15  # none decoded
+    assert decide_recheck(planned.plan, decoding, 30.0, 10, 1, 10_000, 0,
+                          dataclasses.replace(optim, val_decode_prompts=8)).steps == 11  # 25 s at 2.1 s
     rechecked = dataclasses.replace(planned, recheck=checked)
     with pytest.raises(dataclasses.FrozenInstanceError):
         rechecked.plan = None
@@ -226,6 +261,7 @@ def test_the_training_probe_prices_conversations_not_rows(tiny_llama_dir, tmp_pa
     assert data.samples == 2 * PROBE_SAMPLES  # a row per turn
     probed = train_probe(cfg, target, tmp_path / "run", PROBE_SAMPLES, EAGLE3)
     assert probed.row_tokens == pytest.approx(data.tokens / PROBE_SAMPLES)
+    assert probed.val_decode_s > 0  # the default decoded validation, timed at the probe's last step
 
 
 def test_a_second_run_of_the_same_settings_plans_with_the_first_runs_rates(tiny_llama_dir, tmp_path,

@@ -140,8 +140,9 @@ def test_a_rank_holds_the_parts_a_head_needs_and_trains_as_with_the_target(
     sharp_target, chat_file, tmp_path, mode
 ):
     """Online from servers and offline, a rank that does not decode holds the target's parts
-    only, and drops the whole target if data prep loaded it."""
-    setting = SERVED if mode == "served" else ("data.hidden_states=offline",)
+    only, and drops the whole target if data prep loaded it. (Served, decoded validation's
+    default is off by itself; offline, rank 0 would decode by default.)"""
+    setting = SERVED if mode == "served" else ("data.hidden_states=offline", "optim.val_decode_prompts=0")
     cfg = tiny_run_config("eagle3", sharp_target, chat_file, tmp_path / "run", *setting,
                           "data.draft_vocab_size=300")
     target = resolve_target(cfg)
@@ -169,6 +170,8 @@ def test_a_rank_holds_the_parts_a_head_needs_and_trains_as_with_the_target(
         ("eagle3", ("pipeline.evaluate=true",), "offline", True, True),  # rank 0 evaluates with it
         ("eagle3", ("pipeline.evaluate=true",), "offline", False, False),
         ("eagle3", ("optim.val_decode_prompts=2",), "offline", True, True),  # rank 0 decodes with it
+        ("eagle3", (), "offline", True, True),  # by default too
+        ("eagle3", ("optim.val_decode_prompts=0",), "offline", True, False),
         ("eagle3", (), "online", False, True),  # it computes the states
         ("eagle3", ("optim.on_policy=0.5",), "offline", False, True),  # it runs it on the drafts
         ("medusa", ("head.joint=true",), "offline", False, True),  # Medusa-2 trains the target

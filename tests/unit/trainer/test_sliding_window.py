@@ -146,7 +146,7 @@ def config_of(folder: str):
 
 
 def test_a_target_the_caches_cannot_mask_is_refused_in_one_line_before_any_weights(
-    tmp_path, chat_file
+    tmp_path, chat_file, capsys
 ):
     linear = Qwen3NextConfig(num_hidden_layers=4, vocab_size=VOCAB)  # 3 of 4 layers linear attention
     folder = config_only(tmp_path / "qwen3-next", linear)
@@ -162,10 +162,15 @@ def test_a_target_the_caches_cannot_mask_is_refused_in_one_line_before_any_weigh
     assert layout.windows == (WINDOW, None) * 4
     # A training run that would regenerate with the engine refuses it before loading the target;
     # one that decodes nothing goes on to its data stage (and fails there: the folder holds a
-    # config alone, no tokenizer).
+    # config alone, no tokenizer): decoded validation left to its default goes off in one line,
+    # asked for it is refused.
     args = tiny_run_args("eagle3", tmp_path / "qwen3-next", chat_file, tmp_path / "run")
     with pytest.raises(UserError, match="no chat template"):
         run(compose_root(args))
+    assert capsys.readouterr().out.startswith(
+        "decoded validation off (target (qwen3_next): 3 of its 4 layers are linear_attention, which ")
+    with pytest.raises(UserError, match="linear_attention"):
+        run(compose_root([*args, "optim.val_decode_prompts=2"]))
     regenerating = [a for a in args if a != "data.regenerate.enabled=false"]  # on the hf engine
     with pytest.raises(UserError, match="linear_attention"):
         run(compose_root(regenerating))
