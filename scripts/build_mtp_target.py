@@ -1,0 +1,144 @@
+"""Build a tiny random target WITH its multi-token-prediction layer, as DeepSeek-V3 and GLM-4.5 ship
+them: `python scripts/build_mtp_target.py out=<folder> family=deepseek_v3|glm4_moe [layers=2]`.
+
+transformers builds these families without their MTP layer (and drops it on load), so the folder is
+made the way the vendors' checkpoints are: the model of N + 1 layers is built and saved by
+transformers (its layer N in the checkpoint's own names, experts one by one), then layer N is
+moved to a shard of its own beside the N-layer model, with the MTP tensors vLLM 0.32 loads
+(`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, and copies of the lm_head and embedding as
+`shared_head.head` and `embed_tokens`); config.json says N layers and `num_nextn_predict_layers:
+1`, and `model.safetensors.index.json` maps every tensor. The tokenizer is the one given (the
+byte-level ChatML one of the tests by default). Sizes are the tests' tiny ones: hidden 64, MoE
+layers of 4 experts (the MTP layer's among them, as DeepSeek-V3's layer 61 is).
+
+`pretrain_steps=S` then trains the shipped MTP layer briefly (one step ahead, on the target's own
+greedy text from random prompts) so that it starts better than random, as a vendor's does, and
+fine-tuning has something to improve on.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX = "model.safetensors.index.json"
+MAIN, MTP = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+TINY = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+    max_position_embeddings=2048, initializer_range=0.2, tie_word_embeddings=False,
+)
+MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+           first_k_dense_replace=1, n_group=1, topk_group=1)
+# model_type -> its settings past TINY and MOE. DeepSeek-V3's attention is MLA (q and kv LoRA
+# ranks, a rotary part of each head); GLM-4.5's is GQA with a partial rotary embedding.
+FAMILIES = {
+    "deepseek_v3": dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+    "glm4_moe": dict(head_dim=16, partial_rotary_factor=0.5),
+}
+
+
+def tiny_config(family: str, tokenizer, layers: int):
+    from transformers import AutoConfig
+
+    ids = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return AutoConfig.for_model(
+        family, vocab_size=len(tokenizer), num_hidden_layers=layers, num_nextn_predict_layers=1,
+        **ids, **TINY, **MOE, **FAMILIES[family],
+    )
+
+
+def build_mtp_target(out: Path, family: str, tokenizer, layers: int = 2, seed: int = 0) -> Path:
+    """The folder described above, at `out`."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family, tokenizer, layers + 1)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        with safe_open(Path(tmp) / "model.safetensors", "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    prefix = f"model.layers.{layers}."
+    main = {k: v for k, v in tensors.items() if not k.startswith(prefix)}
+    mtp = {k: v for k, v in tensors.items() if k.startswith(prefix)}
+    h, std = config.hidden_size, config.initializer_range
+    g = torch.Generator().manual_seed(seed + 1)
+    mtp.update({
+        prefix + "enorm.weight": torch.ones(h),
+        prefix + "hnorm.weight": torch.ones(h),
+        prefix + "eh_proj.weight": torch.randn(h, 2 * h, generator=g) * std,
+        prefix + "shared_head.norm.weight": torch.ones(h),
+        prefix + "shared_head.head.weight": main["lm_head.weight"].clone(),
+        prefix + "embed_tokens.weight": main["model.embed_tokens.weight"].clone(),
+    })
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(main, out / MAIN, metadata={"format": "pt"})
+    save_file(mtp, out / MTP, metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in tensors.values())},
+             "weight_map": {**dict.fromkeys(sorted(main), MAIN), **dict.fromkeys(sorted(mtp), MTP)}}
+    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    config.num_hidden_layers = layers
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def pretrain_mtp(folder: Path, steps: int, lr: float = 3e-3, seed: int = 0) -> None:
+    """Train the folder's MTP layer `steps` steps, one step ahead (step 0 alone), on the target's
+    greedy continuations of random prompts, and write it back into its shard."""
+    from conf.kinds import MtpConfig
+    from heads.mtp.model import MtpHead
+    from trainer.kinds.mtp import MtpTrainee
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
+    head = MtpHead.from_target(model, str(folder), MtpConfig(num_steps=1))
+    trainee = MtpTrainee(head, 1, 0.6)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    for _ in range(steps):
+        prompt = torch.randint(0, vocab, (4, 8), generator=g)
+        ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=56,
+                             do_sample=False, eos_token_id=[], pad_token_id=0)
+        final = model(ids, output_hidden_states=True).hidden_states[-1]
+        batch = {"input_ids": ids, "final_hidden": final, "loss_mask": torch.ones_like(ids, dtype=torch.bool),
+                 "attention_mask": torch.ones_like(ids)}
+        loss = trainee(batch)["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    shard = folder / MTP
+    with safe_open(shard, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors.update({k: v.detach().contiguous() for k, v in head.checkpoint_tensors().items()})
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def main(argv: list[str]) -> None:
+    args = dict(a.split("=", 1) for a in argv)
+    if "out" not in args or args.get("family") not in FAMILIES:
+        raise SystemExit(f"usage: build_mtp_target.py out=<folder> family={'|'.join(FAMILIES)} "
+                         "[layers=2] [pretrain_steps=0]")
+    from tests.support.targets import byte_tokenizer
+
+    out = Path(args["out"])
+    if out.exists():
+        shutil.rmtree(out)
+    build_mtp_target(out, args["family"], byte_tokenizer(), int(args.get("layers", 2)))
+    if int(args.get("pretrain_steps", 0)):
+        pretrain_mtp(out, int(args["pretrain_steps"]))
+    print(json.dumps({"out": str(out), "family": args["family"]}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
