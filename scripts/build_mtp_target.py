@@ -44,21 +44,32 @@ FAMILIES = {
 }
 
 
-def tiny_config(family: str, tokenizer, layers: int):
+def tiny_config(family: str, vocab: int, layers: int, **overrides):
+    """A tiny `family` config of `layers` layers that declares one MTP layer."""
     from transformers import AutoConfig
 
-    ids = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     return AutoConfig.for_model(
-        family, vocab_size=len(tokenizer), num_hidden_layers=layers, num_nextn_predict_layers=1,
-        **ids, **TINY, **MOE, **FAMILIES[family],
+        family, vocab_size=vocab, num_hidden_layers=layers, num_nextn_predict_layers=1,
+        **{**TINY, **MOE, **FAMILIES[family], **overrides},
     )
+
+
+def tiny_mtp_model(family: str, vocab: int, layers: int = 2, seed: int = 0):
+    """A tiny random `family` target in memory (no folder: its MTP layer has no shipped weights,
+    so a head on it starts with `head.init=scratch`), float32, in eval mode without gradients."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, vocab, layers), dtype=torch.float32)
+    return model.eval().requires_grad_(False)
 
 
 def build_mtp_target(out: Path, family: str, tokenizer, layers: int = 2, seed: int = 0) -> Path:
     """The folder described above, at `out`."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(family, tokenizer, layers + 1)
+    ids = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    config = tiny_config(family, len(tokenizer), layers + 1, **ids)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with tempfile.TemporaryDirectory() as tmp:

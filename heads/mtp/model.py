@@ -42,6 +42,9 @@ from conf.kinds import MtpConfig
 from heads.folder import TargetSpec, load_head, save_head
 
 INDEX = "model.safetensors.index.json"
+# How the MTP layer's MoE experts run (transformers' `experts_implementation`): grouped_mm routes
+# tokens with device-side offsets, where "eager" loops over the experts hit, read back from the device.
+EXPERTS = "grouped_mm"
 SINGLE = "model.safetensors"
 
 
@@ -114,6 +117,7 @@ def family_config(config: dict):
         t.pop(key, None)
     made = AutoConfig.for_model(model_type, **t)
     made._attn_implementation = "sdpa"
+    made._experts_implementation = EXPERTS
     return made
 
 

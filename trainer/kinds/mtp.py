@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from data_prep.states.capture import document_mask
 from heads.mtp.model import MtpHead
 from trainer.decoding.drafters import Shape
 from trainer.decoding.mtp import MtpDrafter
@@ -42,16 +43,6 @@ def step_weights(beta: float, steps: int) -> list[float]:
     """beta**k / sum_j beta**j for k = 0..steps-1."""
     raw = [beta**k for k in range(steps)]
     return [w / sum(raw) for w in raw]
-
-
-def document_mask(places: torch.Tensor) -> torch.Tensor:
-    """Bool [B,1,T,T]: causal within each document of packed rows (`places`: each token's
-    position in its own document)."""
-    t = places.shape[1]
-    keys = torch.arange(t, device=places.device)
-    query = keys[None, :, None]
-    starts = (query - places[:, :, None])
-    return ((keys[None, None, :] <= query) & (keys[None, None, :] >= starts))[:, None]
 
 
 class MtpTrainee(HeadTrainee, nn.Module):

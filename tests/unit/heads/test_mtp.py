@@ -149,3 +149,19 @@ def test_speculators_export_holds_the_layer_in_its_names(target, tmp_path):
 
 
 
+
+
+@torch.no_grad()
+def test_grouped_experts_equal_the_targets_eager_experts(target):
+    """The MTP layer's MoE runs transformers' grouped_mm experts (sync-free, `heads.mtp.model.EXPERTS`);
+    the target's own eager loop over the experts computes the same."""
+    folder, model = target
+    head = MtpHead.from_target(model, str(folder), MtpConfig())
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 9, model.config.hidden_size, generator=g)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=g)
+    pos = torch.arange(9).expand(2, 9)
+    grouped = head.step(hidden, ids, pos)[1]
+    head.text_config._experts_implementation = "eager"
+    eager = head.step(hidden, ids, pos)[1]
+    torch.testing.assert_close(grouped, eager, atol=1e-5, rtol=1e-5)
