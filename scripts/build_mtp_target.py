@@ -39,7 +39,8 @@ MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, 
 # model_type -> its settings past TINY and MOE. DeepSeek-V3's attention is MLA (q and kv LoRA
 # ranks, a rotary part of each head); GLM-4.5's is GQA with a partial rotary embedding.
 FAMILIES = {
-    "deepseek_v3": dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+    "deepseek_v3": dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        v_head_dim=16),
     "glm4_moe": dict(head_dim=16, partial_rotary_factor=0.5),
 }
 
@@ -105,11 +106,11 @@ def build_mtp_target(out: Path, family: str, tokenizer, layers: int = 2, seed: i
 def pretrain_mtp(folder: Path, steps: int, lr: float = 3e-3, seed: int = 0) -> None:
     """Train the folder's MTP layer `steps` steps, one step ahead (step 0 alone), on the target's
     greedy continuations of random prompts, and write it back into its shard."""
+    from transformers import AutoModelForCausalLM
+
     from conf.kinds import MtpConfig
     from heads.mtp.model import MtpHead
     from trainer.kinds.mtp import MtpTrainee
-
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
     head = MtpHead.from_target(model, str(folder), MtpConfig(num_steps=1))

@@ -35,13 +35,11 @@ from heads.export.core import Layout, Tensors, check_layout, read_folder, write_
 from heads.folder import TargetSpec
 from heads.mtp.model import (
     FAMILIES,
-    SHARED,
     MtpHead,
     build,
-    fuse_experts,
-    layer_prefix,
+    from_checkpoint_names,
     read_checkpoint_layer,
-    unfuse_experts,
+    to_checkpoint_names,
     weight_map,
 )
 
@@ -87,16 +85,15 @@ def stitched_config(cfg: dict, ctx) -> dict:
     """What `save_stitched` needs: the target's folder (the verifier, a local path)."""
     folder = Path(ctx.verifier)
     if not (folder / "config.json").exists():
-        raise UserError(f"format={STITCHED}: the target {ctx.verifier!r} is not a local folder to stitch into")
+        raise UserError(
+            f"format={STITCHED}: the target {ctx.verifier!r} is not a local folder to stitch into"
+        )
     return {"target_folder": str(folder), "num_steps": cfg["num_steps"]}
 
 
 def stitched_tensors(tensors: Tensors, cfg: dict, dtype: torch.dtype) -> Tensors:
     """Our names -> the checkpoint's (`model.layers.{N}.*`, experts one by one), in `dtype`."""
-    prefix = layer_prefix(cfg["layer_index"])
-    block = unfuse_experts({k.removeprefix("block."): v for k, v in tensors.items() if k.startswith("block.")})
-    rest = {k: v for k, v in tensors.items() if not k.startswith("block.")}
-    return {prefix + k: v.to(dtype) for k, v in {**rest, **block}.items()}
+    return {k: v.to(dtype) for k, v in to_checkpoint_names(tensors, cfg["layer_index"]).items()}
 
 
 def save_stitched(folder: Path, weights_file: str, config: dict, tensors: Tensors) -> None:
@@ -128,10 +125,7 @@ def read_stitched(folder: Path) -> tuple[dict, Tensors]:
     marker = folder / "draftsmith_stitched.json"
     steps = read_json(marker, "export")["num_steps"] if marker.exists() else 1
     cfg = _head_config(top, steps)
-    layer = read_checkpoint_layer(folder, cfg["layer_index"])
-    own = {k: v for k, v in layer.items() if k not in SHARED}
-    block = fuse_experts({k: v for k, v in own.items() if k not in SPEC_NAMES})
-    tensors = {**{k: own[k] for k in SPEC_NAMES if k in own}, **{f"block.{k}": v for k, v in block.items()}}
+    tensors = from_checkpoint_names(read_checkpoint_layer(folder, cfg["layer_index"]))
     check_layout(tensors, _expected(cfg), f"{STITCHED} export {folder}")
     return cfg, tensors
 
@@ -175,7 +169,8 @@ def speculators_config(cfg: dict, ctx) -> dict:
 
 
 def speculators_tensors(tensors: Tensors, cfg: dict, dtype: torch.dtype) -> Tensors:
-    return {SPEC_PREFIX + SPEC_NAMES.get(k, k.removeprefix("block.")): v.to(dtype) for k, v in tensors.items()}
+    return {SPEC_PREFIX + SPEC_NAMES.get(k, k.removeprefix("block.")): v.to(dtype)
+            for k, v in tensors.items()}
 
 
 def read_speculators(folder: Path) -> tuple[dict, Tensors]:
@@ -211,7 +206,12 @@ def _build(cfg: dict, spec: TargetSpec, tensors: Tensors, target_model) -> MtpHe
     return build(cfg, spec, tensors, target_model, "export")
 
 
-CHECK = KindOps(build=_build, outputs=head_outputs, config_fields=lambda cfg: {k: cfg[k] for k in CONFIG_FIELDS})
+def config_fields(cfg: dict) -> dict:
+    """The fields an exported config must reproduce for the self-check."""
+    return {k: cfg[k] for k in CONFIG_FIELDS}
+
+
+CHECK = KindOps(build=_build, outputs=head_outputs, config_fields=config_fields)
 
 
 def served_tokens(cfg: dict, asked: int) -> int:

@@ -59,7 +59,8 @@ class Family:
     def classes(self) -> tuple[type, type, type]:
         """(decoder layer, rotary embedding, RMSNorm) classes of the family, from transformers."""
         mod = importlib.import_module(f"transformers.models.{self.module}.modeling_{self.module}")
-        return tuple(getattr(mod, f"{self.prefix}{n}") for n in ("DecoderLayer", "RotaryEmbedding", "RMSNorm"))
+        names = ("DecoderLayer", "RotaryEmbedding", "RMSNorm")
+        return tuple(getattr(mod, f"{self.prefix}{n}") for n in names)
 
 
 # model_type -> family. Both lay their MTP layers out as `model.layers.{N+i}.*` (vLLM 0.32).
@@ -77,6 +78,8 @@ OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weigh
 SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 # What a head folder's config holds (`MtpHead.head_config`).
 CONFIG_KEYS = ("family", "layer_index", "recycle_norm", "num_steps", "target_config")
+# The head's modules that are the target's (or derived from its config): never saved.
+FROZEN = ("embed_tokens.", "lm_head.", "rotary.")
 EXPERT = re.compile(r"^(.*mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
@@ -165,7 +168,9 @@ def weight_map(folder: Path) -> dict[str, str]:
     if (folder / SINGLE).exists():
         with safe_open(folder / SINGLE, "pt") as f:
             return dict.fromkeys(f.keys(), SINGLE)
-    raise UserError(f"target {folder}: neither {INDEX} nor {SINGLE} there; MTP weights are read from safetensors")
+    raise UserError(
+        f"target {folder}: neither {INDEX} nor {SINGLE} there; MTP weights are read from safetensors"
+    )
 
 
 def layer_prefix(layer_index: int) -> str:
@@ -184,6 +189,22 @@ def read_checkpoint_layer(folder: Path, layer_index: int) -> dict[str, torch.Ten
         with safe_open(folder / file, "pt") as f:
             out.update({n.removeprefix(prefix): f.get_tensor(n) for n in names})
     return out
+
+
+def to_checkpoint_names(tensors: dict[str, torch.Tensor], layer_index: int) -> dict[str, torch.Tensor]:
+    """A head's trained tensors (its modules' names) -> the checkpoint's: `model.layers.{N}.`
+    before each, the block's own prefix dropped, its experts one by one."""
+    block = {k.removeprefix("block."): v for k, v in tensors.items() if k.startswith("block.")}
+    rest = {k: v for k, v in tensors.items() if not k.startswith("block.")}
+    return {layer_prefix(layer_index) + k: v for k, v in {**rest, **unfuse_experts(block)}.items()}
+
+
+def from_checkpoint_names(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`read_checkpoint_layer`'s tensors -> the head's names (its trained tensors only: the
+    shared copies of the target's tables are left out)."""
+    mine = {k: v for k, v in layer.items() if k not in SHARED}
+    block = fuse_experts({k: v for k, v in mine.items() if k not in OWN})
+    return {**{k: mine[k] for k in OWN if k in mine}, **{f"block.{k}": v for k, v in block.items()}}
 
 
 class SharedHead(nn.Module):
@@ -238,7 +259,8 @@ class MtpHead(nn.Module):
         """The target's MTP layer 0 as a head: its native weights from the target's folder, or a
         fresh init (`head.init=scratch`); the target's embedding and lm_head copied in, frozen."""
         check_target(cfg, target_model.config)
-        head = cls(cls.head_config(target_model.config, cfg), TargetSpec.from_model(target_model, target_name))
+        spec = TargetSpec.from_model(target_model, target_name)
+        head = cls(cls.head_config(target_model.config, cfg), spec)
         if cfg.init == "native":
             folder = Path(getattr(target_model, "name_or_path", "") or target_name)
             head.load_checkpoint_layer(read_checkpoint_layer(folder, head.layer_index), str(folder))
@@ -268,17 +290,11 @@ class MtpHead(nn.Module):
 
     def trained_state(self, state: dict | None = None) -> dict[str, torch.Tensor]:
         """The tensors this head trains (and saves), in its modules' names."""
-        skip = ("embed_tokens.", "lm_head.", "rotary.")
-        return {k: v for k, v in (state or self.state_dict()).items() if not k.startswith(skip)}
+        return {k: v for k, v in (state or self.state_dict()).items() if not k.startswith(FROZEN)}
 
     def checkpoint_tensors(self, state: dict | None = None) -> dict[str, torch.Tensor]:
-        """The trained tensors in the target checkpoint's names (`model.layers.{N}.*`, experts one
-        by one): what the stitched export writes back."""
-        own = self.trained_state(state)
-        block = unfuse_experts({k.removeprefix("block."): v for k, v in own.items() if k.startswith("block.")})
-        rest = {k: v for k, v in own.items() if not k.startswith("block.")}
-        prefix = layer_prefix(self.layer_index)
-        return {prefix + k: v for k, v in {**rest, **block}.items()}
+        """The trained tensors in the target checkpoint's names: what the stitched export writes."""
+        return to_checkpoint_names(self.trained_state(state), self.layer_index)
 
     def load_checkpoint_layer(self, layer: dict[str, torch.Tensor], where: str) -> None:
         """Load the MTP layer as `read_checkpoint_layer` returns it; one line naming what is
@@ -288,13 +304,13 @@ class MtpHead(nn.Module):
                 f"target {where}: no tensors under {layer_prefix(self.layer_index)!r} (its MTP layer); "
                 "train from scratch with head.init=scratch"
             )
-        mine = {k: v for k, v in layer.items() if k not in SHARED}
-        block = fuse_experts({k: v for k, v in mine.items() if k not in OWN})
-        state = {**{k: mine[k] for k in OWN if k in mine}, **{f"block.{k}": v for k, v in block.items()}}
+        state = from_checkpoint_names(layer)
         missing, unexpected = self.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-        missing = [k for k in missing if not k.startswith(("embed_tokens.", "lm_head.", "rotary."))]
+        missing = [k for k in missing if not k.startswith(FROZEN)]
         if missing or unexpected:
-            raise UserError(f"target {where}: MTP layer {self.layer_index}: missing {missing}, unexpected {unexpected}")
+            raise UserError(
+                f"target {where}: MTP layer {self.layer_index}: missing {missing}, unexpected {unexpected}"
+            )
 
     # ---- compute ------------------------------------------------------------------------
     @property
@@ -355,7 +371,7 @@ def build(config: dict, spec: TargetSpec, tensors: dict, target_model, where: st
     """A head from its config and trained tensors (its own names), the tables from `target_model`."""
     head = MtpHead(config, spec)
     missing, unexpected = head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    missing = [k for k in missing if not k.startswith(("embed_tokens.", "lm_head.", "rotary."))]
+    missing = [k for k in missing if not k.startswith(FROZEN)]
     if missing or unexpected:
         raise UserError(f"{where}: missing {missing}, unexpected {unexpected}")
     if target_model is not None:

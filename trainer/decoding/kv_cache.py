@@ -70,7 +70,9 @@ class StaticCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new K/V [1, heads, T, dim] at `slots`; return every slot."""
         if layer_idx not in self.keys:  # values may differ from keys in width (MLA's latents)
-            self.keys[layer_idx] = key_states.new_zeros(1, key_states.shape[1], self.capacity, key_states.shape[3])
+            self.keys[layer_idx] = key_states.new_zeros(
+                1, key_states.shape[1], self.capacity, key_states.shape[3]
+            )
             self.values[layer_idx] = value_states.new_zeros(
                 1, value_states.shape[1], self.capacity, value_states.shape[3]
             )

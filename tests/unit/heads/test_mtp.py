@@ -69,7 +69,8 @@ def test_training_moves_only_the_mtp_layer_and_lowers_the_loss(target):
     head = MtpHead.from_target(model, str(folder), MtpConfig())
     trainee = MtpTrainee(head, 3, 0.6)
     frozen = {k: v.clone() for k, v in head.state_dict().items() if k.startswith(("embed_tokens", "lm_head"))}
-    batch = batch_of(model, torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)))
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    batch = batch_of(model, ids)
     opt = torch.optim.AdamW(trainee.param_groups(3e-3, 0.0)[0]["params"], lr=3e-3)
     losses = []
     for _ in range(8):
@@ -124,7 +125,8 @@ def test_stitched_export_changes_only_the_mtp_tensors_and_links_the_rest(target,
     diff = stitched_differences(folder, out)
     n = model.config.num_hidden_layers
     assert diff["changed"] == [f"model.layers.{n}.eh_proj.weight"] and diff["missing"] == []
-    assert MTP not in diff["linked"] and {"config.json", "model.safetensors.index.json"} <= set(diff["linked"])
+    assert MTP not in diff["linked"]
+    assert {"config.json", "model.safetensors.index.json"} <= set(diff["linked"])
     assert all((out / name).resolve() == (folder / name).resolve() for name in diff["linked"])
     with safe_open(out / MTP, "pt") as f:
         assert torch.equal(f.get_tensor(f"model.layers.{n}.eh_proj.weight"), head.eh_proj.weight)
