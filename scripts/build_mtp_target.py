@@ -37,10 +37,11 @@ TINY = dict(
 MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
            first_k_dense_replace=1, n_group=1, topk_group=1)
 # model_type -> its settings past TINY and MOE. DeepSeek-V3's attention is MLA (q and kv LoRA
-# ranks, a rotary part of each head); GLM-4.5's is GQA with a partial rotary embedding.
+# ranks, a rotary part of each head) and its router DeepSeek-V3's own (`noaux_tc`: the sigmoid
+# scores and `e_score_correction_bias` vLLM loads); GLM-4.5's is GQA with a partial rotary embedding.
 FAMILIES = {
     "deepseek_v3": dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                        v_head_dim=16),
+                        v_head_dim=16, topk_method="noaux_tc", scoring_func="sigmoid"),
     "glm4_moe": dict(head_dim=16, partial_rotary_factor=0.5),
 }
 
@@ -65,12 +66,12 @@ def tiny_mtp_model(family: str, vocab: int, layers: int = 2, seed: int = 0):
     return model.eval().requires_grad_(False)
 
 
-def build_mtp_target(out: Path, family: str, tokenizer, layers: int = 2, seed: int = 0) -> Path:
-    """The folder described above, at `out`."""
+def build_mtp_target(out: Path, family: str, tokenizer, layers: int = 2, seed: int = 0, **overrides) -> Path:
+    """The folder described above, at `out` (`overrides`: config fields past the tiny sizes)."""
     from transformers import AutoModelForCausalLM
 
     ids = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    config = tiny_config(family, len(tokenizer), layers + 1, **ids)
+    config = tiny_config(family, len(tokenizer), layers + 1, **ids, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with tempfile.TemporaryDirectory() as tmp:
