@@ -1,5 +1,7 @@
 """Build a tiny random target WITH its multi-token-prediction layer, as DeepSeek-V3 and GLM-4.5 ship
-them: `python scripts/build_mtp_target.py out=<folder> family=deepseek_v3|glm4_moe [layers=2]`.
+them.
+
+    python scripts/build_mtp_target.py --out <folder> --family deepseek_v3|glm4_moe [--pretrain-steps S]
 
 transformers builds these families without their MTP layer (and drops it on load), so the folder is
 made the way the vendors' checkpoints are: the model of N + 1 layers is built and saved by
@@ -7,17 +9,19 @@ transformers (its layer N in the checkpoint's own names, experts one by one), th
 moved to a shard of its own beside the N-layer model, with the MTP tensors vLLM 0.32 loads
 (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, and copies of the lm_head and embedding as
 `shared_head.head` and `embed_tokens`); config.json says N layers and `num_nextn_predict_layers:
-1`, and `model.safetensors.index.json` maps every tensor. The tokenizer is the one given (the
-byte-level ChatML one of the tests by default). Sizes are the tests' tiny ones: hidden 64, MoE
-layers of 4 experts (the MTP layer's among them, as DeepSeek-V3's layer 61 is).
+1`, and `model.safetensors.index.json` maps every tensor. The tokenizer is the one given
+(`--tokenizer`: SmolLM2's by default; the tests' byte-level one keeps the vocabulary at 259).
+Sizes are the tests' tiny ones: hidden 64, MoE layers of 4 experts (the MTP layer's among them, as
+DeepSeek-V3's layer 61 is).
 
-`pretrain_steps=S` then trains the shipped MTP layer briefly (one step ahead, on the target's own
+`--pretrain-steps S` then trains the shipped MTP layer briefly (one step ahead, on the target's own
 greedy text from random prompts) so that it starts better than random, as a vendor's does, and
 fine-tuning has something to improve on.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -27,6 +31,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from conf.errors import exit_on_user_error
 
 INDEX = "model.safetensors.index.json"
 MAIN, MTP = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
@@ -138,20 +144,31 @@ def pretrain_mtp(folder: Path, steps: int, lr: float = 3e-3, seed: int = 0) -> N
     save_file(tensors, shard, metadata={"format": "pt"})
 
 
-def main(argv: list[str]) -> None:
-    args = dict(a.split("=", 1) for a in argv)
-    if "out" not in args or args.get("family") not in FAMILIES:
-        raise SystemExit(f"usage: build_mtp_target.py out=<folder> family={'|'.join(FAMILIES)} "
-                         "[layers=2] [pretrain_steps=0]")
-    from tests.support.targets import byte_tokenizer
+def tokenizer_of(name_or_path: str):
+    """The tokenizer of a target (`target.name_or_path`'s values: a folder, a Hub id, an alias)."""
+    from conf.schema import RootConfig, TargetConfig
+    from data_prep.target import resolve_target
 
-    out = Path(args["out"])
+    return resolve_target(RootConfig(target=TargetConfig(name_or_path=name_or_path))).tokenizer
+
+
+@exit_on_user_error
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="the folder to write (replaced if it exists)")
+    parser.add_argument("--family", required=True, choices=sorted(FAMILIES), help="the model_type")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers before the MTP layer")
+    parser.add_argument("--pretrain-steps", type=int, default=0, help="steps of brief MTP pre-training")
+    parser.add_argument("--tokenizer", default="smollm2-135m-instruct",
+                        help="the target whose tokenizer the folder gets (SmolLM2's by default)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
-    build_mtp_target(out, args["family"], byte_tokenizer(), int(args.get("layers", 2)))
-    if int(args.get("pretrain_steps", 0)):
-        pretrain_mtp(out, int(args["pretrain_steps"]))
-    print(json.dumps({"out": str(out), "family": args["family"]}))
+    build_mtp_target(out, args.family, tokenizer_of(args.tokenizer), args.layers)
+    if args.pretrain_steps:
+        pretrain_mtp(out, args.pretrain_steps)
+    print(json.dumps({"out": str(out), "family": args.family, "pretrain_steps": args.pretrain_steps}))
 
 
 if __name__ == "__main__":
