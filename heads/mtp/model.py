@@ -101,6 +101,15 @@ def check_target(cfg: MtpConfig, target_config) -> None:
             f"targets with them: {', '.join(FAMILIES)} (trained here), {', '.join(OTHER_MTP_FAMILIES)} "
             "(not yet); choose another head kind for this target"
         )
+    folder = Path(getattr(target_config, "_name_or_path", "") or "")
+    if cfg.init == "native" and (folder / "config.json").exists():
+        prefix = layer_prefix(t.num_hidden_layers)
+        if not any(name.startswith(prefix) for name in weight_map(folder)):
+            raise UserError(
+                f"+head=mtp: {folder} declares MTP layers but its safetensors hold nothing under "
+                f"{prefix!r} (transformers drops them when it saves a model): point "
+                "target.name_or_path at the vendor's checkpoint, or train from scratch with head.init=scratch"
+            )
 
 
 def captured_layers(cfg: MtpConfig, num_hidden_layers: int) -> tuple[tuple[int, ...], int]:

@@ -60,6 +60,17 @@ def test_a_target_without_mtp_layers_is_refused_in_one_line_naming_the_families(
     assert "\n" not in str(err.value)
 
 
+def test_a_target_resaved_by_transformers_without_its_mtp_layer_is_refused(target, tmp_path):
+    folder, model = target
+    model.save_pretrained(tmp_path / "resaved")  # transformers drops the MTP layer
+    config = AutoConfig.from_pretrained(tmp_path / "resaved")
+    lacks = r"declares MTP layers but its safetensors hold nothing.*head.init=scratch"
+    with pytest.raises(UserError, match=lacks):
+        check_target(MtpConfig(), config)
+    check_target(MtpConfig(init="scratch"), config)
+    check_target(MtpConfig(), AutoConfig.from_pretrained(folder))
+
+
 def test_step_weights_are_fastmtps_normalised_decay():
     assert step_weights(0.6, 3) == pytest.approx([1 / 1.96, 0.6 / 1.96, 0.36 / 1.96])
 
