@@ -386,6 +386,11 @@ def build(config: dict, spec: TargetSpec, tensors: dict, target_model, where: st
         raise UserError(f"{where}: missing {missing}, unexpected {unexpected}")
     if target_model is not None:
         head.share_target_tables(target_model)
+    else:  # the export CLI's self-check, without the target: stand-in tables, equal in every build
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for table in (head.embed_tokens.weight, head.lm_head.weight):
+                table.copy_(torch.randn(table.shape, generator=g))
     return head.eval()
 
 

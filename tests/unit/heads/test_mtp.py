@@ -178,3 +178,11 @@ def test_grouped_experts_equal_the_targets_eager_experts(target):
     head.text_config._experts_implementation = "eager"
     eager = head.step(hidden, ids, pos)[1]
     torch.testing.assert_close(grouped, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_exports_self_check_without_the_target_as_the_export_cli_runs_it(target, tmp_path):
+    folder, model = target
+    MtpHead.from_target(model, str(folder), MtpConfig()).save_pretrained(tmp_path / "head")
+    for fmt in (STITCHED, SPECULATORS):
+        _, report = export_head(tmp_path / "head", fmt, tmp_path / fmt, None)
+        assert report["outputs_identical"], fmt
