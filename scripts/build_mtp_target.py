@@ -33,8 +33,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conf.errors import exit_on_user_error
+from heads.mtp.model import INDEX
 
-INDEX = "model.safetensors.index.json"
 MAIN, MTP = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 TINY = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,

@@ -35,6 +35,7 @@ from heads.export.core import Layout, Tensors, check_layout, read_folder, write_
 from heads.folder import TargetSpec
 from heads.mtp.model import (
     FAMILIES,
+    INDEX,
     MtpHead,
     build,
     from_checkpoint_names,
@@ -44,7 +45,6 @@ from heads.mtp.model import (
 )
 
 STITCHED, SPECULATORS = "mtp-stitched", "mtp-speculators"
-INDEX_OR_FILE = "model.safetensors.index.json"
 SPEC_WEIGHTS = "model.safetensors"
 # Our names -> speculators' (`mtp_layers.0.` before each); the block's own names are kept.
 SPEC_NAMES = {
@@ -238,7 +238,7 @@ def serve_lines(f: CardFacts) -> list[str]:
 
 FORMATS = {
     STITCHED: Layout(
-        INDEX_OR_FILE,
+        INDEX,
         stitched_config,
         read_stitched,
         lambda top: top.get("model_type") in FAMILIES and bool(top.get("num_nextn_predict_layers")),

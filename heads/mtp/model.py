@@ -101,6 +101,11 @@ def check_target(cfg: MtpConfig, target_config) -> None:
             f"targets with them: {', '.join(FAMILIES)} (trained here), {', '.join(OTHER_MTP_FAMILIES)} "
             "(not yet); choose another head kind for this target"
         )
+    if (count := mtp_layers(target_config)) > 1:
+        raise UserError(
+            f"+head=mtp: the target declares {count} MTP layers (num_nextn_predict_layers); "
+            "this kind trains one, as DeepSeek-V3 and GLM-4.5 ship (vLLM cycles several by draft step)"
+        )
     folder = Path(getattr(target_config, "_name_or_path", "") or "")
     if cfg.init == "native" and (folder / "config.json").exists():
         prefix = layer_prefix(t.num_hidden_layers)

@@ -71,6 +71,13 @@ def test_a_target_resaved_by_transformers_without_its_mtp_layer_is_refused(targe
     check_target(MtpConfig(), AutoConfig.from_pretrained(folder))
 
 
+def test_a_target_of_several_mtp_layers_is_refused(target):
+    config = AutoConfig.from_pretrained(target[0])
+    config.num_nextn_predict_layers = 2
+    with pytest.raises(UserError, match="declares 2 MTP layers .* this kind trains one"):
+        check_target(MtpConfig(), config)
+
+
 def test_step_weights_are_fastmtps_normalised_decay():
     assert step_weights(0.6, 3) == pytest.approx([1 / 1.96, 0.6 / 1.96, 0.36 / 1.96])
 
