@@ -328,6 +328,8 @@ class DSparkConfig(DFlashConfig):
 
 # Where an MTP head's weights start: the target's shipped MTP layer, or a fresh init.
 MTP_INITS = ("native", "scratch")
+# Where a recursive step's rows sit in rotary positions (`trainer/kinds/mtp.py`).
+MTP_STEP_POSITIONS = ("drafted", "anchor")
 
 
 @dataclass(frozen=True)
@@ -347,10 +349,13 @@ class MtpConfig(ObjectiveConfig):
     num_steps: int = 3
     # Step weights beta**k / sum_j beta**j, k = 0..num_steps-1 (FastMTP's Eq. 2, speculators' 0.6).
     step_weight_beta: float = 0.6
+    # Rotary position of step k's row t: drafted = t + k, where vLLM drafts it | anchor = t (speculators').
+    step_positions: str = "drafted"
 
     def check(self) -> None:
         super().check()
         self._one_of("init", MTP_INITS)
+        self._one_of("step_positions", MTP_STEP_POSITIONS)
         self._at_least(1, "num_steps")
         self._require("step_weight_beta", probability, "a value in (0, 1]")
 

@@ -2,7 +2,8 @@
 
 Step 0 reads the target's final state at each position t with the token t+1 and predicts token
 t+2; step k reads step k-1's (recycled) output at t with the token t+1+k and predicts t+2+k, at
-rotary position t+k, where the chain drafter runs it. Every step runs the whole row, causally
+rotary position t+k, where the chain drafter runs it (`head.step_positions=anchor`: at t, as
+speculators trains it). Every step runs the whole row, causally
 (speculators' and FastMTP's unroll: a step's keys are its own step's states, where the decoder's
 cache holds step 0's for the verified context). The loss of step k weighs beta**k / sum_j
 beta**j (FastMTP's Eq. 2, speculators' `compute_step_weights`), each the `objective`'s mean over
@@ -48,9 +49,13 @@ def step_weights(beta: float, steps: int) -> list[float]:
 class MtpTrainee(HeadTrainee, nn.Module):
     frozen_tables = ("head.embed_tokens.weight", "head.lm_head.weight")
 
-    def __init__(self, head: MtpHead, num_steps: int, beta: float, objective: Objective = CROSS_ENTROPY):
+    def __init__(
+        self, head: MtpHead, num_steps: int, beta: float, objective: Objective = CROSS_ENTROPY,
+        drafted_positions: bool = True,
+    ):
         super().__init__()
         self.head, self.num_steps, self.objective = head, num_steps, objective
+        self.drafted_positions = drafted_positions  # step k at t + k (vLLM's), else at t (speculators')
         self.weights = step_weights(beta, num_steps)
         self.batch_index = partial(label_batch_index, prompt_weight=objective.prompt_weight)
 
@@ -73,7 +78,8 @@ class MtpTrainee(HeadTrainee, nn.Module):
         correct, total = teacher_p.new_zeros(self.num_steps), teacher_p.new_zeros(self.num_steps)
         hidden = final.to(head.eh_proj.weight.dtype)
         for k in range(self.num_steps):
-            hidden, out = head.layer(hidden, shift_left(ids, 1 + k, 0), places + k, mask)
+            at_k = places + k if self.drafted_positions else places
+            hidden, out = head.layer(hidden, shift_left(ids, 1 + k, 0), at_k, mask)
             counted = at >= 2 + k  # label j is predicted at step k from row j-2-k of its own sample
             rows = (labels - 2 - k).clamp(min=0)
             logits = head.logits(out.flatten(0, 1).index_select(0, rows))
@@ -98,7 +104,8 @@ def build_mtp_trainee(cfg, target, data_dir: Path | None) -> MtpTrainee:
     """The target's MTP layer as a trainee (`head.init`: its shipped weights or a fresh init)."""
     head = MtpHead.from_target(target, cfg.target.name_or_path, cfg.head)
     objective = Objective.from_config(cfg.head)
-    return MtpTrainee(head, cfg.head.num_steps, cfg.head.step_weight_beta, objective)
+    drafted = cfg.head.step_positions == "drafted"
+    return MtpTrainee(head, cfg.head.num_steps, cfg.head.step_weight_beta, objective, drafted)
 
 
 def mtp_drafter(head: MtpHead, target, shapes: Sequence[Shape] = ()) -> MtpDrafter:
