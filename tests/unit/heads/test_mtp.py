@@ -193,3 +193,16 @@ def test_exports_self_check_without_the_target_as_the_export_cli_runs_it(target,
     for fmt in (STITCHED, SPECULATORS):
         _, report = export_head(tmp_path / "head", fmt, tmp_path / fmt, None)
         assert report["outputs_identical"], fmt
+
+
+@torch.no_grad()
+def test_anchor_positions_change_only_the_later_steps(target):
+    """speculators' recipe (`head.step_positions=anchor`) runs every step at the anchor's position:
+    step 0 is the default's, the later steps are not."""
+    folder, model = target
+    head = MtpHead.from_target(model, str(folder), MtpConfig())
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    batch = batch_of(model, ids)
+    first = [MtpTrainee(head, 1, 0.6, drafted_positions=d)(batch)["loss"] for d in (True, False)]
+    later = [MtpTrainee(head, 3, 0.6, drafted_positions=d)(batch)["loss"] for d in (True, False)]
+    assert torch.equal(first[0], first[1]) and not torch.equal(later[0], later[1])
