@@ -324,7 +324,43 @@ class DSparkConfig(DFlashConfig):
         self._require("confidence_weight", lambda v: v >= 0, "a value >= 0")
 
 
+# ---- MTP: the target's own multi-token-prediction layer ------------------------------------
+
+# Where an MTP head's weights start: the target's shipped MTP layer, or a fresh init.
+MTP_INITS = ("native", "scratch")
+# Where a recursive step's rows sit in rotary positions (`trainer/kinds/mtp.py`).
+MTP_STEP_POSITIONS = ("drafted", "anchor")
+
+
+@dataclass(frozen=True)
+class MtpConfig(ObjectiveConfig):
+    """Hydra group `head/mtp`: the target's own MTP layer (DeepSeek-V3, GLM-4.5: `heads.mtp`),
+    read from its checkpoint and fine-tuned with the embedding and lm_head frozen and shared,
+    recursively over `num_steps` draft steps (FastMTP, arXiv 2509.18362; speculators'
+    `--speculator-type mtp`); vLLM serves it as method "mtp"."""
+
+    PREFIX: ClassVar[str] = "head"
+    # optim.epochs when it is null: as EAGLE-3's (the data folder holds the same final states).
+    DEFAULT_EPOCHS: ClassVar[int] = 2
+    name: str = "mtp"
+    init: str = "native"  # native: the target's shipped MTP weights | scratch: a fresh init (`MTP_INITS`)
+    # Draft steps trained: step k reads step k-1's output and the token k+1 ahead (= num_speculative_tokens).
+    # The evaluator and the serve line draft as many. speculators' and FastMTP's default is 3.
+    num_steps: int = 3
+    # Step weights beta**k / sum_j beta**j, k = 0..num_steps-1 (FastMTP's Eq. 2, speculators' 0.6).
+    step_weight_beta: float = 0.6
+    # Rotary position of step k's row t: drafted = t + k, where vLLM drafts it | anchor = t (speculators').
+    step_positions: str = "drafted"
+
+    def check(self) -> None:
+        super().check()
+        self._one_of("init", MTP_INITS)
+        self._one_of("step_positions", MTP_STEP_POSITIONS)
+        self._at_least(1, "num_steps")
+        self._require("step_weight_beta", probability, "a value in (0, 1]")
+
+
 # The head config groups by name (`+head=<name>`); each kind's record (`heads.kinds`) holds the rest.
 HEAD_CONFIGS: dict[str, type] = {
-    cls.name: cls for cls in (Eagle3Config, MedusaConfig, PEagleConfig, DFlashConfig, DSparkConfig)
+    cls.name: cls for cls in (Eagle3Config, MedusaConfig, PEagleConfig, DFlashConfig, DSparkConfig, MtpConfig)
 }

@@ -37,13 +37,13 @@ from pathlib import Path
 
 from conf.errors import UserError
 from conf.schema import RootConfig
-from heads import dflash, dspark, eagle3, medusa, peagle
+from heads import dflash, dspark, eagle3, medusa, mtp, peagle
 from heads.export.core import Layout
 from heads.folder import head_kind as saved_kind_name
 from heads.record import HeadKind
 
 KINDS: dict[str, HeadKind] = {
-    k.name: k for k in (eagle3.KIND, medusa.KIND, peagle.KIND, dflash.KIND, dspark.KIND)
+    k.name: k for k in (eagle3.KIND, medusa.KIND, peagle.KIND, dflash.KIND, dspark.KIND, mtp.KIND)
 }
 
 

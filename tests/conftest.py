@@ -138,6 +138,15 @@ def tiny_qwen2_dir(tmp_path_factory, smol_tokenizer) -> Path:
     return build_tiny_target(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", smol_tokenizer)
 
 
+@pytest.fixture(scope="session")
+def tiny_mtp_dir(tmp_path_factory, smol_tokenizer) -> Path:
+    """A tiny DeepSeek-V3 target carrying its MTP layer as the vendor's checkpoints do
+    (`scripts/build_mtp_target.py`): what `+head=mtp` trains on."""
+    from scripts.build_mtp_target import build_mtp_target
+
+    return build_mtp_target(tmp_path_factory.mktemp("tiny-mtp"), "deepseek_v3", smol_tokenizer)
+
+
 WORDS = "the cat sat on a mat and then it ran to the red house where a dog slept all day".split()
 
 

@@ -172,12 +172,15 @@ def kernel() -> dict[tuple[torch.dtype, int | None], Callable[..., int]] | None:
 
 def supported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether the kernel can take this call: float32 query and keys on a CPU, float32 or bf16
-    values, the head dimension contiguous."""
+    values laid out as the keys (MLA's expanded keys and values differ in width and strides:
+    DeepSeek-V3's run on the model's own attention), the head dimension contiguous."""
     return (
         kernel() is not None
         and query.device.type == "cpu"
         and query.dtype == key.dtype == torch.float32
         and value.dtype in _VALUES
+        and key.shape == value.shape
+        and key.stride() == value.stride()
         and key.stride(-1) == 1
     )
 

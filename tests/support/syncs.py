@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conf.kinds import DFlashConfig, DSparkConfig, Eagle3Config, MedusaConfig, PEagleConfig
+from conf.kinds import DFlashConfig, DSparkConfig, Eagle3Config, MedusaConfig, MtpConfig, PEagleConfig
 from conf.schema import DistConfig, OptimConfig
 from data_prep.states.capture import TOP, greedy_ids
 from heads.dflash.model import DFlashHead
@@ -21,7 +21,9 @@ from heads.dspark.model import DSparkHead
 from heads.eagle3.model import Eagle3Head
 from heads.kinds import KINDS
 from heads.medusa.model import MedusaHead
+from heads.mtp.model import MtpHead
 from heads.peagle.model import PEagleHead
+from scripts.build_mtp_target import tiny_mtp_model
 from trainer.batching import batch_loader
 from trainer.checkpoint import TrainState
 from trainer.distributed import build_accelerator
@@ -30,6 +32,7 @@ from trainer.kinds.dflash import DFlashTrainee
 from trainer.kinds.dspark import DSparkTrainee
 from trainer.kinds.eagle3 import Eagle3Trainee
 from trainer.kinds.medusa import JointMedusaTrainee, MedusaTrainee
+from trainer.kinds.mtp import MtpTrainee
 from trainer.kinds.peagle import PEagleTrainee
 from trainer.loop import lr_lambda, train_step
 from trainer.on_policy import OnPolicy
@@ -200,9 +203,18 @@ def medusa2(model):
     return JointMedusaTrainee(MedusaHead.from_target(model, "tiny", cfg), model, cfg), ()
 
 
+def mtp(model, family: str = "deepseek_v3"):
+    """An MTP trainee (3 steps, a fresh layer) on a tiny `family` target of `model`'s vocabulary
+    and width: it reads `model`'s final states as that target's."""
+    target = tiny_mtp_model(family, model.config.vocab_size)
+    assert target.config.hidden_size == model.config.hidden_size
+    head = MtpHead.from_target(target, "tiny", MtpConfig(init="scratch"))
+    return MtpTrainee(head, 3, 0.6), ("final_hidden",)
+
+
 # Each kind's tiny trainees for the kind-wide tests here (the sync-free step).
 TINY = {"eagle3": (eagle3,), "medusa": (medusa1, medusa2), "peagle": (peagle,), "dflash": (dflash,),
-        "dspark": (dspark,)}
+        "dspark": (dspark,), "mtp": (mtp,)}
 
 
 def _untested(name: str):

@@ -70,6 +70,18 @@ def tiny_family_target(family: str, vocab: int = 256, **overrides):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
 
 
+def kind_takes(kind, target_config) -> bool:
+    """Whether head `kind` (a `heads.record.HeadKind`) trains on a target of `target_config`: its
+    `check_target` does not refuse it (an MTP head needs a target with MTP layers)."""
+    from conf.errors import UserError
+
+    try:
+        kind.check_target(kind.config(), target_config)
+    except UserError:
+        return False
+    return True
+
+
 def special_token_ids(tokenizer) -> dict[str, int | None]:
     """The config fields a target shares with its tokenizer."""
     names = ("bos_token_id", "eos_token_id", "pad_token_id")

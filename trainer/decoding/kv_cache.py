@@ -69,10 +69,13 @@ class StaticCache:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new K/V [1, heads, T, dim] at `slots`; return every slot."""
-        if layer_idx not in self.keys:
-            shape = (1, key_states.shape[1], self.capacity, key_states.shape[3])
-            self.keys[layer_idx] = key_states.new_zeros(shape)
-            self.values[layer_idx] = value_states.new_zeros(shape)
+        if layer_idx not in self.keys:  # values may differ from keys in width (MLA's latents)
+            self.keys[layer_idx] = key_states.new_zeros(
+                1, key_states.shape[1], self.capacity, key_states.shape[3]
+            )
+            self.values[layer_idx] = value_states.new_zeros(
+                1, value_states.shape[1], self.capacity, value_states.shape[3]
+            )
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         keys.index_copy_(2, self.slots, key_states)
         values.index_copy_(2, self.slots, value_states)

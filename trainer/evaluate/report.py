@@ -37,6 +37,7 @@ class Record:
     reference: str | None = None
     prompt: int = 0
     context: int = 0  # the prompt's tokens
+    shipped: DecodeStats | None = None  # the head as the target ships it (`HeadKind.shipped_head`)
 
     @property
     def mismatches(self) -> list[str]:
@@ -90,6 +91,7 @@ def task_metrics(records: list[Record]) -> dict:
         ),
         "spec_tokens_per_s": spec_tps,
         "greedy_tokens_per_s": greedy_tps,
+        **shipped_metrics(records),
         "speedup_vs_greedy": _rate(spec_tps or 0, greedy_tps or 0),
         "lossless": all(r.lossless for r in records),
         "mismatched_prompts": sum(not r.lossless for r in records),
@@ -147,6 +149,16 @@ def gap_sentence(g: dict) -> str:
     if g["gap"] is None:
         return said
     return said + f"; the simulated τ overstates the {g['gap_against']} one by {g['gap']:+.3f}"
+
+
+def shipped_metrics(records: list[Record]) -> dict:
+    """The shipped head's acceptance on the same prompts (`Record.shipped`), where it ran."""
+    shipped = [r.shipped for r in records if r.shipped is not None]
+    if not shipped:
+        return {}
+    drafts = sum(s.drafts for s in shipped)
+    accepted = sum(s.accepted_tokens for s in shipped)
+    return {"shipped_mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else None}
 
 
 def summarise(records: list[Record], settings: dict, kept: dict | None = None) -> dict:
@@ -314,6 +326,14 @@ def _gap_lines(g: dict | None) -> list[str]:
             "true prefix at every draft step; decoding reads the head's own drafts, as serving does.", ""]
 
 
+def _shipped_lines(overall: dict) -> list[str]:
+    if "shipped_mean_acceptance_length" not in overall:
+        return []
+    return ["", f"Mean acceptance length of the head as the target ships it, on the same prompts: "
+            f"{fmt(overall['shipped_mean_acceptance_length'])} (trained: "
+            f"{fmt(overall['mean_acceptance_length'])})."]
+
+
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [
@@ -325,6 +345,7 @@ def markdown(result: dict) -> str:
         f"greedy == the target's own `generate`, checked on "
         f"{result['overall']['checked_against_generate']} prompts): **{fmt(result['lossless'])}**.",
         *_mismatch_lines(result["mismatches"]),
+        *_shipped_lines(result["overall"]),
         "",
         *_table("task", {**result["tasks"], "overall": result["overall"]}),
         *_step_lines(result),

@@ -82,6 +82,15 @@ def load_drafter(head_path: str | Path, model, target_name: str, shapes: list[Sh
     return build_drafter(kind, head.to(device).eval(), model, shapes), verifier
 
 
+def shipped_drafter(kind, trained, model, target_name: str, shape: Shape):
+    """A drafter of the head as the target ships it (`HeadKind.shipped_head`) beside the
+    `trained` one, or None where the kind has none."""
+    if kind.shipped_head is None:
+        return None
+    head = kind.shipped_head(model, target_name, trained)
+    return build_drafter(kind, head.to(input_device(model)).eval(), model, [shape])
+
+
 def tie_tolerance(dtype: torch.dtype, top_logit: float) -> float:
     """Logit gap under which two tokens count as tied: a batched verify forward and a one-token
     forward round differently. float32 parts by ~1e-5; half precision by a few units in the last
@@ -235,6 +244,8 @@ def evaluate(
     def spec(ids, how: Sampling = sampling, max_new_tokens=ev.max_new_tokens, chain: Shape = shape):
         return speculative_generate(verifier, drafter, ids, max_new_tokens, chain, how, eos)
 
+    shipped = shipped_drafter(kind, drafter.head, model, target.name, shape)
+
     # Every decode runs on the verifier's linears packed once (`DecodeLinears`); the checks
     # against `generate` run on the model as loaded.
     fast = DecodeLinears(verifier)
@@ -267,8 +278,13 @@ def evaluate(
         if passes.reference:
             made = reference_generate(verifier, ids, ev.max_new_tokens, eos)
             reference = greedy_verdict(verifier, ids, made, greedy.tokens)
+        as_shipped = None
+        if shipped is not None:
+            with fast:
+                as_shipped = speculative_generate(verifier, shipped, ids, ev.max_new_tokens, shape, sampling,
+                                                  eos)
         records.append(Record(task, run.stats, greedy.stats, lookup, verdict, reference, passes.index,
-                              len(ids)))
+                              len(ids), None if as_shipped is None else as_shipped.stats))
         outputs.append({"task": task, "prompt_ids": ids.tolist(), "output_ids": run.tokens})
         progress.show(records)
     progress.close()

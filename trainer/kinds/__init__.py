@@ -24,7 +24,7 @@ from heads.formats import check_fits, init_trainee_head, read_init_head
 from heads.kinds import HeadKind
 from trainer.decoding.drafters import Shape, Tree
 from trainer.distributed import autocast_dtype
-from trainer.kinds import dflash, dspark, eagle3, medusa, peagle
+from trainer.kinds import dflash, dspark, eagle3, medusa, mtp, peagle
 from trainer.trainee import RowSizes, store_frozen_tables
 
 
@@ -49,6 +49,7 @@ CATALOG: dict[str, TrainerKind] = {
     "peagle": TrainerKind(peagle.build_peagle_trainee, peagle.peagle_drafter, eagle3.eagle3_activations),
     "dflash": TrainerKind(dflash.build_dflash_trainee, dflash.dflash_drafter, dflash.dflash_activations),
     "dspark": TrainerKind(dspark.build_dspark_trainee, dspark.dspark_drafter, dflash.dflash_activations),
+    "mtp": TrainerKind(mtp.build_mtp_trainee, mtp.mtp_drafter, mtp.mtp_activations),
 }
 
 

@@ -98,3 +98,13 @@ def test_slot_attention_applies_to_a_float32_cpu_model_only_and_restores_it(tiny
     assert model.config._attn_implementation == before
     with da.slot_attention(copy.deepcopy(model).to(torch.bfloat16)) as counted:  # the shared target stays
         assert not counted
+
+
+def test_keys_and_values_of_unequal_widths_go_to_the_models_own_attention():
+    """MLA (DeepSeek-V3) expands its latents into keys wider than its values: the kernel, which
+    reads both with the keys' strides, declines them, and the model's own attention runs."""
+    if da.kernel() is None:
+        pytest.skip("no C compiler")
+    query, key = torch.randn(2, 4, 1, 48), torch.randn(2, 4, 9, 48)
+    assert da.supported(query, key, torch.randn(2, 4, 9, 48))
+    assert not da.supported(query, key, torch.randn(2, 4, 9, 32))

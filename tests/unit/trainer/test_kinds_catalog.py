@@ -4,13 +4,17 @@ and a drafter that drafts with that head. A kind added to one list and not the o
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from transformers import AutoConfig
 
 from conf.errors import UserError
 from data_prep.target import load_target
 from heads.kinds import KINDS
 from tests.support.runs import tiny_run_config
 from tests.support.syncs import TINY, kind_builds
+from tests.support.targets import kind_takes
 from trainer.decoding.drafters import Chain, Tree
 from trainer.kinds import CATALOG, build_drafter, build_trainee
 
@@ -19,10 +23,17 @@ def test_the_trainers_catalog_lists_every_head_kind_and_no_other():
     assert list(CATALOG) == list(KINDS)
 
 
+def own_target(name: str, plain: Path, mtp: Path) -> Path:
+    """The tiny target a kind builds on: the plain qwen2, or the target with MTP layers for a kind
+    that refuses targets without them (`HeadKind.check_target`)."""
+    return plain if kind_takes(KINDS[name], AutoConfig.from_pretrained(plain)) else mtp
+
+
 @pytest.mark.parametrize("name", list(KINDS))
-def test_each_catalog_entry_builds_its_own_kind(name, tiny_qwen2_dir, chat_file, tmp_path):
-    cfg = tiny_run_config(name, tiny_qwen2_dir, chat_file, tmp_path / "run")
-    target = load_target(str(tiny_qwen2_dir))[0]
+def test_each_catalog_entry_builds_its_own_kind(name, tiny_qwen2_dir, tiny_mtp_dir, chat_file, tmp_path):
+    folder = own_target(name, tiny_qwen2_dir, tiny_mtp_dir)
+    cfg = tiny_run_config(name, folder, chat_file, tmp_path / "run")
+    target = load_target(str(folder))[0]
     trainee = build_trainee(cfg, target, None)
     assert trainee.head.kind == name
     drafter = build_drafter(KINDS[name], trainee.head, target, [Chain(3)])

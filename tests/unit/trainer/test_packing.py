@@ -30,6 +30,7 @@ from tests.support.syncs import assert_steps_never_sync, kind_builds
 from tests.support.syncs import dflash as dflash_trainee
 from tests.support.syncs import dspark as dspark_trainee
 from tests.support.syncs import eagle3 as eagle3_trainee
+from tests.support.syncs import mtp as mtp_trainee
 from tests.support.syncs import peagle as peagle_trainee
 from trainer.batching import (
     collate,
@@ -114,8 +115,13 @@ def medusa2(model):
     return JointMedusaTrainee(MedusaHead.from_target(model, "tiny", cfg), model, cfg), ()
 
 
+def mtp(model):
+    torch.manual_seed(0)
+    return mtp_trainee(model)
+
+
 PACKED = {"eagle3": (eagle3,), "medusa": (medusa1, medusa2), "peagle": (peagle,), "dflash": (dflash,),
-          "dspark": (dspark,)}
+          "dspark": (dspark,), "mtp": (mtp,)}
 
 
 def only(samples: list[dict[str, torch.Tensor]], d: int) -> list[dict[str, torch.Tensor]]:
