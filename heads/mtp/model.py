@@ -357,8 +357,10 @@ class MtpHead(nn.Module):
         return (self.shared_head.norm(out) if self.recycle_norm else out), out
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits of a pre-norm output (`layer`'s second value)."""
-        return self.lm_head(self.shared_head.norm(out))
+        """Full-vocabulary logits of a pre-norm output (`layer`'s second value). The target's lm_head
+        is frozen in the training dtype (bf16 under mixed precision), and a validation that decodes
+        runs outside autocast: the input takes the table's dtype, as autocast would."""
+        return self.lm_head(self.shared_head.norm(out).to(self.lm_head.weight.dtype))
 
     def step(self, hidden, input_ids, position_ids, mask=None, past=None):
         """`Eagle3Head.step`'s contract, for the chain drafter: (hidden to feed back, logits, None)."""
