@@ -235,16 +235,31 @@ def _save_weights(model, folder: Path) -> None:
     `save_pretrained` writes them, but from any process: under torchrun transformers writes
     weights from rank 0 alone once a process group exists, and the conversion is made by
     whichever rank holds its lock (rank 1's copy came out without weights or config)."""
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
+    # Two things save_pretrained does that engines rely on: it names the class (vLLM resolves a
+    # config without `architectures` to the bare LlamaModel, whose weight names miss every
+    # "model." key), and of a tied table it keeps the input embedding's name (safetensors' own
+    # dedup kept `lm_head.weight`, which vLLM skips when the config says tied: its hidden states
+    # came out all zeros).
+    model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(folder)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(folder)
-    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    table = model.get_input_embeddings().weight
+    first = next(n for n, p in model.named_parameters(remove_duplicate=False) if p is table)
+    state = {n: p for n, p in model.state_dict(keep_vars=True).items() if n == first or p is not table}
+    save_file({n: p.detach().contiguous() for n, p in state.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+# Bumped when a converted folder's layout changes, so an older copy is converted again rather
+# than served (2: `architectures` named and the tied table kept under the embedding's name).
+CONVERTED_LAYOUT = 2
 
 
 def gguf_cache_dir(gguf: Path) -> Path:
-    return cache_root() / "targets" / f"{gguf.stem}-{fingerprint_file(gguf)}"
+    return cache_root() / "targets" / f"{gguf.stem}-{fingerprint_file(gguf)}-l{CONVERTED_LAYOUT}"
 
 
 def embedded_alias(hub_id: str) -> str | None:

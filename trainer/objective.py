@@ -198,6 +198,19 @@ class Objective:
             return soft_cross_entropy(logits, p)
         return self.soft(F.log_softmax(logits.float(), dim=-1), p), logits.argmax(-1)
 
+    def step_term(self, logits: torch.Tensor, teacher_p: torch.Tensor, teacher_top: torch.Tensor,
+                  counted: torch.Tensor, weight: torch.Tensor,
+                  answer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(one draft step's loss, its top-1 hits) over N rows: `from_logits` against the
+        teacher, averaged with `weight` over the `counted` rows, and the counted answer rows whose
+        argmax is the teacher's. Every kind that unrolls draft steps (EAGLE-3, MTP) sums these,
+        each with its own step weight."""
+        row_loss, top = self.from_logits(logits, teacher_p)
+        loss = weighted_mean(row_loss, torch.where(counted, weight, 0))
+        with torch.no_grad():
+            hits = (counted & answer & (top == teacher_top)).sum()
+        return loss, hits
+
     def hard(self, logq: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """`soft` against point masses on labels [N], without building them: the overlap is
         q(label) and KL equals the cross-entropy."""

@@ -274,7 +274,7 @@ def run(cfg: RootConfig) -> dict:
     if budget is not None:
         stages.done("probes")
     asked, cfg = cfg, sizes.apply(cfg)
-    cfg, line = resolve_decoding(cfg, None if budget is None else budget.plan.decodes)
+    cfg, line = resolve_decoding(cfg, None if budget is None else budget.plan.decode_prompts)
     if line is not None and acc.is_main_process:
         print(line)
     data = prepare_data(cfg, acc, target, kind, ranks)

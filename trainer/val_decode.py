@@ -11,7 +11,8 @@ never the evaluation's tasks.
 On by default (`optim.val_decode_prompts=null`: 8 prompts of `optim.val_decode_tokens`=32
 tokens each), and the kept head is the best decoded one (`optim.select_by=auto`), wherever the
 run can decode and, under a time budget, where the plan prices it under `VAL_DECODE_SHARE` of
-the budget (`trainer.plan.policy.fitting_plan`); else it is off with one line: the config rules
+the budget, with as few as `MIN_VAL_DECODE_PROMPTS` prompts where all of them would cost more
+(`trainer.plan.policy.fitting_plan`); else it is off with one line: the config rules
 it out (`RootConfig.val_decode_off`: ZeRO-3, no validation split, a split or served target) or
 the plan does (`resolve_decoding`), the target's attention is one the decoders cannot mask
 (`trainer.train.check_decoders`), or the head cannot draft the evaluator's shape
@@ -42,6 +43,11 @@ from trainer.selection import chosen_by
 # the steps, so 15% priced is about 10% spent. Estimated on the README's main job (20 min, 2
 # cores: ~38 ms a step, ~11 validations of 8 x 32 tokens) it prices ~9%.
 VAL_DECODE_SHARE = 0.15
+# The fewest prompts the default decodes where all of its prompts would cost over the share
+# (`trainer.plan.policy.default_decoding_plan`): 4 x 32 tokens still tell a head at τ 1.3 from
+# one at 1.5 (~100 drafts each), fewer are mostly noise. The README's main job prices its 8 at
+# 254 s of 180 (2026-12-07): 5 fit.
+MIN_VAL_DECODE_PROMPTS = 4
 
 
 def prompt_ids(item: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -104,17 +110,20 @@ def build_val_decoder(cfg: RootConfig, trainee, target, val_ds) -> ValDecoder | 
     return ValDecoder(model, prompts, shape, cfg.optim.val_decode_tokens, eos)
 
 
-def resolve_decoding(cfg: RootConfig, planned: bool | None = None) -> tuple[RootConfig, str | None]:
+def resolve_decoding(cfg: RootConfig, planned: int | None = None) -> tuple[RootConfig, str | None]:
     """`cfg` with decoded validation decided: `optim.val_decode_prompts` a number
-    (`RootConfig.val_decode_prompts`; where the default was left to a time budget, 0 unless the
-    plan keeps it, `planned`: `Plan.decodes`; None: no plan) and `optim.select_by` simulated or
-    decoded (`selection.chosen_by`); and the one line that says why the default is off here
-    (None: on, or the user chose)."""
+    (`RootConfig.val_decode_prompts`; where the default was left to a time budget, the prompts
+    the plan fitted, `planned`: `Plan.decode_prompts`, 0 for none; None: no plan) and
+    `optim.select_by` simulated or decoded (`selection.chosen_by`); and the one line that says
+    why the default is off here (None: on, or the user chose)."""
     n, line = cfg.val_decode_prompts, None
     if cfg.optim.val_decode_prompts is None:
         why = cfg.val_decode_off()
-        if why is None and planned is False:
-            n, why = 0, f"the plan prices it over {VAL_DECODE_SHARE:.0%} of budget={cfg.budget}"
+        if why is None and planned is not None:
+            n = planned
+        if why is None and planned == 0:
+            why = (f"the plan prices even {MIN_VAL_DECODE_PROMPTS} prompts over {VAL_DECODE_SHARE:.0%} "
+                   f"of budget={cfg.budget}")
         if why is not None:
             line = off_line(why, cfg.optim.select_by)
     by = chosen_by(cfg.optim.select_by, n > 0)

@@ -24,7 +24,7 @@ from heads.formats import read_init_head
 from heads.window import near, window_of
 from trainer.decoding import Eagle3Drafter
 from trainer.decoding.drafters import Shape
-from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean
+from trainer.objective import CROSS_ENTROPY, Objective
 from trainer.trainee import (
     FP32,
     LABEL_INDEX,
@@ -334,11 +334,10 @@ class Eagle3Trainee(HeadTrainee, nn.Module):
             labelled = predicted[k]
             counted = labelled & inside
             logits = self.head.logits(hidden.flatten(0, 1).index_select(0, rows[k]))
-            row_loss, top = self.objective.from_logits(logits, teacher_p)
-            loss = loss + self.step_weight**k * weighted_mean(row_loss, torch.where(counted, weight, 0))
-            with torch.no_grad():
-                correct[k] = (counted & answer & (top == teacher_top)).sum()
-                total[k] = (labelled & answer).sum()
+            term, correct[k] = self.objective.step_term(logits, teacher_p, teacher_top, counted, weight,
+                                                        answer)
+            loss = loss + self.step_weight**k * term
+            total[k] = (labelled & answer).sum()
         return {"loss": loss, "correct": correct, "total": total}
 
     def drafter(self, target) -> tuple[Eagle3Drafter, object]:

@@ -26,7 +26,7 @@ from data_prep.states.capture import document_mask
 from heads.mtp.model import MtpHead
 from trainer.decoding.drafters import Shape
 from trainer.decoding.mtp import MtpDrafter
-from trainer.objective import CROSS_ENTROPY, Objective, weighted_mean
+from trainer.objective import CROSS_ENTROPY, Objective
 from trainer.trainee import (
     FP32,
     LABEL_INDEX,
@@ -83,11 +83,10 @@ class MtpTrainee(HeadTrainee, nn.Module):
             counted = at >= 2 + k  # label j is predicted at step k from row j-2-k of its own sample
             rows = (labels - 2 - k).clamp(min=0)
             logits = head.logits(out.flatten(0, 1).index_select(0, rows))
-            row_loss, top = self.objective.from_logits(logits, teacher_p)
-            loss = loss + self.weights[k] * weighted_mean(row_loss, torch.where(counted, weight, 0))
-            with torch.no_grad():
-                correct[k] = (counted & answer & (top == teacher_top)).sum()
-                total[k] = (counted & answer).sum()
+            term, correct[k] = self.objective.step_term(logits, teacher_p, teacher_top, counted, weight,
+                                                        answer)
+            loss = loss + self.weights[k] * term
+            total[k] = (counted & answer).sum()
         return {"loss": loss, "correct": correct, "total": total}
 
     def drafter(self, target) -> tuple[MtpDrafter, object]:

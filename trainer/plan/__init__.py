@@ -28,7 +28,8 @@ runs, before the data stage:
    50 steps. The probe's validation also decodes the prompts the run will decode
    (`trainer.val_decode`, on by default): a decoded validation costs what its prompts cost,
    whatever the split's size, and is priced per validation. Left to its default, it is planned
-   only where the run's decoded validations cost at most `VAL_DECODE_SHARE` of the budget;
+   only where the run's decoded validations cost at most `VAL_DECODE_SHARE` of the budget, with
+   fewer prompts (down to `MIN_VAL_DECODE_PROMPTS`) where all 8 cost more;
    the probe's barely trained head accepts about nothing, so the price is an upper bound;
 3. evaluation: the evaluator's greedy decoder, and its speculative decoder with the head the probe
    trained, each write a few tokens of its first prompt, and of its longest where the

@@ -20,7 +20,7 @@ from conf.sizes import Sizes
 from data_prep.answers.regen_cost import StepCost, generate_seconds
 from data_prep.conversations.rows import Spans, cached_before
 from trainer.evaluate.run import pass_schedule, resolve_mode
-from trainer.val_decode import VAL_DECODE_SHARE
+from trainer.val_decode import MIN_VAL_DECODE_PROMPTS, VAL_DECODE_SHARE
 
 MARGIN = 0.06  # of the budget, kept back for the export and the noise in the measured rates
 MIN_CONVERSATIONS = 48  # the smallest plan: the training probe's folder (`probes.PROBE_SAMPLES`)
@@ -94,9 +94,13 @@ class Plan:
     evaluate_s: float
     export_s: float
     # decoded validation over the run (in `train_s` where `decodes`): what the default's share
-    # of the budget is judged by (`fitting_plan`)
+    # of the budget is judged by (`fitting_plan`), and the prompts each validation decodes
     val_decode_s: float = 0.0
-    decodes: bool = False
+    decode_prompts: int = 0
+
+    @property
+    def decodes(self) -> bool:
+        return self.decode_prompts > 0
 
     @property
     def total_s(self) -> float:
@@ -116,7 +120,9 @@ class Plan:
 
     def _decoding(self) -> str:
         """The decoded validations' share of `train_s`, where the run decodes."""
-        return f" (decoded validation ~{minutes(self.val_decode_s)})" if self.decodes else ""
+        if not self.decodes:
+            return ""
+        return f" (decoded validation of {self.decode_prompts} prompts ~{minutes(self.val_decode_s)})"
 
 
 def policy_epochs(cfg: RootConfig) -> int:
@@ -190,10 +196,12 @@ def val_decode_cost(rates: Rates, rows: float, schedule: Schedule) -> float:
 
 
 def make_plan(budget_s: float, spent_s: float, rates: Rates, schedule: Schedule,
-              shape: RegenShape | None = None) -> Plan:
+              shape: RegenShape | None = None, decode_prompts: int = 0) -> Plan:
     """The most conversations whose stages fit the budget less `MARGIN`, the probes, evaluation
     and export. Conversations in `rates.cached_spans` cost no regeneration; the rest
-    cost what `shape` says the engine takes for them, else (another backend) the probe's rate."""
+    cost what `shape` says the engine takes for them, else (another backend) the probe's rate.
+    `decode_prompts`: what each decoded validation runs (`rates.val_decode_s` its price), where
+    the schedule decodes."""
     answers = schedule.answers
     capture = answers * rates.row_tokens / rates.capture_tokens_per_s
     left = budget_s * (1 - MARGIN) - spent_s - rates.evaluate_s - rates.export_s
@@ -229,7 +237,7 @@ def make_plan(budget_s: float, spent_s: float, rates: Rates, schedule: Schedule,
         evaluate_s=rates.evaluate_s,
         export_s=rates.export_s,
         val_decode_s=decode_s,
-        decodes=schedule.decodes,
+        decode_prompts=decode_prompts if schedule.decodes else 0,
     )
 
 
@@ -273,18 +281,34 @@ def fitting_plan(cfg: RootConfig, spent_s: float, rates: Rates, shape: RegenShap
                  bound: bool = False) -> Plan:
     """The plan for `cfg`'s budget, or the one line (`unmet_line`) that its smallest size does
     not fit. Decoded validation left to its default (`optim.val_decode_prompts=null`) is planned
-    only where it costs at most `VAL_DECODE_SHARE` of the budget (`Plan.decodes`). `bound`:
-    `rates` price the stages not yet probed free, so the plan is a lower bound
-    and a smallest plan over the budget already means no plan fits."""
-    planned = schedule(cfg, policy_epochs(cfg))
-    plan = make_plan(cfg.budget_s, spent_s, rates, planned, shape)
+    only where it costs at most `VAL_DECODE_SHARE` of the budget: with fewer prompts where all of
+    the default's cost more, down to `MIN_VAL_DECODE_PROMPTS`, else none (`Plan.decode_prompts`).
+    `bound`: `rates` price the stages not yet probed free, so the plan is a lower bound and a
+    smallest plan over the budget already means no plan fits."""
+    planned, wanted = schedule(cfg, policy_epochs(cfg)), cfg.val_decode_prompts
+    plan = make_plan(cfg.budget_s, spent_s, rates, planned, shape, wanted)
     if cfg.optim.val_decode_prompts is None and plan.val_decode_s > VAL_DECODE_SHARE * plan.budget_s:
-        # the default decoded validation costs more than its share: the run goes without it
-        plan = replace(make_plan(cfg.budget_s, spent_s, rates, replace(planned, decodes=False), shape),
-                       val_decode_s=plan.val_decode_s)
+        plan = default_decoding_plan(cfg, spent_s, rates, shape, plan)
     if plan.total_s > plan.budget_s:
         raise UserError(unmet_line(cfg, plan, bound))
     return plan
+
+
+def default_decoding_plan(cfg: RootConfig, spent_s: float, rates: Rates, shape: RegenShape | None,
+                          dear: Plan) -> Plan:
+    """The plan for the default decoded validation that `dear` (all of its prompts) prices over
+    its share: the most prompts, priced each at an equal part of `rates.val_decode_s`, whose
+    validations fit the share (the cadence stays about `VALIDATIONS`, so few are tried), or,
+    under `MIN_VAL_DECODE_PROMPTS`, a plan without it that still says what it would have cost."""
+    planned, wanted = schedule(cfg, policy_epochs(cfg)), cfg.val_decode_prompts
+    fits = math.floor(wanted * VAL_DECODE_SHARE * dear.budget_s / dear.val_decode_s)
+    for n in range(min(fits, wanted - 1), MIN_VAL_DECODE_PROMPTS - 1, -1):
+        fewer = replace(rates, val_decode_s=rates.val_decode_s * n / wanted)
+        plan = make_plan(cfg.budget_s, spent_s, fewer, planned, shape, n)
+        if plan.val_decode_s <= VAL_DECODE_SHARE * plan.budget_s:
+            return plan
+    return replace(make_plan(cfg.budget_s, spent_s, rates, replace(planned, decodes=False), shape),
+                   val_decode_s=dear.val_decode_s)
 
 
 def unmet_line(cfg: RootConfig, plan: Plan, bound: bool = False) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -125,3 +128,17 @@ def test_the_hub_id_of_an_embedded_target_is_it_offline(monkeypatch, capsys):
         monkeypatch.setattr(target_module, "_in_hub_cache", lambda _id: True)
         assert resolve_target_path(hub_id) == hub_id
     assert resolve_target_path("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def test_the_converted_gguf_is_a_folder_engines_read_as_save_pretrained_writes_it():
+    """vLLM reads the converted folder too: without `architectures` it served the bare LlamaModel,
+    and with the tied table stored as `lm_head.weight` (which it skips when tied) its hidden states
+    came out all zeros (tests/e2e/test_vllm_capture.py, SmolLM2 on 2026-12-07)."""
+    from safetensors import safe_open
+
+    folder = Path(resolve_target_path("smollm2-135m-instruct"))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names

@@ -33,11 +33,12 @@ from trainer.plan.policy import (
     fit_steps,
     fitting_plan,
     make_plan,
+    schedule,
     train_cost,
     val_decode_cost,
 )
 from trainer.plan.probes import PROBE_SAMPLES, regeneration_probe, train_probe
-from trainer.val_decode import VAL_DECODE_SHARE
+from trainer.val_decode import MIN_VAL_DECODE_PROMPTS, VAL_DECODE_SHARE
 
 EAGLE3 = head_kind("eagle3")
 
@@ -144,14 +145,22 @@ def test_decoded_validation_is_priced_at_the_validation_cadence():
 
 def test_the_default_decodes_only_under_its_share_of_the_budget():
     """`optim.val_decode_prompts=null`: planned, and counted in training, where its validations
-    cost at most `VAL_DECODE_SHARE` of the budget; else the plan goes without it (and says what
-    it would have cost). A number the user gave is planned whatever it costs."""
+    cost at most `VAL_DECODE_SHARE` of the budget, with the most prompts that fit where all 8 do
+    not, down to `MIN_VAL_DECODE_PROMPTS`; else the plan goes without it (and says what it would
+    have cost). A number the user gave is planned whatever it costs."""
     cfg = compose_root(["+head=eagle3", "budget=20m"])
     cheap = fitting_plan(cfg, 60, rates(val_decode_s=2.0), None)
     assert cheap.decodes and 0 < cheap.val_decode_s <= VAL_DECODE_SHARE * 1200
-    assert "(decoded validation ~" in cheap.line()
     assert cheap.conversations < fitting_plan(cfg, 60, rates(), None).conversations  # it is paid for
-    dear = fitting_plan(cfg, 60, rates(val_decode_s=100.0), None)
+    assert cheap.decode_prompts == 8 and "(decoded validation of 8 prompts ~" in cheap.line()
+    # 8 prompts over the share: the most prompts that fit it, at an eighth of the price each
+    fewer = fitting_plan(cfg, 60, rates(val_decode_s=100.0), None)
+    eight = make_plan(1200, 60, rates(val_decode_s=100.0), schedule(cfg, 2), None, 8)
+    assert eight.val_decode_s > VAL_DECODE_SHARE * 1200
+    assert MIN_VAL_DECODE_PROMPTS <= fewer.decode_prompts < 8
+    n = fewer.decode_prompts
+    assert fewer.val_decode_s <= VAL_DECODE_SHARE * 1200 < fewer.val_decode_s * (n + 1) / n  # the most
+    dear = fitting_plan(cfg, 60, rates(val_decode_s=200.0), None)  # not even 4 fit: none
     assert not dear.decodes and dear.val_decode_s > VAL_DECODE_SHARE * 1200
     assert "decoded validation" not in dear.line()
     assert dear.conversations == fitting_plan(cfg, 60, rates(), None).conversations

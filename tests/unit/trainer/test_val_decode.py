@@ -87,12 +87,14 @@ def test_the_default_decodes_where_the_run_can_and_says_where_not(cfg, prompts, 
 
 def test_a_budget_that_prices_it_over_its_share_turns_the_default_off():
     cfg = RootConfig(budget="20m")
-    resolved, line = resolve_decoding(cfg, planned=False)
+    resolved, line = resolve_decoding(cfg, planned=0)
     assert resolved.optim.val_decode_prompts == 0 and resolved.optim.select_by == "simulated"
-    assert "the plan prices it over 15% of budget=20m" in line
-    assert resolve_decoding(cfg, planned=True)[0].optim.val_decode_prompts == 8
+    assert "the plan prices even 4 prompts over 15% of budget=20m" in line
+    assert resolve_decoding(cfg, planned=8)[0].optim.val_decode_prompts == 8
+    fitted, line = resolve_decoding(cfg, planned=5)  # the plan fitted fewer prompts to the share
+    assert (fitted.optim.val_decode_prompts, fitted.optim.select_by, line) == (5, "decoded", None)
     chosen = RootConfig(budget="20m", optim=OptimConfig(val_decode_prompts=4))  # the user's: kept
-    assert resolve_decoding(chosen, planned=False) == (derive(chosen, {"optim.select_by": "decoded"}), None)
+    assert resolve_decoding(chosen, planned=0) == (derive(chosen, {"optim.select_by": "decoded"}), None)
 
 
 def test_selecting_by_decoding_where_nothing_decodes_is_refused():
