@@ -59,11 +59,13 @@ from trainer.on_policy import OnPolicy, stage_start
 from trainer.saving import CheckpointClock, rank0_share
 from trainer.selection import (
     DECODED,
+    DECODED_SE,
     chosen_by,
     keeps,
     kept_head_dir,
     kept_validation,
     save_best,
+    selection_margin,
     selection_score,
 )
 from trainer.tally import Tally
@@ -71,7 +73,8 @@ from trainer.trainee import Batch, BatchIndex
 
 HISTORY = "history.json"  # per-step train loss and validation metrics
 Capture = Callable[[Batch], Batch]  # a device batch -> the hidden-state fields it lacks
-ValDecode = Callable[[torch.nn.Module], float]  # the unwrapped trainee -> decoded acceptance length
+# the unwrapped trainee -> (decoded acceptance length, its standard error)
+ValDecode = Callable[[torch.nn.Module], tuple[float, float]]
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float):
@@ -170,14 +173,17 @@ def check_validation_capture(accelerator, flags: list[torch.Tensor], val_ds, cfg
     raise UserError(f"validation: {overflow_message(layer, position, describe(val_ds, i))}")
 
 
-def decoded_validation(accelerator, trainee, val_decode: ValDecode) -> float:
-    """Rank 0 decodes (`trainer.val_decode.ValDecoder`) while the others wait in the sum that
-    hands every rank its value: what follows, keeping the head, is collective and must take the
-    same branch everywhere. Greedy decoding draws no random numbers, so resume stays exact."""
-    value = torch.zeros(1, dtype=torch.float64, device=accelerator.device)
+def decoded_validation(accelerator, trainee, val_decode: ValDecode) -> tuple[float, float]:
+    """(decoded acceptance length, its standard error): rank 0 decodes
+    (`trainer.val_decode.ValDecoder`) while the others wait in the sum that hands every rank
+    its values: what follows, keeping the head, is collective and must take the same branch
+    everywhere. Greedy decoding draws no random numbers, so resume stays exact."""
+    value = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     if accelerator.is_main_process:
-        value += val_decode(accelerator.unwrap_model(trainee))
-    return accelerator.reduce(value, reduction="sum").item()
+        value += torch.tensor(val_decode(accelerator.unwrap_model(trainee)), dtype=torch.float64,
+                              device=accelerator.device)
+    tau, se = accelerator.reduce(value, reduction="sum").tolist()
+    return tau, se
 
 
 def replica_checksums(accelerator, trainee) -> list[float]:
@@ -470,14 +476,15 @@ def validate(run: Run) -> None:
         run.guard.check_validation(metrics, run.val_ds)
     if run.val_decode is not None:
         with run.costs.timed("val_decode"):
-            metrics[DECODED] = decoded_validation(acc, run.trainee, run.val_decode)
+            metrics[DECODED], metrics[DECODED_SE] = decoded_validation(acc, run.trainee, run.val_decode)
     run.logger.log(step, metrics, "val")
     shown = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
     run.say(
         f"step {step}: val {shown} (train {run.pace.tokens_per_s():.0f} tokens/s, "
         f"{run.pace.wait_fraction():.0%} waiting for data)"
     )
-    if keeps(run.state, selection_score(metrics, run.select_by)):
+    by = run.select_by
+    if keeps(run.state, selection_score(metrics, by), selection_margin(metrics, by)):
         with run.costs.timed("save_best"):
             save_best(acc, run.trainee, kept_head_dir(run.run_dir))
     run.say(run.collapse.validated(run.history, metrics, step, run.state.best_step))

@@ -25,6 +25,8 @@ decoded τ), and checkpoints carry the best so far.
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -69,10 +71,23 @@ def pooled_acceptance_length(accepted: int, drafts: int) -> float:
     return 1.0 + accepted / drafts if drafts else 1.0
 
 
+def acceptance_se(per_position: list[int], drafts: int) -> float:
+    """The standard error of the pooled acceptance length from the steps' accepted counts,
+    treating steps as independent: a step accepting a drafts counts at each position up to a,
+    so with c_j the steps that kept position j (1-based), E[a] = sum c_j / n and, as
+    a^2 = sum over j <= a of (2j - 1), E[a^2] = sum (2j - 1) c_j / n. 0 for under two steps."""
+    if drafts < 2:
+        return 0.0
+    mean = sum(per_position) / drafts
+    square = sum((2 * j + 1) * c for j, c in enumerate(per_position)) / drafts
+    return math.sqrt(max(square - mean * mean, 0.0) / drafts)
+
+
 @dataclass
 class ValDecoder:
     """Greedy speculative decoding of `prompts` with a trainee's current head: `__call__(trainee)`
-    -> the pooled mean acceptance length. Rank 0 calls it (see `trainer.loop`)."""
+    -> (the pooled mean acceptance length, its standard error: `acceptance_se`). Rank 0 calls it
+    (see `trainer.loop`)."""
 
     target: object
     prompts: list[torch.Tensor]
@@ -80,18 +95,21 @@ class ValDecoder:
     max_new_tokens: int
     eos: tuple[int, ...]
 
-    def __call__(self, trainee) -> float:
+    def __call__(self, trainee) -> tuple[float, float]:
         was_training = trainee.training
         trainee.eval()
         drafter, verifier = trainee.drafter(self.target)
         accepted = drafts = 0
+        per_position: list[int] = []
         for ids in self.prompts:
             stats = speculative_generate(
                 verifier, drafter, ids, self.max_new_tokens, self.shape, GREEDY, self.eos
             ).stats
             accepted, drafts = accepted + stats.accepted_tokens, drafts + stats.drafts
+            per_position = [a + b for a, b in itertools.zip_longest(per_position, stats.accepted_per_position,
+                                                                     fillvalue=0)]
         trainee.train(was_training)
-        return pooled_acceptance_length(accepted, drafts)
+        return pooled_acceptance_length(accepted, drafts), acceptance_se(per_position, drafts)
 
 
 def build_val_decoder(cfg: RootConfig, trainee, target, val_ds) -> ValDecoder | None:

@@ -20,7 +20,7 @@ from trainer.costs import BetweenSteps, BetweenStepsClock, Throughput
 from trainer.deadline import deadline_stop
 from trainer.health import NonFiniteGuard
 from trainer.loop import FitReport
-from trainer.selection import keeps
+from trainer.selection import DECODED, DECODED_SE, keeps, selection_margin
 
 NAN = float("nan")
 
@@ -185,6 +185,19 @@ def test_the_kept_head_is_strictly_the_best_or_the_latest_without_scores():
     assert not keeps(state, 1.5) and not keeps(state, 1.2) and state.best_step == 2
     state.step = 6
     assert keeps(state, None) and (state.best_score, state.best_step) == (float("-inf"), 6)
+
+
+def test_a_later_head_within_the_noise_of_the_best_is_kept_and_the_bar_stays():
+    """Decoded validation is noisy: a later head within `margin` of the best is kept, but the
+    best score stays the bar, so heads that each fall a little are not followed down."""
+    state = TrainState(step=2)
+    assert keeps(state, 1.365, 0.075) and state.best_score == 1.365
+    state.step = 4
+    assert keeps(state, 1.30, 0.075) and (state.best_score, state.best_step) == (1.365, 4)
+    state.step = 6
+    assert not keeps(state, 1.28, 0.075) and state.best_step == 4  # 1.28 < 1.365 - 0.075
+    assert selection_margin({DECODED: 1.3, DECODED_SE: 0.05}, "decoded") == pytest.approx(0.05 * 2**0.5)
+    assert selection_margin({SIM: 1.3, DECODED_SE: 0.05}, "simulated") == 0.0
 
 
 def test_the_report_summary_is_the_summary_json_record():

@@ -35,6 +35,7 @@ from trainer.loop import FitReport, fit
 from trainer.selection import DECODED, chosen_by, kept_validation, selection_score
 from trainer.val_decode import (
     ValDecoder,
+    acceptance_se,
     build_val_decoder,
     decoder_or_off,
     prompt_ids,
@@ -136,8 +137,17 @@ def test_the_decoder_pools_acceptance_over_prompts(target, shift, expected):
     prompts = [torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9)]
     decoder = ValDecoder(target, prompts, Chain(3), 6, ())
     trainee = Oracle(shift).train()
-    assert decoder(trainee) == expected
+    assert decoder(trainee) == (expected, 0.0)  # every step accepts the same: no spread
     assert trainee.training  # handed back as it came
+
+
+def test_the_standard_error_is_the_steps_spread_from_their_per_position_counts():
+    accepted = [0, 3, 1, 0, 2, 3, 0, 1, 0, 0, 2, 1]  # each step's accepted drafts, k=3
+    per_position = [sum(a > j for a in accepted) for j in range(3)]
+    n, mean = len(accepted), sum(accepted) / len(accepted)
+    spread = sum((a - mean) ** 2 for a in accepted) / n
+    assert acceptance_se(per_position, n) == pytest.approx((spread / n) ** 0.5)
+    assert acceptance_se([1], 1) == 0.0
 
 
 class Samples(torch.utils.data.Dataset):
@@ -160,14 +170,15 @@ class Samples(torch.utils.data.Dataset):
 
 
 class Scripted:
-    """Decoded validation with given results, keeping a copy of the head it was shown each time."""
+    """Decoded validation with given results (standard error 0: the best is strictly the
+    highest), keeping a copy of the head it was shown each time."""
 
     def __init__(self, values: list[float]):
         self.values, self.seen = values, []
 
-    def __call__(self, trainee) -> float:
+    def __call__(self, trainee) -> tuple[float, float]:
         self.seen.append({k: v.clone() for k, v in trainee.head.state_dict().items()})
-        return self.values[len(self.seen) - 1]
+        return self.values[len(self.seen) - 1], 0.0
 
 
 def medusa_fit(target, tmp_path: Path, select_by: str, val_decode,
@@ -236,7 +247,7 @@ def test_medusa_heads_decode_with_their_tree(target):
     assert [p.tolist() for p in decoder.prompts] == [
         Samples(target, 1, 4)[i]["input_ids"][:6].tolist() for i in (0, 2, 3)
     ]
-    assert decoder(MedusaTrainee(head, 0.8)) >= 1.0
+    assert decoder(MedusaTrainee(head, 0.8))[0] >= 1.0
     small = MedusaHead.from_target(target, "tiny", MedusaConfig(num_heads=2))
     with pytest.raises(UserError, match="Medusa heads"):
         build_val_decoder(cfg, MedusaTrainee(small, 0.8), (target, tokenizer), Samples(target, 1, 4))
