@@ -140,8 +140,8 @@ def resolve_decoding(cfg: RootConfig, planned: int | None = None) -> tuple[RootC
         if why is None and planned is not None:
             n = planned
         if why is None and planned == 0:
-            why = (f"the plan prices even {MIN_VAL_DECODE_PROMPTS} prompts over {VAL_DECODE_SHARE:.0%} "
-                   f"of budget={cfg.budget}")
+            why = (f"the plan has no room for even {MIN_VAL_DECODE_PROMPTS} prompts in "
+                   f"{VAL_DECODE_SHARE:.0%} of budget={cfg.budget}")
         if why is not None:
             line = off_line(why, cfg.optim.select_by)
     by = chosen_by(cfg.optim.select_by, n > 0)

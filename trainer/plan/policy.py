@@ -281,31 +281,39 @@ def fitting_plan(cfg: RootConfig, spent_s: float, rates: Rates, shape: RegenShap
                  bound: bool = False) -> Plan:
     """The plan for `cfg`'s budget, or the one line (`unmet_line`) that its smallest size does
     not fit. Decoded validation left to its default (`optim.val_decode_prompts=null`) is planned
-    only where it costs at most `VAL_DECODE_SHARE` of the budget: with fewer prompts where all of
-    the default's cost more, down to `MIN_VAL_DECODE_PROMPTS`, else none (`Plan.decode_prompts`).
-    `bound`: `rates` price the stages not yet probed free, so the plan is a lower bound and a
-    smallest plan over the budget already means no plan fits."""
+    only where the run `affords` it: with fewer prompts where all of the default's cost more,
+    down to `MIN_VAL_DECODE_PROMPTS`, else none (`Plan.decode_prompts`), never refusing a budget
+    that fits without it. `bound`: `rates` price the stages not yet probed free, so the plan is a
+    lower bound and a smallest plan over the budget already means no plan fits."""
     planned, wanted = schedule(cfg, policy_epochs(cfg)), cfg.val_decode_prompts
     plan = make_plan(cfg.budget_s, spent_s, rates, planned, shape, wanted)
-    if cfg.optim.val_decode_prompts is None and plan.val_decode_s > VAL_DECODE_SHARE * plan.budget_s:
+    if cfg.optim.val_decode_prompts is None and not affords(plan):
         plan = default_decoding_plan(cfg, spent_s, rates, shape, plan)
     if plan.total_s > plan.budget_s:
         raise UserError(unmet_line(cfg, plan, bound))
     return plan
 
 
+def affords(plan: Plan) -> bool:
+    """Whether `plan` takes the default decoded validation it prices: its validations cost at
+    most `VAL_DECODE_SHARE` of the budget and the plan fits the budget with them (the smallest
+    plan may not: decoding goes before the run is refused)."""
+    return plan.val_decode_s <= VAL_DECODE_SHARE * plan.budget_s and plan.total_s <= plan.budget_s
+
+
 def default_decoding_plan(cfg: RootConfig, spent_s: float, rates: Rates, shape: RegenShape | None,
                           dear: Plan) -> Plan:
-    """The plan for the default decoded validation that `dear` (all of its prompts) prices over
-    its share: the most prompts, priced each at an equal part of `rates.val_decode_s`, whose
-    validations fit the share (the cadence stays about `VALIDATIONS`, so few are tried), or,
-    under `MIN_VAL_DECODE_PROMPTS`, a plan without it that still says what it would have cost."""
+    """The plan for the default decoded validation that `dear` (all of its prompts) cannot
+    afford: the most prompts, priced each at an equal part of `rates.val_decode_s`, that the run
+    `affords` (the cadence stays about `VALIDATIONS`, so few are tried), or, under
+    `MIN_VAL_DECODE_PROMPTS`, a plan without it that still says what it would have cost."""
     planned, wanted = schedule(cfg, policy_epochs(cfg)), cfg.val_decode_prompts
-    fits = math.floor(wanted * VAL_DECODE_SHARE * dear.budget_s / dear.val_decode_s)
+    share = VAL_DECODE_SHARE * dear.budget_s
+    fits = math.floor(wanted * share / dear.val_decode_s) if dear.val_decode_s > share else wanted
     for n in range(min(fits, wanted - 1), MIN_VAL_DECODE_PROMPTS - 1, -1):
         fewer = replace(rates, val_decode_s=rates.val_decode_s * n / wanted)
         plan = make_plan(cfg.budget_s, spent_s, fewer, planned, shape, n)
-        if plan.val_decode_s <= VAL_DECODE_SHARE * plan.budget_s:
+        if affords(plan):
             return plan
     return replace(make_plan(cfg.budget_s, spent_s, rates, replace(planned, decodes=False), shape),
                    val_decode_s=dear.val_decode_s)

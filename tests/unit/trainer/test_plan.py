@@ -164,6 +164,10 @@ def test_the_default_decodes_only_under_its_share_of_the_budget():
     assert not dear.decodes and dear.val_decode_s > VAL_DECODE_SHARE * 1200
     assert "decoded validation" not in dear.line()
     assert dear.conversations == fitting_plan(cfg, 60, rates(), None).conversations
+    # a budget whose smallest plan fits only without it: decoding goes, the run is not refused
+    tight = dict(val_decode_s=30.0, evaluate_s=950.0)
+    assert make_plan(1200, 60, rates(**tight), schedule(cfg, 2), None, 4).total_s > 1200
+    assert not fitting_plan(cfg, 60, rates(**tight), None).decodes
     chosen = derive(cfg, {"optim.val_decode_prompts": 8})
     assert fitting_plan(chosen, 60, rates(val_decode_s=100.0), None).decodes  # the user's: kept, paid
     off = derive(cfg, {"optim.val_decode_prompts": 0})

@@ -90,7 +90,7 @@ def test_a_budget_that_prices_it_over_its_share_turns_the_default_off():
     cfg = RootConfig(budget="20m")
     resolved, line = resolve_decoding(cfg, planned=0)
     assert resolved.optim.val_decode_prompts == 0 and resolved.optim.select_by == "simulated"
-    assert "the plan prices even 4 prompts over 15% of budget=20m" in line
+    assert "the plan has no room for even 4 prompts in 15% of budget=20m" in line
     assert resolve_decoding(cfg, planned=8)[0].optim.val_decode_prompts == 8
     fitted, line = resolve_decoding(cfg, planned=5)  # the plan fitted fewer prompts to the share
     assert (fitted.optim.val_decode_prompts, fitted.optim.select_by, line) == (5, "decoded", None)
