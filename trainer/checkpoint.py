@@ -39,7 +39,9 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0  # batches of this rank already consumed in `epoch`
-    best_score: float = float("-inf")  # by optim.select_by, of the head in run_dir/head
+    # by optim.select_by, the best any validation scored: the bar a later head must come within
+    # noise of to be kept (`selection.keeps`), not always the kept head's own score
+    best_score: float = float("-inf")
     best_step: int = 0  # the step that head was kept at
     skipped: int = 0  # optimizer steps skipped for a non-finite gradient norm (optim.skip_nonfinite)
     # The processes and ZeRO stage (0: none) that trained it (`launch_layout`); None in a
