@@ -25,7 +25,6 @@ decoded τ), and checkpoints carry the best so far.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ import torch
 from conf.errors import UserError
 from conf.schema import RootConfig, derive
 from data_prep.target import eos_token_ids
-from trainer.decoding import GREEDY, MedusaDrafter, speculative_generate
+from trainer.decoding import GREEDY, MedusaDrafter, pooled_per_position, speculative_generate
 from trainer.decoding.drafters import Shape
 from trainer.evaluate.run import draft_shape, resolve_mode
 from trainer.selection import chosen_by
@@ -99,17 +98,11 @@ class ValDecoder:
         was_training = trainee.training
         trainee.eval()
         drafter, verifier = trainee.drafter(self.target)
-        accepted = drafts = 0
-        per_position: list[int] = []
-        for ids in self.prompts:
-            stats = speculative_generate(
-                verifier, drafter, ids, self.max_new_tokens, self.shape, GREEDY, self.eos
-            ).stats
-            accepted, drafts = accepted + stats.accepted_tokens, drafts + stats.drafts
-            per_position = [a + b for a, b in itertools.zip_longest(per_position, stats.accepted_per_position,
-                                                                     fillvalue=0)]
+        stats = [speculative_generate(verifier, drafter, ids, self.max_new_tokens, self.shape, GREEDY,
+                                      self.eos).stats for ids in self.prompts]
         trainee.train(was_training)
-        return pooled_acceptance_length(accepted, drafts), acceptance_se(per_position, drafts)
+        accepted, drafts = sum(s.accepted_tokens for s in stats), sum(s.drafts for s in stats)
+        return pooled_acceptance_length(accepted, drafts), acceptance_se(pooled_per_position(stats), drafts)
 
 
 def build_val_decoder(cfg: RootConfig, trainee, target, val_ds) -> ValDecoder | None:

@@ -1,7 +1,7 @@
 """The built-in speculative decoder: pure acceptance/tree rules, drafters and one loop."""
 
 from trainer.decoding.baselines import greedy_generate, prompt_lookup_generate, reference_generate
-from trainer.decoding.decoder import DecodeStats, Generation, speculative_generate
+from trainer.decoding.decoder import DecodeStats, Generation, pooled_per_position, speculative_generate
 from trainer.decoding.drafters import (
     Chain,
     Draft,
@@ -24,6 +24,7 @@ __all__ = [
     "Sampling",
     "Tree",
     "greedy_generate",
+    "pooled_per_position",
     "prompt_lookup_generate",
     "reference_generate",
     "speculative_generate",

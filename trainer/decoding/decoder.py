@@ -6,7 +6,9 @@ plain greedy baseline (`baselines.py`), so their speed is compared on equal code
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +64,13 @@ class DecodeStats:
     def mean_acceptance_length(self) -> float:
         """Tokens per verify forward counting the bonus token: 1 + accepted / drafts."""
         return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+
+def pooled_per_position(stats: Iterable[DecodeStats]) -> list[int]:
+    """The steps that kept each draft position, summed over requests (a request that drafted
+    shallower counts 0 past its depth): the evaluator's per-task acceptance and decoded
+    validation's standard error pool them so."""
+    return [sum(col) for col in itertools.zip_longest(*(s.accepted_per_position for s in stats), fillvalue=0)]
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 from conf.files import atomic_write, atomic_write_text
 from heads.export.card import PICTURE
 from heads.kinds import head_kind
-from trainer.decoding import DecodeStats
+from trainer.decoding import DecodeStats, pooled_per_position
 from trainer.decoding.tree import DEFAULT_MEDUSA_CHOICES
 from trainer.evaluate.long_context import TASK, bucket_of, buckets, label
 
@@ -63,9 +63,7 @@ def task_metrics(records: list[Record]) -> dict:
     spec = [r.spec for r in records]
     drafts = sum(s.drafts for s in spec)
     accepted = sum(s.accepted_tokens for s in spec)
-    depth = max((len(s.accepted_per_position) for s in spec), default=0)
-    padded = [s.accepted_per_position + [0] * (depth - len(s.accepted_per_position)) for s in spec]
-    per_pos = [sum(col) for col in zip(*padded)] if padded else []
+    per_pos = pooled_per_position(spec)
     greedy = [r.greedy for r in records]
     spec_tps = _rate(sum(s.new_tokens for s in spec), sum(s.total_s for s in spec))
     greedy_tps = _rate(sum(g.new_tokens for g in greedy), sum(g.total_s for g in greedy))

@@ -288,7 +288,7 @@ def fitting_plan(cfg: RootConfig, spent_s: float, rates: Rates, shape: RegenShap
     planned, wanted = schedule(cfg, policy_epochs(cfg)), cfg.val_decode_prompts
     plan = make_plan(cfg.budget_s, spent_s, rates, planned, shape, wanted)
     if cfg.optim.val_decode_prompts is None and not affords(plan):
-        plan = default_decoding_plan(cfg, spent_s, rates, shape, plan)
+        plan = default_decoding_plan(cfg, spent_s, rates, shape, planned, plan)
     if plan.total_s > plan.budget_s:
         raise UserError(unmet_line(cfg, plan, bound))
     return plan
@@ -302,12 +302,12 @@ def affords(plan: Plan) -> bool:
 
 
 def default_decoding_plan(cfg: RootConfig, spent_s: float, rates: Rates, shape: RegenShape | None,
-                          dear: Plan) -> Plan:
+                          planned: Schedule, dear: Plan) -> Plan:
     """The plan for the default decoded validation that `dear` (all of its prompts) cannot
     afford: the most prompts, priced each at an equal part of `rates.val_decode_s`, that the run
     `affords` (the cadence stays about `VALIDATIONS`, so few are tried), or, under
     `MIN_VAL_DECODE_PROMPTS`, a plan without it that still says what it would have cost."""
-    planned, wanted = schedule(cfg, policy_epochs(cfg)), cfg.val_decode_prompts
+    wanted = cfg.val_decode_prompts
     share = VAL_DECODE_SHARE * dear.budget_s
     fits = math.floor(wanted * share / dear.val_decode_s) if dear.val_decode_s > share else wanted
     for n in range(min(fits, wanted - 1), MIN_VAL_DECODE_PROMPTS - 1, -1):
